@@ -1,0 +1,78 @@
+"""The `Method` seam: what a training method does to a model and to its optimization.
+
+The training loop (``experiments.loop``) asks a method exactly these things and nothing else:
+
+1. ``prepare(model)``: what it does to the model before training (quantize, add adapters, wrap modules);
+   returns the module to train.
+2. ``attach(model, max_grad_norm=...)``: build its optimizer and/or the hooks that update parameters inside
+   backward. After ``attach`` a call to ``loss.backward()`` followed by ``step()`` performs one update, whether
+   the update happens in ``step`` (ordinary optimizer) or inside backward (per-layer hooks): the loop does
+   not care which.
+3. ``metrics()`` / ``summary()``: what it reports, as flat dicts whose keys carry units
+   (``optim/grad_norm``, ``rank/mean``), and ``state_tensors()`` so the memory meter can attribute optimizer
+   state bytes.
+
+Every method has one frozen keyword-only dataclass ``Config``; the name -> factory dict lives in
+``experiments.methods``. Gradient clipping belongs to the method because a method that updates inside
+backward must decide how (or whether) a *global* norm can be applied; ``step`` returns the pre-clip global
+gradient norm when it computes one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class Method(Protocol):
+    name: str
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Transform the freshly built model (e.g. quantize + LoRA). Returns the module to train."""
+        ...
+
+    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        """Create optimizer state / per-parameter hooks for the trainable parameters of ``model``."""
+        ...
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        """Called before the backward of micro-batch ``index`` of ``count`` (gradient accumulation)."""
+        ...
+
+    def step(self) -> float | None:
+        """Finish one optimizer step after the last micro-batch's backward; returns the global grad norm."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Multiply every parameter group's base learning rate by ``scale`` (the loop's LR schedule)."""
+        ...
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of optimizer state (moments, projection bases, quantization maps)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step scalars for metrics.jsonl; keys carry units."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """Method-specific entries for summary.json (rank distribution, compression error, ...)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def named_trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
