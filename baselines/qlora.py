@@ -1,0 +1,143 @@
+"""QLoRA baseline (Dettmers et al., 2023): frozen 4-bit NF4 base weights (bitsandbytes ``Linear4bit``, optional
+double quantization) plus trainable LoRA adapters (peft; Hu et al., 2021: W x + (alpha/r) B A x), trained with
+AdamW (torch, or bitsandbytes 8-bit). The base model's Linear layers are quantized in place, so no copy of the
+model is written to disk and a model of any size can be prepared; everything else follows peft's recipe
+(``prepare_model_for_kbit_training``: non-quantized parameters in fp32, input grads enabled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hmt_core.driver import OptimizerDriver
+from hmt_core.method import trainable_parameters
+
+OPTIMIZERS = ("adamw", "adamw8bit")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str = "qlora"
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    double_quant: bool = True
+    compute_dtype: str = "bf16"
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"method.lr must be > 0, got {self.lr}")
+        if self.lora_r <= 0:
+            raise ValueError(f"method.lora_r must be > 0, got {self.lora_r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"method.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"method.optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.compute_dtype not in ("bf16", "fp32", "fp16"):
+            raise ValueError(f"method.compute_dtype must be bf16|fp32|fp16, got {self.compute_dtype!r}")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_dtype: torch.dtype,
+                        double_quant: bool) -> int:
+    """Replace every ``nn.Linear`` whose name ends in one of ``targets`` by a frozen NF4 ``Linear4bit``."""
+    import bitsandbytes as bnb
+
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not (isinstance(child, nn.Linear) and child_name in targets):
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=double_quant,
+                                  quant_type="nf4", device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data.to(compute_dtype), requires_grad=False,
+                                         compress_statistics=double_quant, quant_type="nf4")
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            q = q.to(child.weight.device)  # .to() quantizes
+            # bitsandbytes repacks NF4 weights in place for its AVX512-BF16 CPU inference kernel the first time an
+            # eval-mode forward runs (and requires out_features % 32 == 0 for it); keep one layout for train and eval
+            q.support_avx512bf16_for_cpu = False
+            setattr(parent, child_name, q)
+            replaced += 1
+    if replaced == 0:
+        raise ValueError(f"method.target_modules={list(targets)} matched no nn.Linear in the model")
+    return replaced
+
+
+class QLoRAMethod:
+    name = "qlora"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.driver: OptimizerDriver | None = None
+        self.quantized_layers = 0
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        c = self.config
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.quantized_layers = quantize_linear_nf4(model, c.target_modules, compute_dtype=_TORCH_DTYPES[c.compute_dtype],
+                                                    double_quant=c.double_quant)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                          target_modules=list(c.target_modules), task_type="CAUSAL_LM", bias="none")
+        return get_peft_model(model, lora)
+
+    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        c = self.config
+        params = trainable_parameters(model)
+        if c.optimizer == "adamw8bit":
+            import bitsandbytes as bnb
+
+            opt = bnb.optim.AdamW8bit(params, lr=c.lr, weight_decay=c.weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+        self.driver = OptimizerDriver(opt, max_grad_norm=max_grad_norm)
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        pass
+
+    def step(self) -> float | None:
+        return self.driver.step()
+
+    def zero_grad(self) -> None:
+        self.driver.zero_grad()
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.driver.set_lr_scale(scale)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return self.driver.state_tensors()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        return {"quantized_linear_layers": self.quantized_layers, "lora_r": self.config.lora_r}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.driver.load_state_dict(state)
+
+
+def make(config: Config) -> QLoRAMethod:
+    return QLoRAMethod(config)

@@ -1,0 +1,224 @@
+"""Structured run configuration: frozen keyword-only dataclasses validated at composition time.
+
+Hydra composes ``experiments/conf/run.yaml`` against mutable twins of these dataclasses (OmegaConf cannot merge
+command-line overrides into a frozen node), so a typo'd key or a wrongly typed value fails at composition; then
+``to_run_config`` builds the frozen objects, whose ``__post_init__`` checks values (non-positive steps, ...)
+before any compute starts. Each error names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+DTYPES = ("bf16", "fp32", "fp16")
+MODES = ("train", "dryrun")
+DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or not value > 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {value}")
+
+
+def _one_of(section: str, name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{section}.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "tiny"
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    intermediate_size: int = 688
+    vocab_size: int = 4096
+    max_position_embeddings: int = 4096
+    path: str | None = None  # a local Hugging Face model directory (config + weights); overrides the shape
+    dtype: str = "bf16"  # weight storage dtype
+    attn_implementation: str = "sdpa"
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size")
+        _one_of("model", "dtype", self.dtype, DTYPES)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} not divisible by model.num_heads={self.num_heads}")
+
+
+MODEL_PHASES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    "125m": ModelConfig(name="125m", hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
+                        vocab_size=32000),
+    "350m": ModelConfig(name="350m", hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=2736,
+                        vocab_size=32000),
+    "1b": ModelConfig(name="1b", hidden_size=2048, num_layers=24, num_heads=32, intermediate_size=5461,
+                      vocab_size=32000),
+    "3b": ModelConfig(name="3b", hidden_size=3200, num_layers=26, num_heads=32, intermediate_size=8640,
+                      vocab_size=32000),
+    "7b": ModelConfig(name="7b", hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008,
+                      vocab_size=32000),
+    "13b": ModelConfig(name="13b", hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824,
+                       vocab_size=32000),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    name: str = "sotu"
+    path: str | None = None  # local .txt / .jsonl / .parquet file or directory; None = built-in corpus
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    min_year: int | None = None  # built-in corpus only: keep addresses from these years
+    max_year: int | None = None
+    cache_dir: str = "~/.cache/hmt"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.path is not None:
+            from pathlib import Path
+
+            if not Path(self.path).expanduser().exists():
+                raise FileNotFoundError(f"data.path does not exist: {self.path}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    seq_len: int = 128
+    batch_size: int = 8
+    grad_accum: int = 1
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    autocast: bool = True  # BF16 autocast where the device supports it
+    progress: bool = True
+    dryrun_steps: int = 2  # mode=dryrun: optimizer steps traced (>= 2 puts lazily created state in the window)
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
+                  "log_every", "dryrun_steps")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"train.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    mode: str = "disabled"
+    project: str = "hmt"
+    entity: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_of("wandb", "mode", self.mode, WANDB_MODES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    method: Any  # the selected method's own frozen Config
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    wandb: WandbConfig
+    seed: int = 0
+    mode: str = "train"
+    device: str = "auto"
+    results_dir: str = "results"
+    run_id: str | None = None  # default: <method>-<model>-<mode>-<hash of the config>
+    force: bool = False  # re-run even if results/<run_id> is completed
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("run", "mode", self.mode, MODES)
+        _one_of("run", "device", self.device, DEVICES)
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+# ---- Hydra registration --------------------------------------------------------------------------------------
+@functools.cache
+def mutable_twin(cls: type) -> type:
+    """A non-frozen dataclass with the same fields and defaults, for Hydra's ConfigStore."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = field(default_factory=f.default_factory)
+        else:
+            default = field(default="???")
+        fields.append((f.name, _optional(hints[f.name]), default))
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def _optional(tp: Any) -> Any:
+    """``X | None`` -> ``typing.Optional[X]`` (the spelling OmegaConf understands)."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return typing.Optional[rest[0]] if len(rest) == 1 else Any
+    return tp
+
+
+def _instance_twin(obj: Any) -> Any:
+    twin = mutable_twin(type(obj))
+    return twin(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from experiments import methods
+
+    cs = ConfigStore.instance()
+    schema = dataclasses.make_dataclass("RunSchema", [
+        ("method", Any, field(default="???")),
+        ("model", mutable_twin(ModelConfig), field(default="???")),
+        ("data", mutable_twin(DataConfig), field(default="???")),
+        ("train", mutable_twin(TrainConfig), field(default_factory=mutable_twin(TrainConfig))),
+        ("wandb", mutable_twin(WandbConfig), field(default_factory=mutable_twin(WandbConfig))),
+        *[(f.name, _optional(typing.get_type_hints(RunConfig)[f.name]), field(default=f.default))
+          for f in dataclasses.fields(RunConfig)
+          if f.name not in ("method", "model", "data", "train", "wandb")],
+    ])
+    cs.store(name="run_schema", node=schema)
+    for name, config_cls in methods.CONFIGS.items():
+        cs.store(group="method", name=name, node=mutable_twin(config_cls))
+    for name, phase in MODEL_PHASES.items():
+        cs.store(group="model", name=name, node=_instance_twin(phase))
+    cs.store(group="data", name="sotu", node=mutable_twin(DataConfig))
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Build (and so validate) the frozen run configuration from a composed Hydra config."""
+    from experiments import methods
+
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("hydra", None)
+    method_raw = dict(raw.pop("method"))
+    method_cfg = methods.make_config(method_raw)
+    return RunConfig(method=method_cfg, model=ModelConfig(**raw.pop("model")), data=DataConfig(**raw.pop("data")),
+                     train=TrainConfig(**raw.pop("train")), wandb=WandbConfig(**raw.pop("wandb")), **raw)
+
+
+def to_plain_dict(run: RunConfig) -> dict:
+    return dataclasses.asdict(run)

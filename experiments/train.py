@@ -1,0 +1,115 @@
+"""``mode=train``: build data, model and method, run the loop with the meter, write the results directory."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import torch
+
+from experiments import gpu_stats
+from experiments.config import RunConfig
+from experiments.data import build_corpus
+from experiments.loop import cpu_rss_peak_bytes, run_training
+from experiments.meter import MemoryMeter
+from experiments.models import build_model, count_params
+from experiments.results import RunDir
+from hmt_core.driver import iter_state_tensors
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def make_profiler(run_dir: RunDir, device: torch.device):
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from experiments.loop import METERED_STEPS
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def on_trace_ready(prof) -> None:
+        prof.export_chrome_trace(str(run_dir.path / "trace.json"))
+        gpu_stats.memory_snapshot(device, run_dir.path / "cuda_memory_snapshot.pickle")
+
+    if device.type == "cuda":
+        torch.cuda.memory._record_memory_history()
+    return profile(activities=activities, schedule=schedule(wait=METERED_STEPS, warmup=1, active=2, repeat=1),
+                   on_trace_ready=on_trace_ready, profile_memory=True, record_shapes=True)
+
+
+def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
+    if run.wandb.mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(project=run.wandb.project, entity=run.wandb.entity, mode=run.wandb.mode, name=run_dir.run_id,
+                      id=run_dir.run_id, dir=str(run_dir.path), config=config_dict, resume="allow")
+
+
+def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
+                  build_summary, print_summary) -> dict:
+    run_dir.start(config_dict)
+    wandb_run = None
+    try:
+        seed_everything(run.seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        t = run.train
+        corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
+                              vocab_size=run.model.vocab_size, seq_len=t.seq_len, batch_size=t.batch_size,
+                              seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
+                              max_year=run.data.max_year)
+        model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
+        model = method.prepare(model)
+        model.train()
+        params_total, params_trainable = count_params(model)
+        meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
+        meter.track(model.parameters(), "params")
+        meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
+        meter.track(model.buffers(), "other")
+        meter.watch_grads(model.parameters())  # before the method's own hooks: grads are marked, then used
+        method.attach(model, max_grad_norm=t.max_grad_norm or None)
+        wandb_run = open_wandb(run, run_dir, config_dict)
+        gpu_stats.reset_peaks(device)
+        profiler = make_profiler(run_dir, device) if run.profile else None
+        result = run_training(model, method, corpus, t, device, log=_logger(run_dir), meter=meter,
+                              wandb_run=wandb_run, profiler=profiler)
+        meter.remove_hooks()
+        rep = meter.report()
+        memory = rep.to_dict()
+        memory.update(gpu_stats.summary(device))
+        if device.type == "cuda":  # the allocator's peak is the authoritative total on a GPU
+            memory["tracker_peak_bytes"] = memory["peak_bytes"]
+            memory["peak_bytes"] = memory["cuda_max_allocated_bytes"]
+        summary = build_summary(
+            run, run_dir.run_id, device, params_total=params_total, params_trainable=params_trainable,
+            steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
+            step_time_s=result.step_time_s, train_loss=result.train_loss, val_loss=result.val_loss, memory=memory,
+            cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
+            data=corpus.stats, method_summary=method.summary())
+        run_dir.finish(summary)
+        if wandb_run is not None:
+            wandb_run.summary.update({"memory/peak(GiB)": memory["peak_bytes"] / 2**30, "loss/val": result.val_loss})
+        print_summary(summary, run_dir.path)
+        return summary
+    except BaseException as e:
+        run_dir.fail("".join(traceback.format_exception(e)))
+        raise
+    finally:
+        if wandb_run is not None:
+            with contextlib.suppress(Exception):
+                wandb_run.finish()
+
+
+def _logger(run_dir: RunDir):
+    def log(record: dict) -> None:
+        run_dir.log(record)
+        run_dir.flush()
+
+    return log
