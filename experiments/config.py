@@ -108,17 +108,30 @@ class TrainConfig:
     log_every: int = 10
     autocast: bool = True  # BF16 autocast where the device supports it
     progress: bool = True
-    dryrun_steps: int = 2  # mode=dryrun: optimizer steps traced (>= 2 puts lazily created state in the window)
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
-                  "log_every", "dryrun_steps")
+                  "log_every")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError(f"train.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryrunConfig:
+    steps: int = 2  # optimizer steps traced; >= 2 puts lazily created state and a second step in the window
+    cuda_context_gib: float = 1.0  # reserved for the CUDA context + allocator slack when judging "fits"
+    gpu_sizes_gib: tuple[int, ...] = (16, 24, 40, 80)
+    top_modules: int = 10
+
+    def __post_init__(self) -> None:
+        _positive("dryrun", self, "steps", "top_modules")
+        if self.cuda_context_gib < 0:
+            raise ValueError(f"dryrun.cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
+        object.__setattr__(self, "gpu_sizes_gib", tuple(self.gpu_sizes_gib))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +151,7 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     wandb: WandbConfig
+    dryrun: DryrunConfig
     seed: int = 0
     mode: str = "train"
     device: str = "auto"
@@ -196,9 +210,10 @@ def register_configs() -> None:
         ("data", mutable_twin(DataConfig), field(default="???")),
         ("train", mutable_twin(TrainConfig), field(default_factory=mutable_twin(TrainConfig))),
         ("wandb", mutable_twin(WandbConfig), field(default_factory=mutable_twin(WandbConfig))),
+        ("dryrun", mutable_twin(DryrunConfig), field(default_factory=mutable_twin(DryrunConfig))),
         *[(f.name, _optional(typing.get_type_hints(RunConfig)[f.name]), field(default=f.default))
           for f in dataclasses.fields(RunConfig)
-          if f.name not in ("method", "model", "data", "train", "wandb")],
+          if f.name not in ("method", "model", "data", "train", "wandb", "dryrun")],
     ])
     cs.store(name="run_schema", node=schema)
     for name, config_cls in methods.CONFIGS.items():
@@ -217,7 +232,8 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     method_raw = dict(raw.pop("method"))
     method_cfg = methods.make_config(method_raw)
     return RunConfig(method=method_cfg, model=ModelConfig(**raw.pop("model")), data=DataConfig(**raw.pop("data")),
-                     train=TrainConfig(**raw.pop("train")), wandb=WandbConfig(**raw.pop("wandb")), **raw)
+                     train=TrainConfig(**raw.pop("train")), wandb=WandbConfig(**raw.pop("wandb")),
+                     dryrun=DryrunConfig(**raw.pop("dryrun")), **raw)
 
 
 def to_plain_dict(run: RunConfig) -> dict:

@@ -43,12 +43,16 @@ def cpu_rss_peak_bytes() -> int:
 
 
 def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tensor], *, meter: MemoryMeter | None,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[float, float | None]:
-    """One optimizer step over ``micro_batches`` (each (batch, seq_len) token ids). Returns (loss, grad norm)."""
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step over ``micro_batches`` (each (batch, seq_len) token ids).
+
+    Returns (mean loss as a 0-dim tensor, global grad norm or None); the caller converts, so the same function
+    runs under FakeTensorMode, where tensors have no values.
+    """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     if meter is not None:
         meter.track(micro_batches, "other")
-    total = 0.0
+    total = torch.zeros(())
     count = len(micro_batches)
     for i, ids in enumerate(micro_batches):
         method.start_micro_batch(i, count)
@@ -63,7 +67,7 @@ def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tenso
     if meter is not None:
         meter.mark(method.state_tensors(), "optimizer")
     method.zero_grad()
-    return float(total), grad_norm
+    return total, grad_norm
 
 
 @torch.no_grad()
@@ -113,8 +117,9 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
             gpu_stats.synchronize(device)
             t0 = time.perf_counter()
             with meter if metered else contextlib.nullcontext():
-                last_loss, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
-                                                  autocast=autocast)
+                loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
+                                               autocast=autocast)
+            last_loss = float(loss_t)
             gpu_stats.synchronize(device)
             dt = time.perf_counter() - t0
             if not metered:

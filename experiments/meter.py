@@ -75,6 +75,7 @@ class MemoryReport:
     peak_by_category_bytes: dict[str, int]
     avg_by_category_bytes: dict[str, int]
     peak_by_phase_bytes: dict[str, int]
+    peak_by_phase_category_bytes: dict[str, dict[str, int]]
     current_by_category_bytes: dict[str, int]
     host_device_bytes: int
 
@@ -86,6 +87,7 @@ class MemoryReport:
             "peak_by_category_bytes": dict(self.peak_by_category_bytes),
             "avg_by_category_bytes": dict(self.avg_by_category_bytes),
             "peak_by_phase_bytes": dict(self.peak_by_phase_bytes),
+            "peak_by_phase_category_bytes": {k: dict(v) for k, v in self.peak_by_phase_category_bytes.items()},
             "host_device_bytes": self.host_device_bytes,
         }
 
@@ -267,6 +269,7 @@ class MemoryMeter(TorchDispatchMode):
             peak_by_category_bytes=peak_by_cat,
             avg_by_category_bytes=avg,
             peak_by_phase_bytes={p: max(0, self._windows[p].bytes) for p in PHASES},
+            peak_by_phase_category_bytes={p: self._by_category_at(self._windows[p]) for p in PHASES},
             current_by_category_bytes=current,
             host_device_bytes=self.host_device_bytes,
         )

@@ -30,9 +30,14 @@ def build_model(cfg: ModelConfig, *, vocab_size: int | None = None, device: torc
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, attn_implementation=cfg.attn_implementation)
         model.config.use_cache = False
         return model.to(device)
-    with torch.device(device):
-        model = LlamaForCausalLM(llama_config(cfg, vocab_size))
-    return model.to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy first (and FakeTensorMode-safe)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(llama_config(cfg, vocab_size))
+    finally:
+        torch.set_default_dtype(previous)
+    return model
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:

@@ -6,19 +6,16 @@ compute and before anything is written), then trains (``mode=train``) and writes
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
-from experiments import gpu_stats, methods
+from experiments import methods
 from experiments.config import RunConfig, register_configs, to_plain_dict, to_run_config
 from experiments.results import RunDir, check_writable, dumps, read_status
 
@@ -74,6 +71,10 @@ def build_summary(run: RunConfig, run_id: str, device: torch.device, **fields) -
             "device": device.type, "seed": run.seed, "git_sha": git_sha(), "versions": versions(), **fields}
 
 
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     mem = summary["memory"]
     gib = lambda b: f"{b / 2**30:.3f} GiB" if b is not None else "—"  # noqa: E731
@@ -81,9 +82,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f"run {summary['run_id']}  ({summary['method']} on {summary['model']}, {summary['device']})",
         f"  params total/trainable : {summary['params_total']:,} / {summary['params_trainable']:,}",
         f"  steps / tokens         : {summary['steps']} / {summary['tokens']:,}",
-        f"  train / val loss       : {summary['train_loss']:.4f} / "
-        + (f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "—"),
-        f"  tokens/s, step time    : {summary['tokens_per_s']:.1f}, {summary['step_time_s']:.4f} s",
+        f"  train / val loss       : {_fmt(summary['train_loss'], '.4f')} / {_fmt(summary['val_loss'], '.4f')}",
+        f"  tokens/s, step time    : {_fmt(summary['tokens_per_s'], '.1f')}, {_fmt(summary['step_time_s'], '.4f')} s",
         f"  peak / avg memory      : {gib(mem['peak_bytes'])} / {gib(mem['avg_bytes'])}  (source: {mem['source']})",
         "  peak by category       : " + ", ".join(f"{k} {gib(v)}" for k, v in mem["peak_by_category_bytes"].items()),
         f"  cpu rss peak           : {gib(summary['cpu_rss_peak_bytes'])}",

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 def iter_state_tensors(state: Any) -> Iterator[torch.Tensor]:
@@ -38,12 +39,12 @@ class OptimizerDriver:
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def step(self) -> float:
+    def step(self) -> float | None:
         params = [p for p in self.params() if p.grad is not None]
         limit = self.max_grad_norm if self.max_grad_norm else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.zeros(())
         self.optimizer.step()
-        return float(norm)
+        return None if is_fake(norm) else float(norm)  # a fake tensor (dry run) has no value
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

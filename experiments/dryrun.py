@@ -1,0 +1,142 @@
+"""``mode=dryrun``: the real training step traced under ``FakeTensorMode`` — no memory, no values, same code.
+
+Model construction, the method's ``prepare``/``attach`` (quantization, adapters, per-layer hooks), and
+``dryrun.steps`` full optimizer steps (forward, backward, update) run on shape-only fake tensors with the meter in
+``fake`` mode, so a 7B/13B step is measured on a machine with no GPU and 24 GiB of RAM. Anything that cannot be
+traced (an op without a fake implementation) fails the run loudly; it never reports a partial number.
+
+The report adds, beside the usual summary: peak bytes by category at each phase's peak, the modules retaining the
+most forward bytes (what their forward left alive: saved activations and outputs), and a fits/does-not-fit
+verdict per GPU size counting ``dryrun.cuda_context_gib`` for the CUDA context and allocator slack.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from experiments.config import RunConfig
+from experiments.loop import autocast_context, cpu_rss_peak_bytes, train_step
+from experiments.meter import MemoryMeter
+from experiments.models import build_model, count_params
+from experiments.results import RunDir
+from hmt_core.driver import iter_state_tensors
+
+GIB = 2**30
+
+
+class ModuleRetention:
+    """Forward hooks recording, per module, the bytes its forward left alive (last traced step wins)."""
+
+    def __init__(self, model: nn.Module, meter: MemoryMeter) -> None:
+        self.meter = meter
+        self.bytes: dict[str, int] = {}
+        self._start: dict[str, int] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            if name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+                self._handles.append(module.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            self._start[name] = self.meter.current_bytes()
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            if name in self._start:
+                self.bytes[name] = self.meter.current_bytes() - self._start.pop(name)
+        return hook
+
+    def top(self, count: int) -> list[dict]:
+        ranked = sorted(self.bytes.items(), key=lambda kv: (-kv[1], kv[0]))[:count]
+        return [{"module": name, "forward_retained_bytes": int(b)} for name, b in ranked]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def verdicts(peak_bytes: int, sizes_gib: tuple[int, ...], reserve_gib: float) -> dict[str, dict]:
+    out = {}
+    for size in sizes_gib:
+        headroom = size * GIB - reserve_gib * GIB - peak_bytes
+        out[f"{size}GiB"] = {"fits": bool(headroom >= 0), "headroom_bytes": int(headroom)}
+    return out
+
+
+def trace_steps(run: RunConfig, method) -> dict:
+    """Build, prepare, attach and step under FakeTensorMode; returns the measured figures."""
+    t = run.train
+    with FakeTensorMode():
+        torch.manual_seed(run.seed)
+        model = build_model(run.model, device="cpu")
+        model = method.prepare(model)
+        model.train()
+        params_total, params_trainable = count_params(model)
+        meter = MemoryMeter(source="fake")
+        meter.track(model.parameters(), "params")
+        meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
+        meter.track(model.buffers(), "other")
+        meter.watch_grads(model.parameters())
+        method.attach(model, max_grad_norm=t.max_grad_norm or None)
+        retention = ModuleRetention(model, meter)
+        vocab = model.get_input_embeddings().num_embeddings
+        for step in range(run.dryrun.steps):
+            method.set_lr_scale(1.0)
+            micro = [torch.randint(0, vocab, (t.batch_size, t.seq_len)) for _ in range(t.grad_accum)]
+            with meter:
+                train_step(model, method, micro, meter=meter,
+                           autocast=lambda: autocast_context(torch.device("cpu"), t.autocast))
+        retention.remove()
+        meter.remove_hooks()
+        return {"report": meter.report(), "params_total": params_total, "params_trainable": params_trainable,
+                "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary()}
+
+
+def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
+                   build_summary, print_summary) -> dict:
+    run_dir.start(config_dict)
+    try:
+        start = time.perf_counter()
+        traced = trace_steps(run, method)
+        wall = time.perf_counter() - start
+        rep = traced["report"]
+        t = run.train
+        summary = build_summary(
+            run, run_dir.run_id, torch.device("cpu"), params_total=traced["params_total"],
+            params_trainable=traced["params_trainable"], steps=run.dryrun.steps,
+            tokens=run.dryrun.steps * t.batch_size * t.seq_len * t.grad_accum, tokens_per_s=None, step_time_s=None,
+            train_loss=None, val_loss=None, memory=rep.to_dict(), cpu_rss_peak_bytes=cpu_rss_peak_bytes(),
+            host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
+            dryrun={"wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
+                    "top_modules": traced["top_modules"],
+                    "cuda_context_gib": run.dryrun.cuda_context_gib,
+                    "verdicts": verdicts(rep.peak_bytes, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
+        )
+        summary["device"] = f"fake (target {device.type})"
+        run_dir.finish(summary)
+        print_summary(summary, run_dir.path)
+        print_dryrun(summary)
+        return summary
+    except BaseException as e:
+        run_dir.fail("".join(traceback.format_exception(e)))
+        raise
+
+
+def print_dryrun(summary: dict) -> None:
+    d, mem = summary["dryrun"], summary["memory"]
+    print(f"  traced in             : {d['wall_s']:.1f} s (seq {d['seq_len']}, batch {d['batch_size']})")
+    for phase, cats in mem["peak_by_phase_category_bytes"].items():
+        print(f"  peak in {phase:<14}: {mem['peak_by_phase_bytes'][phase] / GIB:.3f} GiB  ("
+              + ", ".join(f"{k} {v / GIB:.3f}" for k, v in cats.items() if v) + ")")
+    print("  fits (with {:.1f} GiB reserve): ".format(d["cuda_context_gib"])
+          + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
+    print("  top modules by retained forward bytes:")
+    for row in d["top_modules"][:5]:
+        print(f"    {row['module']:<40} {row['forward_retained_bytes'] / GIB:.3f} GiB")
