@@ -17,6 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hmt_core.activations.policy import PRESETS, ActivationPolicy
+
 DTYPES = ("bf16", "fp32", "fp16")
 MODES = ("train", "dryrun")
 DEVICES = ("auto", "cpu", "cuda")
@@ -152,6 +154,7 @@ class RunConfig:
     train: TrainConfig
     wandb: WandbConfig
     dryrun: DryrunConfig
+    activation: Any  # hmt_core.activations.ActivationPolicy
     seed: int = 0
     mode: str = "train"
     device: str = "auto"
@@ -211,9 +214,10 @@ def register_configs() -> None:
         ("train", mutable_twin(TrainConfig), field(default_factory=mutable_twin(TrainConfig))),
         ("wandb", mutable_twin(WandbConfig), field(default_factory=mutable_twin(WandbConfig))),
         ("dryrun", mutable_twin(DryrunConfig), field(default_factory=mutable_twin(DryrunConfig))),
+        ("activation", Any, field(default="???")),
         *[(f.name, _optional(typing.get_type_hints(RunConfig)[f.name]), field(default=f.default))
           for f in dataclasses.fields(RunConfig)
-          if f.name not in ("method", "model", "data", "train", "wandb", "dryrun")],
+          if f.name not in ("method", "model", "data", "train", "wandb", "dryrun", "activation")],
     ])
     cs.store(name="run_schema", node=schema)
     for name, config_cls in methods.CONFIGS.items():
@@ -221,6 +225,8 @@ def register_configs() -> None:
     for name, phase in MODEL_PHASES.items():
         cs.store(group="model", name=name, node=_instance_twin(phase))
     cs.store(group="data", name="sotu", node=mutable_twin(DataConfig))
+    for name, policy in PRESETS.items():  # every key present, so `activation.attn_out=fp8` overrides one action
+        cs.store(group="activation", name=name, node={"preset": name, **policy.to_dict()})
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -233,7 +239,8 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     method_cfg = methods.make_config(method_raw)
     return RunConfig(method=method_cfg, model=ModelConfig(**raw.pop("model")), data=DataConfig(**raw.pop("data")),
                      train=TrainConfig(**raw.pop("train")), wandb=WandbConfig(**raw.pop("wandb")),
-                     dryrun=DryrunConfig(**raw.pop("dryrun")), **raw)
+                     dryrun=DryrunConfig(**raw.pop("dryrun")),
+                     activation=ActivationPolicy.from_dict(raw.pop("activation")), **raw)
 
 
 def to_plain_dict(run: RunConfig) -> dict:

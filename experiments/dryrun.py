@@ -12,6 +12,7 @@ verdict per GPU size counting ``dryrun.cuda_context_gib`` for the CUDA context a
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 
@@ -24,6 +25,7 @@ from experiments.loop import autocast_context, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
 from experiments.results import RunDir
+from hmt_core.activations import apply_policy
 from hmt_core.driver import iter_state_tensors
 
 GIB = 2**30
@@ -70,16 +72,18 @@ def verdicts(peak_bytes: int, sizes_gib: tuple[int, ...], reserve_gib: float) ->
     return out
 
 
-def trace_steps(run: RunConfig, method) -> dict:
-    """Build, prepare, attach and step under FakeTensorMode; returns the measured figures."""
+def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
+    """Build, prepare, attach and step under FakeTensorMode (``fake=False``: the same on real CPU tensors, which
+    is how the fake figures are validated); returns the measured figures."""
     t = run.train
-    with FakeTensorMode():
+    with FakeTensorMode() if fake else contextlib.nullcontext():
         torch.manual_seed(run.seed)
         model = build_model(run.model, device="cpu")
         model = method.prepare(model)
         model.train()
+        act_handle = None if run.activation.is_identity() else apply_policy(model, run.activation)
         params_total, params_trainable = count_params(model)
-        meter = MemoryMeter(source="fake")
+        meter = MemoryMeter(source="fake" if fake else "tracker")
         meter.track(model.parameters(), "params")
         meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
         meter.track(model.buffers(), "other")
@@ -95,7 +99,8 @@ def trace_steps(run: RunConfig, method) -> dict:
                            autocast=lambda: autocast_context(torch.device("cpu"), t.autocast))
         retention.remove()
         meter.remove_hooks()
-        return {"report": meter.report(), "params_total": params_total, "params_trainable": params_trainable,
+        return {"report": meter.report(),
+                "activation_saved_bytes": act_handle.saved_bytes() if act_handle else None, "params_total": params_total, "params_trainable": params_trainable,
                 "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary()}
 
 
@@ -114,6 +119,8 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
             tokens=run.dryrun.steps * t.batch_size * t.seq_len * t.grad_accum, tokens_per_s=None, step_time_s=None,
             train_loss=None, val_loss=None, memory=rep.to_dict(), cpu_rss_peak_bytes=cpu_rss_peak_bytes(),
             host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
+            activation_summary=None if run.activation.is_identity() else {
+                "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"]},
             dryrun={"wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
                     "top_modules": traced["top_modules"],
                     "cuda_context_gib": run.dryrun.cuda_context_gib,

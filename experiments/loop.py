@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,13 +93,15 @@ class LoopResult:
     tokens: int
     tokens_per_s: float
     step_time_s: float
+    step_time_median_s: float
     meter: MemoryMeter
     history: list[dict] = field(default_factory=list)
 
 
 def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, device: torch.device, *,
                  log: Callable[[dict], None], meter: MemoryMeter, wandb_run=None,
-                 profiler: contextlib.AbstractContextManager | None = None) -> LoopResult:
+                 profiler: contextlib.AbstractContextManager | None = None,
+                 extra_metrics: Callable[[], dict] | None = None) -> LoopResult:
     from tqdm.auto import tqdm
 
     def autocast() -> contextlib.AbstractContextManager:
@@ -106,7 +109,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
 
     val_batches = corpus.val.fixed_batches(cfg.eval_batches)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    timed_s, timed_steps = 0.0, 0
+    timed_s, timed_steps, step_times = 0.0, 0, []
     loss_ema, val_loss, last_loss, peak_mib = None, None, float("nan"), 0.0
     bar = tqdm(range(cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name)
     with profiler or contextlib.nullcontext():
@@ -124,6 +127,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
             dt = time.perf_counter() - t0
             if not metered:
                 timed_s, timed_steps = timed_s + dt, timed_steps + 1
+                step_times.append(dt)
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"non-finite training loss {last_loss} at step {step}")
             loss_ema = last_loss if loss_ema is None else 0.9 * loss_ema + 0.1 * last_loss
@@ -140,6 +144,8 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                 record["memory/peak(GiB)"] = peak_mib / 1024
                 record.update(gpu_stats.step_metrics(device))
                 record.update(method.metrics())
+                if extra_metrics is not None:
+                    record.update(extra_metrics())
                 log(record)
                 if wandb_run is not None:
                     wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
@@ -149,4 +155,5 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
     step_time = timed_s / timed_steps if timed_steps else float("nan")
     return LoopResult(train_loss=last_loss, val_loss=val_loss, steps=cfg.steps, tokens=cfg.steps * tokens_per_step,
                       tokens_per_s=tokens_per_step / step_time if timed_steps else float("nan"),
-                      step_time_s=step_time, meter=meter)
+                      step_time_s=step_time, step_time_median_s=statistics.median(step_times) if step_times else
+                      float("nan"), meter=meter)

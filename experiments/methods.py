@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from baselines import adamw, qlora
+from baselines import adamw, apollo, galore, qlora
+from hmt_core import hmt
 from hmt_core.method import Method
 
 CONFIGS: dict[str, type] = {
+    "hmt": hmt.Config,
     "adamw": adamw.Config,
     "qlora": qlora.Config,
+    "galore": galore.Config,
+    "apollo": apollo.Config,
 }
 FACTORIES: dict[str, Callable[[Any], Method]] = {
+    "hmt": hmt.make,
     "adamw": adamw.make,
     "qlora": qlora.make,
+    "galore": galore.make,
+    "apollo": apollo.make,
 }
 
 

@@ -10,10 +10,11 @@ import torch
 from experiments import gpu_stats
 from experiments.config import RunConfig
 from experiments.data import build_corpus
-from experiments.loop import cpu_rss_peak_bytes, run_training
+from experiments.loop import autocast_context, cpu_rss_peak_bytes, run_training
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
 from experiments.results import RunDir
+from hmt_core.activations import apply_policy, probe
 from hmt_core.driver import iter_state_tensors
 
 
@@ -68,6 +69,17 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
         model = method.prepare(model)
         model.train()
+        activation_summary, act_handle = None, None
+        if not run.activation.is_identity():  # probe before attach: a probe backward must not update weights
+            probe_ids = corpus.train.batch(0).to(device)
+
+            def probe_loss(m):
+                with autocast_context(device, t.autocast):
+                    return m(input_ids=probe_ids, labels=probe_ids).loss
+
+            activation_summary = {"policy": run.activation.to_dict(),
+                                  "probe": probe(model, run.activation, probe_loss)}
+            act_handle = apply_policy(model, run.activation)
         params_total, params_trainable = count_params(model)
         meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
         meter.track(model.parameters(), "params")
@@ -79,7 +91,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         gpu_stats.reset_peaks(device)
         profiler = make_profiler(run_dir, device) if run.profile else None
         result = run_training(model, method, corpus, t, device, log=_logger(run_dir), meter=meter,
-                              wandb_run=wandb_run, profiler=profiler)
+                              wandb_run=wandb_run, profiler=profiler,
+                              extra_metrics=act_handle.metrics if act_handle else None)
         meter.remove_hooks()
         rep = meter.report()
         memory = rep.to_dict()
@@ -90,9 +103,10 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         summary = build_summary(
             run, run_dir.run_id, device, params_total=params_total, params_trainable=params_trainable,
             steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
-            step_time_s=result.step_time_s, train_loss=result.train_loss, val_loss=result.val_loss, memory=memory,
+            step_time_s=result.step_time_s, step_time_median_s=result.step_time_median_s, train_loss=result.train_loss, val_loss=result.val_loss, memory=memory,
             cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
-            data=corpus.stats, method_summary=method.summary())
+            data=corpus.stats, method_summary=method.summary(),
+            activation_summary=_with_saved(activation_summary, act_handle))
         run_dir.finish(summary)
         if wandb_run is not None:
             wandb_run.summary.update({"memory/peak(GiB)": memory["peak_bytes"] / 2**30, "loss/val": result.val_loss})
@@ -105,6 +119,12 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         if wandb_run is not None:
             with contextlib.suppress(Exception):
                 wandb_run.finish()
+
+
+def _with_saved(activation_summary: dict | None, handle) -> dict | None:
+    if activation_summary is None:
+        return None
+    return {**activation_summary, "saved_bytes": handle.saved_bytes()}
 
 
 def _logger(run_dir: RunDir):

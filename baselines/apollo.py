@@ -1,0 +1,128 @@
+"""APOLLO baseline (Zhu et al., 2024, "APOLLO: SGD-like Memory, AdamW-level Performance", Alg. 1):
+apollo-torch 1.0.3's ``APOLLOAdamW`` used as published, not re-implemented.
+
+Presets (``variant``): ``apollo`` — rank d_model/4, channel-wise scaling, scale 1; ``mini`` (APOLLO-Mini) —
+rank 1, tensor-wise scaling, scale 128. Both: seeded random projection refreshed every 200 steps, lr 0.01,
+norm-growth limiter on. apollo-torch multiplies the update by ``√scale`` (``np.sqrt(group["scale"])``), so
+Mini's effective factor is √128 ≈ 11.3; HMT's Mode B does the same. Only the 2-D weights of ``nn.Linear``
+modules whose name matches ``target_patterns`` are projected; the rest is a plain AdamW group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from baselines.galore import split_params
+from hmt_core.driver import OptimizerDriver
+
+PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "tensor", "scale": 128.0}}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str = "apollo"
+    variant: str = "apollo"  # "apollo" | "mini"
+    lr: float = 1e-2
+    rank: int | None = None  # None: d_model // 4 (apollo) or 1 (mini)
+    scaling: str | None = None  # None: the variant's ("channel" | "tensor")
+    scale: float | None = None  # None: the variant's (1 | 128)
+    update_proj_gap: int = 200
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    target_patterns: tuple[str, ...] = ("attn", "mlp")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
+        if self.variant not in PRESETS:
+            raise ValueError(f"method.variant must be one of {tuple(PRESETS)}, got {self.variant!r}")
+        if self.scaling is not None and self.scaling not in ("channel", "tensor"):
+            raise ValueError(f"method.scaling must be 'channel' or 'tensor', got {self.scaling!r}")
+        if not self.lr > 0:
+            raise ValueError(f"method.lr must be > 0, got {self.lr}")
+        if self.rank is not None and self.rank <= 0:
+            raise ValueError(f"method.rank must be > 0, got {self.rank}")
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"method.scale must be > 0, got {self.scale}")
+        if self.update_proj_gap <= 0:
+            raise ValueError(f"method.update_proj_gap must be > 0, got {self.update_proj_gap}")
+        if self.weight_decay < 0:
+            raise ValueError(f"method.weight_decay must be >= 0, got {self.weight_decay}")
+
+    def resolved(self, model: nn.Module) -> tuple[int, str, float]:
+        """(rank, scaling, scale) after applying the variant's defaults."""
+        preset = PRESETS[self.variant]
+        rank = self.rank
+        if rank is None:
+            rank = 1 if self.variant == "mini" else max(1, _d_model(model) // 4)
+        return rank, self.scaling or preset["scaling"], self.scale if self.scale is not None else preset["scale"]
+
+
+def _d_model(model: nn.Module) -> int:
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden:
+        return int(hidden)
+    return min(min(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+class APOLLOMethod:
+    name = "apollo"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.driver: OptimizerDriver | None = None
+        self.resolved: tuple[int, str, float] | None = None
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        from apollo_torch import APOLLOAdamW
+
+        c = self.config
+        rank, scaling, scale = self.resolved = c.resolved(model)
+        regular, lowrank = split_params(model, c.target_patterns, rank)
+        groups = [{"params": regular},
+                  {"params": lowrank, "rank": rank, "proj": "random", "scale_type": scaling, "scale": scale,
+                   "update_proj_gap": c.update_proj_gap, "proj_type": "std"}]
+        opt = APOLLOAdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+        self.driver = OptimizerDriver(opt, max_grad_norm=max_grad_norm)
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        pass
+
+    def step(self) -> float | None:
+        return self.driver.step()
+
+    def zero_grad(self) -> None:
+        self.driver.zero_grad()
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.driver.set_lr_scale(scale)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return self.driver.state_tensors()
+
+    def metrics(self) -> dict[str, float]:
+        return {"rank/mean": float(self.resolved[0])} if self.resolved else {}
+
+    def summary(self) -> dict[str, Any]:
+        rank, scaling, scale = self.resolved
+        return {"rank/fixed": rank, "apollo/scaling": scaling, "apollo/scale": scale,
+                "optim/state_bytes": sum(t.numel() * t.element_size() for t in self.state_tensors())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.driver.load_state_dict(state)
+
+
+def make(config: Config) -> APOLLOMethod:
+    return APOLLOMethod(config)

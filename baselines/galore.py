@@ -1,0 +1,136 @@
+"""GaLore baseline (Zhao et al., 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection",
+Alg. 2): galore-torch 1.0's ``GaLoreAdamW`` (or ``GaLoreAdamW8bit`` with ``eight_bit=True``) used as published,
+not re-implemented.
+
+Published defaults: projection gap T = 200, scale α = 0.25, lr 0.01, one-sided "std" projection, Adam eps 1e-6
+(galore-torch's default; the paper writes 1e-8). The rank is set per model size ("per phase"): the paper uses
+128 / 256 / 256 / 512 for LLaMA 60M / 130M / 350M / 1B; set ``rank`` accordingly. Only the 2-D weights of
+``nn.Linear`` modules whose name matches ``target_patterns`` ("attn", "mlp", as in galore-torch's scripts) are
+projected; everything else is a plain group of the same optimizer.
+
+Notes: ``GaLoreAdamW8bit`` calls ``torch.cuda.synchronize()`` in every step, so it only runs on CUDA machines.
+Per-layer (in-backward) GaLore is not offered here: galore-torch's own layer-wise mode refuses gradient
+accumulation; HMT's ``per_layer`` is the comparison point for that.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hmt_core.driver import OptimizerDriver
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str = "galore"
+    lr: float = 1e-2
+    rank: int = 128
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    proj_type: str = "std"
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    eight_bit: bool = False
+    target_patterns: tuple[str, ...] = ("attn", "mlp")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
+        if not self.lr > 0:
+            raise ValueError(f"method.lr must be > 0, got {self.lr}")
+        if self.rank <= 0:
+            raise ValueError(f"method.rank must be > 0, got {self.rank}")
+        if self.update_proj_gap <= 0:
+            raise ValueError(f"method.update_proj_gap must be > 0, got {self.update_proj_gap}")
+        if not self.scale > 0:
+            raise ValueError(f"method.scale must be > 0, got {self.scale}")
+        if self.proj_type not in ("std", "reverse_std", "left", "right", "full"):
+            raise ValueError(f"method.proj_type must be one of std, reverse_std, left, right, full, "
+                             f"got {self.proj_type!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"method.weight_decay must be >= 0, got {self.weight_decay}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"method.{key} must be in [0, 1), got {getattr(self, key)}")
+
+
+def split_params(model: nn.Module, patterns: tuple[str, ...], rank: int) -> tuple[list, list]:
+    """(regular, low-rank) trainable parameters; raises if ``rank`` exceeds a projected weight's min(out, in)."""
+    lowrank_names = set()
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(re.search(p, mod_name) for p in patterns):
+            w = module.weight
+            if w.requires_grad:
+                if rank > min(w.shape):
+                    raise ValueError(f"method.rank={rank} exceeds min(out, in)={min(w.shape)} of "
+                                     f"{mod_name}.weight {tuple(w.shape)}")
+                lowrank_names.add(f"{mod_name}.weight")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [p for n, p in named if n not in lowrank_names], [p for n, p in named if n in lowrank_names]
+
+
+class GaLoreMethod:
+    name = "galore"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.driver: OptimizerDriver | None = None
+        self.n_lowrank = 0
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        from galore_torch import GaLoreAdamW, GaLoreAdamW8bit
+
+        c = self.config
+        if c.eight_bit and not any(p.is_cuda for p in model.parameters()):
+            raise ValueError("method.eight_bit=true needs a CUDA device: galore-torch's GaLoreAdamW8bit calls "
+                             "torch.cuda.synchronize() in every step")
+        regular, lowrank = split_params(model, c.target_patterns, c.rank)
+        self.n_lowrank = len(lowrank)
+        groups = [{"params": regular},
+                  {"params": lowrank, "rank": c.rank, "update_proj_gap": c.update_proj_gap, "scale": c.scale,
+                   "proj_type": c.proj_type}]
+        kw = dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+        opt = GaLoreAdamW8bit(groups, **kw) if c.eight_bit else GaLoreAdamW(groups, no_deprecation_warning=True, **kw)
+        self.driver = OptimizerDriver(opt, max_grad_norm=max_grad_norm)
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        pass
+
+    def step(self) -> float | None:
+        return self.driver.step()
+
+    def zero_grad(self) -> None:
+        self.driver.zero_grad()
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.driver.set_lr_scale(scale)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return self.driver.state_tensors()
+
+    def metrics(self) -> dict[str, float]:
+        return {"rank/mean": float(self.config.rank)}
+
+    def summary(self) -> dict[str, Any]:
+        return {"rank/fixed": self.config.rank, "optim/projected_params": self.n_lowrank,
+                "optim/state_bytes": sum(t.numel() * t.element_size() for t in self.state_tensors())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.driver.load_state_dict(state)
+
+
+def make(config: Config) -> GaLoreMethod:
+    return GaLoreMethod(config)

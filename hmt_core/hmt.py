@@ -1,0 +1,216 @@
+"""The ``hmt`` method: dynamic low-rank gradient projection with Mode A (GaLore-style low-rank AdamW) or
+Mode B (APOLLO-style gradient scaling), updated per layer inside backward.
+
+HMT design (shared/seeds/000_hmt_design.txt), "Dynamic Low-Rank Gradient Projection": ``Ĝ_l = P_lᵀ G_l Q_l``
+(two-sided) or GaLore's one-sided rule (Zhao et al., 2024, Alg. 2), bases from exact SVD, randomized SVD or
+a seeded Gaussian (APOLLO, Zhu et al., 2024), refreshed every ``update_interval`` steps; rank by spectral
+energy ``E(r) ≥ τ`` (``hmt_core.rank``). Update math: ``hmt_core.optim.update``; per-layer hooks, gradient
+accumulation and the clipping rule: ``hmt_core.optim.hooks``.
+
+Which parameters are projected: 2-D weights of ``nn.Linear`` modules whose qualified name matches one of
+``target_patterns`` (regular expressions, ``re.search``; default ``attn``/``mlp`` as in galore-torch's
+scripts). Everything else (embeddings, norms, lm_head, biases) gets AdamW (same ``adam_style``), or
+bitsandbytes' ``AdamW8bit`` with ``dense_8bit=True``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hmt_core.optim.hooks import PerLayerEngine
+from hmt_core.optim.optimizer import LowRankOptimizer, Slot
+from hmt_core.optim.update import MOMENT_POLICIES, STYLES
+from hmt_core.projection import SIDES, SOURCES
+from hmt_core.rank import FALLBACKS
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    name: str = "hmt"
+    mode: str = "A"  # "A": low-rank AdamW; "B": APOLLO scaling
+    lr: float = 1e-2  # GaLore/APOLLO's default LR for projected training
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_style: str = "torch"  # "torch" (torch.optim.AdamW) | "hf" (galore-/apollo-torch's AdamW formula)
+    scale: float = 0.25  # α; Mode B multiplies by √scale like apollo-torch (APOLLO: 1, Mini: 128)
+    sides: str = "one_sided"  # "one_sided" | "two_sided" | "identity" (full rank, Ĝ = G)
+    basis: str = "rsvd"  # "svd" | "rsvd" | "random"
+    rank: int | None = None  # fixed rank; None = dynamic
+    rank_candidates: tuple[int, ...] = (32, 64, 128, 256)
+    attn_candidates: tuple[int, ...] | None = None  # per-layer-type priors (names matching attn_pattern)
+    mlp_candidates: tuple[int, ...] | None = None
+    attn_pattern: str = "attn"
+    mlp_pattern: str = "mlp"
+    tau: float = 0.95
+    rank_fallback: str = "largest"  # "largest" candidate | "full" = min(out, in)
+    update_interval: int = 200
+    power_iters: int = 2
+    oversample: int = 8
+    moment_policy: str = "keep"  # "keep" (GaLore) | "project" | "reset"
+    state_dtype: str = "fp32"  # "fp32" | "bf16"
+    scaling: str = "channel"  # Mode B: "channel" | "tensor"
+    norm_limiter: bool = True
+    limiter_gamma: float = 1.01
+    target_patterns: tuple[str, ...] = ("attn", "mlp")
+    dense_8bit: bool = False
+    per_layer: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
+            value = getattr(self, key)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, key, tuple(value))
+
+        def choice(key: str, options: tuple[str, ...]) -> None:
+            if getattr(self, key) not in options:
+                raise ValueError(f"method.{key} must be one of {options}, got {getattr(self, key)!r}")
+
+        choice("mode", ("A", "B"))
+        choice("adam_style", STYLES)
+        choice("sides", SIDES)
+        choice("basis", SOURCES)
+        choice("rank_fallback", FALLBACKS)
+        choice("moment_policy", MOMENT_POLICIES)
+        choice("state_dtype", ("fp32", "bf16"))
+        choice("scaling", ("channel", "tensor"))
+        if not self.lr > 0:
+            raise ValueError(f"method.lr must be > 0, got {self.lr}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"method.{key} must be in [0, 1), got {getattr(self, key)}")
+        if not self.eps > 0:
+            raise ValueError(f"method.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"method.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.scale > 0:
+            raise ValueError(f"method.scale must be > 0, got {self.scale}")
+        if self.rank is not None and self.rank <= 0:
+            raise ValueError(f"method.rank must be a positive integer or None (dynamic), got {self.rank}")
+        for key in ("rank_candidates", "attn_candidates", "mlp_candidates"):
+            value = getattr(self, key)
+            if value is not None and (len(value) == 0 or any(int(r) <= 0 for r in value)):
+                raise ValueError(f"method.{key} must be a non-empty tuple of positive ranks, got {value}")
+        if not 0 < self.tau <= 1:
+            raise ValueError(f"method.tau must be in (0, 1], got {self.tau}")
+        if self.update_interval <= 0:
+            raise ValueError(f"method.update_interval must be > 0, got {self.update_interval}")
+        if self.power_iters < 0 or self.oversample < 0:
+            raise ValueError(f"method.power_iters and method.oversample must be >= 0, got "
+                             f"{self.power_iters}, {self.oversample}")
+        if self.limiter_gamma < 1:
+            raise ValueError(f"method.limiter_gamma must be >= 1, got {self.limiter_gamma}")
+        if self.mode == "B" and self.sides == "two_sided" and self.scaling == "channel":
+            raise ValueError("method.scaling='channel' needs one-sided projection in mode B; use 'tensor'")
+        if not self.target_patterns:
+            raise ValueError("method.target_patterns must name at least one pattern")
+        for pattern in (*self.target_patterns, self.attn_pattern, self.mlp_pattern):
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"method.target_patterns: invalid regular expression {pattern!r}: {err}") from None
+
+
+def projected_weight_names(model: nn.Module, patterns: tuple[str, ...]) -> set[str]:
+    """Qualified names of the 2-D ``nn.Linear`` weights whose module name matches a pattern."""
+    names = set()
+    for mod_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(re.search(p, mod_name) for p in patterns):
+            if module.weight.requires_grad and module.weight.dim() == 2:
+                names.add(f"{mod_name}.weight" if mod_name else "weight")
+    return names
+
+
+class HMTMethod:
+    name = "hmt"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.opt: LowRankOptimizer | None = None
+        self.engine: PerLayerEngine | None = None
+        self.max_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        c = self.config
+        targets = projected_weight_names(model, c.target_patterns)
+        slots = []
+        for index, (name, p) in enumerate(((n, p) for n, p in model.named_parameters() if p.requires_grad), 1):
+            projected = name in targets
+            if projected and c.rank is not None and c.sides != "identity" and c.rank > min(p.shape):
+                raise ValueError(f"method.rank={c.rank} exceeds min(out, in)={min(p.shape)} of {name} "
+                                 f"{tuple(p.shape)}")
+            candidates = c.rank_candidates
+            if c.attn_candidates is not None and re.search(c.attn_pattern, name):
+                candidates = c.attn_candidates
+            elif c.mlp_candidates is not None and re.search(c.mlp_pattern, name):
+                candidates = c.mlp_candidates
+            slots.append(Slot(name=name, param=p, index=index, projected=projected,
+                              candidates=tuple(int(r) for r in candidates)))
+        self.opt = LowRankOptimizer(slots, c)
+        self.max_grad_norm = max_grad_norm
+        if self.engine is not None:
+            self.engine.remove()
+        self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm) if c.per_layer else None
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        if self.engine is not None:
+            self.engine.start_micro_batch(index, count)
+
+    def step(self) -> float | None:
+        if self.engine is not None:
+            self.last_grad_norm = self.engine.finish_step()
+        else:
+            self.last_grad_norm = self.opt.step_all(self.max_grad_norm)
+        return self.last_grad_norm
+
+    def zero_grad(self) -> None:
+        for s in self.opt.slots:
+            s.param.grad = None
+            s.pending = None
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.opt.set_lr(self.config.lr * scale)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return self.opt.state_tensors()
+
+    def metrics(self) -> dict[str, float]:
+        out = dict(self.opt.history.metrics())
+        out["optim/basis_refreshes"] = float(self.opt.refreshes)
+        out["optim/basis_fallbacks"] = float(self.opt.fallbacks)
+        if self.last_grad_norm is not None:
+            out["optim/grad_norm"] = float(self.last_grad_norm)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        out = self.opt.history.summary()
+        out["optim/state_bytes"] = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)
+        out["optim/basis_fallbacks"] = self.opt.fallbacks
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.opt.state_dict()
+        state["lagged_clip_coef"] = self.engine.lagged_coef if self.engine is not None else None
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state)
+        if self.engine is not None:
+            self.engine.lagged_coef = state.get("lagged_clip_coef")
+
+
+def make(config: Config) -> HMTMethod:
+    return HMTMethod(config)

@@ -1,0 +1,124 @@
+"""Per-layer updates inside backward, with gradient accumulation and a global-norm clipping rule.
+
+Each trainable parameter gets a ``register_post_accumulate_grad_hook`` (the mechanism of GaLore's
+"per-layer weight updates", Zhao et al. 2024, §4.3, and of torchtune's optimizer-in-backward). When the hook
+of micro-batch ``i`` of ``n`` fires:
+
+- Mode A projected weights: at ``i == 0`` the basis is refreshed if due (from this micro-batch's gradient;
+  the ordinary path refreshes from the accumulated one), then ``Ĝ_i = project(G_i)`` is added to a low-rank
+  accumulator and the full gradient is freed at once (``p.grad = None``). So full gradients of projected
+  weights never coexist, even with accumulation (``Σ_i Pᵀ G_i = Pᵀ Σ_i G_i``, exact for a fixed basis).
+  On the last micro-batch the update is applied in the hook, unless clipping defers it (below).
+- Mode B projected weights and dense parameters (embeddings, norms, lm_head): APOLLO's update ``s ⊙ G``
+  needs the full gradient, so ``p.grad`` accumulates over micro-batches as usual; the update runs in the hook
+  of the last micro-batch and the gradient is freed there.
+
+Global gradient clipping (design decision). The global norm is only known after the last hook, so:
+1. Mode A projected weights: the update is *deferred*: the hook keeps only Ĝ (low-rank, state-sized) and the
+   full gradient's squared norm; ``finish_step`` computes the exact global norm, clips Ĝ by the same
+   coefficient ``min(1, c/(‖g‖+1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` (linear, so clipping Ĝ equals
+   projecting the clipped G; bases and energy ranks are scale-invariant), then applies the update. This equals
+   ordinary clipping + step up to rounding, and full gradients still never coexist.
+2. Dense parameters: their gradient is kept until ``finish_step`` and clipped exactly there.
+3. Mode B projected weights: the update is applied in the hook with the *previous* step's global-norm
+   coefficient (lagged clipping; step 1 is unclipped). APOLLO's norm-growth limiter bounds step-to-step growth
+   in the meantime. Use ``per_layer=False`` for exact clipping in Mode B.
+4. With accumulation (n > 1), a Mode A weight contributes ‖Σ_i Ĝ_i‖ (the gradient the optimizer actually
+   uses) to the global norm instead of ‖Σ_i G_i‖, which is never materialized.
+Without clipping, every update happens inside backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
+from hmt_core.projection import project
+
+
+class PerLayerEngine:
+    def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None) -> None:
+        self.opt = opt
+        self.max_grad_norm = max_grad_norm
+        self.index, self.count = 0, 1
+        self.norms: dict[int, Tensor] = {}  # slot index -> ‖G‖ (stacked in slot order, like clip_grad_norm_)
+        self.deferred_low: list[Slot] = []
+        self.deferred_dense: list[Slot] = []
+        self.lagged_coef: Tensor | None = None
+        self.handles = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in opt.slots]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        if not 0 <= index < count:
+            raise ValueError(f"micro-batch index {index} not in [0, {count})")
+        self.index, self.count = index, count
+
+    @property
+    def clipping(self) -> bool:
+        return bool(self.max_grad_norm)
+
+    def _hook_for(self, s: Slot):
+        def hook(param: Tensor) -> None:
+            self._on_grad(s, param)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, s: Slot, param: Tensor) -> None:
+        opt, last = self.opt, self.index == self.count - 1
+        g = param.grad
+        if g is None:  # another hook already consumed it
+            return
+        if s.projected and opt.cfg.mode == "A":
+            if (self.index == 0 or s.basis is None) and opt.refresh_due(s):
+                opt.refresh(s, g)
+            low = project(g, s.basis).float()
+            s.pending = low if s.pending is None else s.pending.add_(low)
+            if self.count == 1:
+                self.norms[s.index] = torch.linalg.vector_norm(g)
+            param.grad = None  # the full gradient dies here
+            if not last:
+                return
+            if self.count > 1:
+                self.norms[s.index] = torch.linalg.vector_norm(s.pending)
+            if self.clipping:
+                self.deferred_low.append(s)
+            else:
+                opt.update_low_rank(s, s.pending)
+                s.pending = None
+            return
+        if not last:
+            return  # p.grad keeps accumulating
+        self.norms[s.index] = torch.linalg.vector_norm(g)
+        if s.projected:  # Mode B
+            if opt.refresh_due(s):
+                opt.refresh(s, g)
+            opt.update_full(s, g, self.lagged_coef)
+            param.grad = None
+        elif self.clipping:
+            self.deferred_dense.append(s)
+        else:
+            opt.update_full(s, g)
+            param.grad = None
+
+    @torch.no_grad()
+    def finish_step(self) -> float:
+        """After the last micro-batch's backward: the global norm, then any deferred (clipped) updates."""
+        if not self.norms:
+            return 0.0
+        total = global_norm([self.norms[i] for i in sorted(self.norms)])
+        coef = clip_coefficient(total, self.max_grad_norm)
+        for s in self.deferred_low:
+            self.opt.update_low_rank(s, s.pending, coef)
+            s.pending = None
+        for s in self.deferred_dense:
+            self.opt.update_full(s, s.param.grad, coef)
+            s.param.grad = None
+        self.lagged_coef = coef
+        self.norms, self.deferred_low, self.deferred_dense = {}, [], []
+        self.index, self.count = 0, 1
+        return float(total)

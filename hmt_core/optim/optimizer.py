@@ -1,0 +1,259 @@
+"""Bookkeeping for HMT's low-rank optimizer: per-parameter slots, basis refresh schedule, state (de)serialization.
+
+The math lives in ``hmt_core.optim.update`` (Mode A: GaLore, Zhao et al. 2024, Alg. 2; Mode B: APOLLO, Zhu et
+al. 2024, Alg. 1) and ``hmt_core.projection`` / ``hmt_core.rank``; this class only decides *when* to refresh a
+basis, which state tensors a parameter owns, and routes dense parameters (embeddings, norms, lm_head) to a
+plain AdamW (the same update functions with no projection) or to bitsandbytes' ``AdamW8bit``.
+
+A basis is refreshed before the update whose index ``step`` satisfies ``step % update_interval == 0``
+(galore-torch's schedule: steps 0, T, 2T, ...). ``step`` counts updates; ``adam_t`` counts bias-correction
+steps (equal, except after a ``reset`` of the moments).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hmt_core import projection as proj
+from hmt_core.optim import update as upd
+from hmt_core.rank import RankHistory, choose_rank, sketch_size, valid_candidates
+
+
+def global_norm(norms: list[Tensor]) -> Tensor:
+    """‖(‖G_1‖, ..., ‖G_n‖)‖ in fp32, the arithmetic of ``torch.nn.utils.clip_grad_norm_``."""
+    return torch.linalg.vector_norm(torch.stack(norms).float())
+
+
+def clip_coefficient(total: Tensor, max_grad_norm: float | None) -> Tensor | None:
+    """``min(1, c / (‖g‖ + 1e-6))`` as a 0-d tensor, like ``clip_grad_norm_``; ``None`` when not clipping."""
+    if not max_grad_norm:
+        return None
+    return torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+
+
+@dataclass(eq=False)
+class Slot:
+    name: str
+    param: nn.Parameter
+    index: int  # 1-based position among trainable parameters: APOLLO's projection seed
+    projected: bool
+    candidates: tuple[int, ...] = ()
+    basis: proj.Basis | None = None
+    m: Tensor | None = None  # (a, b) low-rank (projected) or full (dense)
+    v: Tensor | None = None
+    step: int = 0
+    adam_t: int = 0
+    seed: int = 0
+    rank: int = 0
+    limiter_prev: Tensor | None = None  # () Mode B norm-growth limiter memory
+    pending: Tensor | None = None  # low-rank gradient accumulated over micro-batches / awaiting clipping
+
+
+class LowRankOptimizer:
+    def __init__(self, slots: list[Slot], cfg: Any) -> None:
+        self.slots = slots
+        self.cfg = cfg
+        self.lr = cfg.lr
+        self.history = RankHistory()
+        self.refreshes = 0
+        self.fallbacks = 0
+        self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32
+        for s in slots:
+            s.seed = cfg.seed + s.index
+        self.dense8: dict[str, torch.optim.Optimizer] = {}
+        if cfg.dense_8bit:
+            import bitsandbytes as bnb  # optional dependency: only when asked for
+
+            for s in slots:
+                if not s.projected:
+                    self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                                              eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+    # ------------------------------------------------------------------------------------------------ refresh
+    def refresh_due(self, s: Slot) -> bool:
+        return s.projected and (s.basis is None or s.step % self.cfg.update_interval == 0)
+
+    @torch.no_grad()
+    def refresh(self, s: Slot, grad: Tensor) -> None:  # grad: (out, in), unclipped
+        """New basis (and rank) from ``grad``; moments moved to it per ``moment_policy``."""
+        c = self.cfg
+        shape = tuple(grad.shape)
+        use_left, use_right = proj.which_sides(shape, c.sides)
+        max_rank = min(shape)
+        dtype, device = grad.dtype, grad.device
+        orthonormal = c.basis != "random"
+        factors = None
+        if c.sides == "identity":
+            basis, rank, orthonormal = proj.identity_basis(shape, use_left, device, dtype), max_rank, True
+        else:
+            k = c.rank if c.rank is not None else sketch_size(s.candidates, c.rank_fallback, max_rank)
+            if c.basis == "svd":
+                factors = proj.exact_svd(grad, k)
+            elif c.basis == "rsvd" or c.rank is None:  # random bases estimate the spectrum by a sketch
+                gen = torch.Generator().manual_seed(c.seed * 1_000_003 + s.index * 7919 + s.step)
+                warm = s.basis if c.basis == "rsvd" else None
+                factors = proj.randomized_svd(grad, k, power_iters=c.power_iters, oversample=c.oversample,
+                                              warm=warm, generator=gen)
+            if c.rank is not None:
+                rank = c.rank
+            elif factors is not None:
+                rank = choose_rank(factors.s, factors.total_energy, candidates=s.candidates, tau=c.tau,
+                                   fallback=c.rank_fallback, max_rank=max_rank)
+                if c.basis == "rsvd" and rank > factors.s.numel():  # full-rank fallback: needs every vector
+                    factors = proj.exact_svd(grad, rank) or factors
+            else:
+                rank = s.rank or (valid_candidates(s.candidates, max_rank) or (max_rank,))[0]
+            if c.basis == "random":
+                basis, s.seed = proj.random_basis(shape, rank, use_left, use_right, s.seed, device, dtype)
+            elif factors is not None and factors.s.numel() >= rank:
+                basis = proj.basis_from_factors(factors, rank, use_left, use_right, dtype)
+            else:  # factorization failed: keep the previous basis, else a seeded orthonormal one
+                self.fallbacks += 1
+                if s.basis is not None:
+                    basis, rank = s.basis, s.basis.rank
+                else:
+                    basis = proj.orthonormal_fallback(shape, rank, use_left, use_right, s.seed, device, dtype)
+        low_shape = upd.low_rank_shape(basis, shape)
+        if s.m is None:
+            s.m = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
+            s.v = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
+        elif s.basis is not None and basis is not s.basis:
+            s.m, s.v = upd.transfer_moments(s.m, s.v, s.basis, basis, c.moment_policy, low_shape)
+            if c.moment_policy == "reset":
+                s.adam_t = 0
+        s.basis, s.rank = basis, rank
+        self.refreshes += 1
+        self.history.record(s.name, s.step, rank, proj.relative_projection_error(grad, basis, orthonormal))
+
+    # ------------------------------------------------------------------------------------------------ updates
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+        for opt in self.dense8.values():
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
+        """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
+        c = self.cfg
+        if s.m is None:
+            s.m = torch.zeros(g.shape, dtype=self.state_dtype, device=g.device)
+            s.v = torch.zeros(g.shape, dtype=self.state_dtype, device=g.device)
+        s.step += 1
+        s.adam_t += 1
+        m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style)
+        fn = upd.adam_direction if for_scaling else upd.adam_step
+        return fn(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style)
+
+    def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
+        upd.apply_update_(s.param.data, full_update, step_size=step_size, lr=self.lr,
+                          weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
+
+    @torch.no_grad()
+    def update_low_rank(self, s: Slot, low: Tensor, coef: Tensor | None = None) -> None:  # low: Ĝ, (out, r) | (r, in)
+        """Mode A update from a (possibly micro-batch-accumulated) projected gradient Ĝ, clipped by ``coef``."""
+        low = low.float()
+        if coef is not None:
+            low = low * coef
+        direction, step_size = self._adam(s, low)
+        self._apply(s, upd.project_back_scaled(direction, s.basis, self.cfg.scale), step_size)
+
+    @torch.no_grad()
+    def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None) -> None:  # grad: (out, in) full gradient
+        """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (APOLLO scaling of ``grad``)."""
+        if coef is not None:
+            grad = grad * coef
+        if not s.projected:
+            if s.name in self.dense8:
+                s.param.grad = grad
+                self.dense8[s.name].step()
+                return
+            direction, step_size = self._adam(s, grad.float())
+            self._apply(s, direction, step_size)
+            return
+        low = proj.project(grad, s.basis)
+        if self.cfg.mode == "A":
+            self.update_low_rank(s, low)
+            return
+        c = self.cfg
+        direction, step_size = self._adam(s, low.float(), for_scaling=True)
+        factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
+                                    kind=c.scaling)
+        scaled = grad * factor
+        if c.norm_limiter:
+            scaled, s.limiter_prev = upd.norm_growth_limit(scaled, s.limiter_prev, c.limiter_gamma)
+        self._apply(s, scaled * math.sqrt(c.scale), step_size)
+
+    @torch.no_grad()
+    def step_all(self, max_grad_norm: float | None) -> float:
+        """Ordinary (not per-layer) step, with the same semantics and rounding as the per-layer path: bases are
+        refreshed from the unclipped gradients (SVD bases and energy ranks are scale-invariant), the global norm
+        is taken over the full gradients, and a projected (Mode A) gradient is clipped after projection
+        (``clip(Pᵀ G) = Pᵀ clip(G)``)."""
+        live = [s for s in self.slots if s.param.grad is not None]
+        if not live:
+            return 0.0
+        for s in live:
+            if self.refresh_due(s):
+                self.refresh(s, s.param.grad)
+        total = global_norm([torch.linalg.vector_norm(s.param.grad) for s in live])
+        coef = clip_coefficient(total, max_grad_norm)
+        for s in live:
+            if s.projected and self.cfg.mode == "A":
+                self.update_low_rank(s, proj.project(s.param.grad, s.basis), coef)
+            else:
+                self.update_full(s, s.param.grad, coef)
+        return float(total)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state_tensors(self) -> Iterator[Tensor]:
+        for s in self.slots:
+            for t in (s.m, s.v, s.limiter_prev):
+                if t is not None:
+                    yield t
+            if s.basis is not None:
+                yield from (t for t in s.basis if t is not None)
+        for opt in self.dense8.values():
+            for st in opt.state.values():
+                yield from (t for t in st.values() if isinstance(t, Tensor))
+
+    def state_dict(self) -> dict[str, Any]:
+        slots = {}
+        for s in self.slots:
+            slots[s.name] = {
+                "m": s.m, "v": s.v, "step": s.step, "adam_t": s.adam_t, "seed": s.seed, "rank": s.rank,
+                "limiter_prev": s.limiter_prev,
+                "basis_left": s.basis.left if s.basis is not None else None,
+                "basis_right": s.basis.right if s.basis is not None else None,
+                "has_basis": s.basis is not None,
+            }
+        return {"slots": slots, "history": self.history.state_dict(), "refreshes": self.refreshes,
+                "fallbacks": self.fallbacks, "lr": self.lr,
+                "dense8": {name: opt.state_dict() for name, opt in self.dense8.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_name = {s.name: s for s in self.slots}
+        missing = set(by_name) - set(state["slots"])
+        if missing:
+            raise ValueError(f"hmt state_dict lacks parameters {sorted(missing)[:5]}")
+        for name, st in state["slots"].items():
+            s = by_name[name]
+            dev = s.param.device
+
+            def to(t):
+                return None if t is None else t.detach().clone().to(dev)
+
+            s.m, s.v, s.limiter_prev = to(st["m"]), to(st["v"]), to(st["limiter_prev"])
+            s.step, s.adam_t, s.seed, s.rank = int(st["step"]), int(st["adam_t"]), int(st["seed"]), int(st["rank"])
+            s.basis = proj.Basis(to(st["basis_left"]), to(st["basis_right"])) if st["has_basis"] else None
+            s.pending = None
+        self.history.load_state_dict(state["history"])
+        self.refreshes, self.fallbacks = int(state["refreshes"]), int(state["fallbacks"])
+        self.set_lr(float(state["lr"]))
+        for name, opt_state in state["dense8"].items():
+            self.dense8[name].load_state_dict(opt_state)

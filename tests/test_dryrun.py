@@ -1,0 +1,58 @@
+"""mode=dryrun: FakeTensorMode figures equal the real-tensor tracker's, exactly-known parts hold, runner output."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments import methods
+from experiments.config import to_run_config
+from experiments.dryrun import trace_steps, verdicts
+from experiments.run import main_with_config
+
+CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
+
+
+def _run_config(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("run", overrides=["mode=dryrun", *overrides])
+    return cfg, to_run_config(cfg)
+
+
+@pytest.mark.parametrize("model_overrides", [
+    ["model=tiny", "train.seq_len=64", "train.batch_size=2"],
+    ["model=125m", "model.num_layers=2", "train.seq_len=64", "train.batch_size=1"],  # 125m widths, 2 of 12 layers
+], ids=["tiny", "125m-width"])
+def test_fake_categories_match_real_tensor_tracker_within_one_percent(model_overrides):
+    _, run = _run_config("method=adamw", *model_overrides)
+    real = trace_steps(run, methods.make_method(run.method), fake=False)["report"]
+    fake = trace_steps(run, methods.make_method(run.method), fake=True)["report"]
+    assert fake.source == "fake" and real.source == "tracker"
+    assert fake.peak_bytes == pytest.approx(real.peak_bytes, rel=0.01)
+    for key, value in real.peak_by_category_bytes.items():
+        assert fake.peak_by_category_bytes[key] == pytest.approx(value, rel=0.01, abs=64), key
+    for phase, value in real.peak_by_phase_bytes.items():
+        assert fake.peak_by_phase_bytes[phase] == pytest.approx(value, rel=0.01), phase
+
+
+def test_dryrun_exactly_known_bytes_and_summary(tmp_path):
+    cfg, run = _run_config("method=adamw", "model=125m", "model.num_layers=2", "train.seq_len=128",
+                           "train.batch_size=1", f"results_dir={tmp_path}", "run_id=d")
+    summary = main_with_config(cfg)
+    mem = summary["memory"]
+    n = summary["params_total"]
+    assert mem["source"] == "fake" and summary["val_loss"] is None and summary["train_loss"] is None
+    assert mem["peak_by_phase_category_bytes"]["optimizer"]["params"] == 2 * n  # BF16 weights
+    assert mem["peak_by_phase_category_bytes"]["optimizer"]["grads"] == 2 * n  # BF16 grads, all alive at step
+    n_tensors = 2 + 9 * 2 + 1
+    assert mem["peak_by_phase_category_bytes"]["optimizer"]["optimizer"] == 2 * 2 * n + 4 * n_tensors
+    assert summary["dryrun"]["verdicts"]["16GiB"]["fits"] is True
+    assert summary["dryrun"]["top_modules"][0]["module"] == "model"
+    assert (tmp_path / "d" / "status").read_text().strip() == "completed"
+
+
+def test_verdicts_count_the_reserve():
+    gib = 2**30
+    v = verdicts(14 * gib, (16, 24), 1.0)
+    assert v["16GiB"] == {"fits": True, "headroom_bytes": gib}
+    assert verdicts(int(15.5 * gib), (16,), 1.0)["16GiB"]["fits"] is False
