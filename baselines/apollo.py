@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from baselines.galore import split_params
@@ -86,6 +87,8 @@ class APOLLOMethod:
         from apollo_torch import APOLLOAdamW
 
         c = self.config
+        if any(is_fake(p) for p in model.parameters()):
+            _make_seed_arithmetic_real()
         rank, scaling, scale = self.resolved = c.resolved(model)
         regular, lowrank = split_params(model, c.target_patterns, rank)
         groups = [{"params": regular},
@@ -122,6 +125,17 @@ class APOLLOMethod:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.driver.load_state_dict(state)
+
+
+def _make_seed_arithmetic_real() -> None:
+    """Dry runs (FakeTensorMode): apollo-torch derives each refresh's seed with ``torch.randint(...).tolist()``,
+    which a fake tensor cannot answer. Swap in ``hmt_core.projection.next_seed`` — the same draws (tested bit for
+    bit against apollo-torch), computed on real tensors — so the traced step is apollo-torch's own code."""
+    from apollo_torch import random_projector
+
+    from hmt_core.projection import next_seed
+
+    random_projector.next_seed = next_seed
 
 
 def make(config: Config) -> APOLLOMethod:

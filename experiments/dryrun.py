@@ -16,9 +16,12 @@ import contextlib
 import time
 import traceback
 
+from pathlib import Path
+
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import RunConfig
 from experiments.loop import autocast_context, cpu_rss_peak_bytes, train_step
@@ -29,6 +32,31 @@ from hmt_core.activations import apply_policy
 from hmt_core.driver import iter_state_tensors
 
 GIB = 2**30
+
+
+class AssumedScalars(TorchDispatchMode):
+    """Answers a fake tensor's ``.item()``/``bool()`` (``aten._local_scalar_dense``) with 1 instead of failing, and
+    records where it was asked (file:line of the first caller outside torch), for third-party code whose
+    data-dependent control flow (e.g. apollo-torch's norm-growth limiter, ``max(ratio, γ)``) chooses between
+    branches that allocate the same tensors. Every assumption is listed in the summary (``dryrun.assumed_scalars``);
+    HMT's own code checks ``is_fake`` instead and must never appear there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:  # fake mode answers constants itself; only unknowable values land here
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+        site = next((f"{Path(fr.filename).parent.name}/{Path(fr.filename).name}:{fr.lineno}"
+                     for fr in reversed(traceback.extract_stack()[:-1])
+                     if "/torch/" not in fr.filename and "/experiments/" not in fr.filename), "?")
+        self.sites[site] = self.sites.get(site, 0) + 1
+        dtype = args[0].dtype
+        return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
 
 
 class ModuleRetention:
@@ -76,7 +104,8 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
     """Build, prepare, attach and step under FakeTensorMode (``fake=False``: the same on real CPU tensors, which
     is how the fake figures are validated); returns the measured figures."""
     t = run.train
-    with FakeTensorMode() if fake else contextlib.nullcontext():
+    assumed = AssumedScalars()
+    with FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext():
         torch.manual_seed(run.seed)
         model = build_model(run.model, device="cpu")
         model = method.prepare(model)
@@ -100,7 +129,8 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
         retention.remove()
         meter.remove_hooks()
         return {"report": meter.report(),
-                "activation_saved_bytes": act_handle.saved_bytes() if act_handle else None, "params_total": params_total, "params_trainable": params_trainable,
+                "activation_saved_bytes": act_handle.saved_bytes() if act_handle else None,
+                "assumed_scalars": dict(assumed.sites), "params_total": params_total, "params_trainable": params_trainable,
                 "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary()}
 
 
@@ -122,7 +152,7 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
             activation_summary=None if run.activation.is_identity() else {
                 "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"]},
             dryrun={"wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
-                    "top_modules": traced["top_modules"],
+                    "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
                     "cuda_context_gib": run.dryrun.cuda_context_gib,
                     "verdicts": verdicts(rep.peak_bytes, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
         )
@@ -144,6 +174,9 @@ def print_dryrun(summary: dict) -> None:
               + ", ".join(f"{k} {v / GIB:.3f}" for k, v in cats.items() if v) + ")")
     print("  fits (with {:.1f} GiB reserve): ".format(d["cuda_context_gib"])
           + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
+    if d["assumed_scalars"]:
+        print("  assumed scalar values : " + ", ".join(f"{k} x{v}" for k, v in d["assumed_scalars"].items())
+              + " (data-dependent branches in third-party code, answered 1)")
     print("  top modules by retained forward bytes:")
     for row in d["top_modules"][:5]:
         print(f"    {row['module']:<40} {row['forward_retained_bytes'] / GIB:.3f} GiB")

@@ -25,6 +25,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch import Tensor
 
 SIDES = ("one_sided", "two_sided", "identity")
@@ -82,6 +83,8 @@ def relative_projection_error(grad: Tensor, basis: Basis, orthonormal: bool = Fa
     ``orthonormal``, as SVD bases are)."""
     g = grad.float()
     norm = torch.linalg.vector_norm(g)
+    if is_fake(norm):
+        return float("nan")
     if not torch.isfinite(norm) or norm == 0:
         return 0.0
     approx = g
@@ -96,7 +99,16 @@ def relative_projection_error(grad: Tensor, basis: Basis, orthonormal: bool = Fa
 
 # ----------------------------------------------------------------------------------------------- factorizations
 def _finite(*tensors: Tensor) -> bool:
+    """All values finite. Shape-only (fake) tensors in a dry run have no values: assumed finite, which is the
+    path whose memory the dry run must measure."""
+    if any(is_fake(t) for t in tensors):
+        return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def scalar(t: Tensor) -> float:
+    """``float(t)``, or NaN for a shape-only (fake) tensor, which has no value."""
+    return float("nan") if is_fake(t) else float(t)
 
 
 def exact_svd(grad: Tensor, k: int) -> Factors | None:
@@ -110,7 +122,7 @@ def exact_svd(grad: Tensor, k: int) -> Factors | None:
         return None
     if not _finite(u, s, vh):
         return None
-    return Factors(u[:, :k], s[:k], vh[:k], float(torch.sum(s * s)))
+    return Factors(u[:, :k], s[:k], vh[:k], scalar(torch.sum(s * s)))
 
 
 def randomized_svd(grad: Tensor, k: int, *, power_iters: int = 2, oversample: int = 8,
@@ -146,7 +158,7 @@ def randomized_svd(grad: Tensor, k: int, *, power_iters: int = 2, oversample: in
     u = qy @ ub
     if not _finite(u, s, vh):
         return None
-    return Factors(u[:, :k], s[:k], vh[:k], float(torch.sum(g * g)))
+    return Factors(u[:, :k], s[:k], vh[:k], scalar(torch.sum(g * g)))
 
 
 def basis_from_factors(f: Factors, rank: int, use_left: bool, use_right: bool, dtype: torch.dtype) -> Basis:
@@ -164,8 +176,9 @@ def stable_randn(shape: tuple[int, int], seed: int, device: torch.device, dtype=
 
 def next_seed(seed: int, adv: int = 0xF) -> int:
     """apollo_torch.random_projector.next_seed: the seed of the next refresh."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, torch.iinfo(torch.int64).max, (adv,), generator=gen).tolist()[-1]
+    with unset_fake_temporarily():  # seed arithmetic is real even inside a FakeTensorMode dry run
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, torch.iinfo(torch.int64).max, (adv,), generator=gen).tolist()[-1]
 
 
 def random_basis(shape: tuple[int, int], rank: int, use_left: bool, use_right: bool, seed: int,

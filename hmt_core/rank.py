@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch import Tensor
 
 FALLBACKS = ("largest", "full")
@@ -44,6 +45,8 @@ def choose_rank(s: Tensor, total_energy: float, *, candidates: tuple[int, ...], 
     valid = valid_candidates(candidates, max_rank)
     if not valid:
         return max_rank
+    if is_fake(s):  # dry run: no spectrum to read; the fallback rank is the upper bound whose memory counts
+        return max_rank if fallback == "full" else valid[-1]
     energy = energy_ratios(s, total_energy)
     for r in valid:
         if r <= energy.numel() and float(energy[r - 1]) >= tau:

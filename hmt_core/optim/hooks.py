@@ -26,6 +26,12 @@ Global gradient clipping (design decision). The global norm is only known after 
 4. With accumulation (n > 1), a Mode A weight contributes ‖Σ_i Ĝ_i‖ (the gradient the optimizer actually
    uses) to the global norm instead of ‖Σ_i G_i‖, which is never materialized.
 Without clipping, every update happens inside backward.
+
+Non-finite gradients (the loop skips such steps): a gradient that is not finite is never used for a basis
+refresh (checked only when a refresh is due, where the SVD synchronizes anyway) nor for an update applied inside
+backward (one check per in-hook update: Mode B, or no clipping); ``finish_step`` then discards every deferred
+update and returns a NaN norm. With Mode A + clipping (the default) a skipped step therefore changes nothing;
+when updates happen inside backward, layers updated before the bad gradient appeared keep their update.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 from torch import Tensor
 
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
-from hmt_core.projection import project
+from hmt_core.projection import project, scalar
 
 
 class PerLayerEngine:
@@ -46,6 +52,7 @@ class PerLayerEngine:
         self.deferred_low: list[Slot] = []
         self.deferred_dense: list[Slot] = []
         self.lagged_coef: Tensor | None = None
+        self.nonfinite = False  # a non-finite gradient was seen in this step
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in opt.slots]
 
     def remove(self) -> None:
@@ -73,8 +80,14 @@ class PerLayerEngine:
         g = param.grad
         if g is None:  # another hook already consumed it
             return
+        if self.nonfinite:
+            param.grad = None
+            return
         if s.projected and opt.cfg.mode == "A":
             if (self.index == 0 or s.basis is None) and opt.refresh_due(s):
+                if not self._finite(g):
+                    param.grad = None
+                    return
                 opt.refresh(s, g)
             low = project(g, s.basis).float()
             s.pending = low if s.pending is None else s.pending.add_(low)
@@ -87,13 +100,16 @@ class PerLayerEngine:
                 self.norms[s.index] = torch.linalg.vector_norm(s.pending)
             if self.clipping:
                 self.deferred_low.append(s)
-            else:
+            elif self._finite(s.pending):
                 opt.update_low_rank(s, s.pending)
                 s.pending = None
             return
         if not last:
             return  # p.grad keeps accumulating
         self.norms[s.index] = torch.linalg.vector_norm(g)
+        if (s.projected or not self.clipping) and not self._finite(self.norms[s.index]):
+            param.grad = None
+            return
         if s.projected:  # Mode B
             if opt.refresh_due(s):
                 opt.refresh(s, g)
@@ -105,12 +121,32 @@ class PerLayerEngine:
             opt.update_full(s, g)
             param.grad = None
 
+    def _finite(self, t: Tensor) -> bool:
+        if not bool(torch.isfinite(t).all()):
+            self.nonfinite = True
+        return not self.nonfinite
+
+    def discard_step(self) -> None:
+        """Forget this step's gradients and deferred updates (a skipped step)."""
+        for s in self.deferred_low:
+            s.pending = None
+        for s in self.deferred_dense:
+            s.param.grad = None
+        self.norms, self.deferred_low, self.deferred_dense = {}, [], []
+        self.index, self.count, self.nonfinite = 0, 1, False
+
     @torch.no_grad()
     def finish_step(self) -> float:
         """After the last micro-batch's backward: the global norm, then any deferred (clipped) updates."""
+        if self.nonfinite:
+            self.discard_step()
+            return float("nan")
         if not self.norms:
             return 0.0
         total = global_norm([self.norms[i] for i in sorted(self.norms)])
+        if not torch.isfinite(total):
+            self.discard_step()
+            return float(total)
         coef = clip_coefficient(total, self.max_grad_norm)
         for s in self.deferred_low:
             self.opt.update_low_rank(s, s.pending, coef)
@@ -121,4 +157,4 @@ class PerLayerEngine:
         self.lagged_coef = coef
         self.norms, self.deferred_low, self.deferred_dense = {}, [], []
         self.index, self.count = 0, 1
-        return float(total)
+        return scalar(total)  # NaN in a dry run (fake tensors have no value)

@@ -208,7 +208,7 @@ class LowRankOptimizer:
                 self.update_low_rank(s, proj.project(s.param.grad, s.basis), coef)
             else:
                 self.update_full(s, s.param.grad, coef)
-        return float(total)
+        return proj.scalar(total)  # NaN in a dry run (fake tensors have no value)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> Iterator[Tensor]:
