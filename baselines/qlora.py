@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from hmt_core.driver import OptimizerDriver
-from hmt_core.method import trainable_parameters
+from hmt_core.method import NotTraceableError, trainable_parameters
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -91,6 +92,10 @@ class QLoRAMethod:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         c = self.config
+        if any(is_fake(p) for p in model.parameters()):
+            raise NotTraceableError(
+                "method=qlora cannot be traced under FakeTensorMode: bitsandbytes' Params4bit is a Tensor subclass "
+                "that cannot wrap a fake tensor, so no dry-run memory figure is reported for it")
         for p in model.parameters():
             p.requires_grad_(False)
         self.quantized_layers = quantize_linear_nf4(model, c.target_modules, compute_dtype=_TORCH_DTYPES[c.compute_dtype],

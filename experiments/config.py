@@ -110,6 +110,11 @@ class TrainConfig:
     log_every: int = 10
     autocast: bool = True  # BF16 autocast where the device supports it
     progress: bool = True
+    checkpoint_every: int = 0  # steps between checkpoints (plus one at the end); 0: only on SIGTERM/SIGUSR1
+    keep_checkpoints: int = 2  # newest checkpoints kept; 0 keeps all
+    checkpoint_dir: str | None = None  # default <results_dir>/<run_id>/checkpoints
+    resume: str = "auto"  # "auto" (newest good checkpoint, if any) | "never" | a checkpoint path
+    max_bad_steps: int = 10  # consecutive steps with non-finite loss/gradient (each skipped) before the run fails
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
@@ -120,6 +125,18 @@ class TrainConfig:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError(f"train.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        for name in ("checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        _positive("train", self, "max_bad_steps")
+        if not self.resume:
+            raise ValueError("train.resume must be 'auto', 'never' or a checkpoint path")
+
+
+# Keys that never change a run's trajectory, left out of the default run_id so that a restart with
+# e.g. train.resume=... lands in the same results directory.
+RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
+                             "max_bad_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,9 +221,10 @@ def _instance_twin(obj: Any) -> Any:
 def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
-    from experiments import methods
+    from experiments import cluster, methods
 
     cs = ConfigStore.instance()
+    cluster.register(cs)
     schema = dataclasses.make_dataclass("RunSchema", [
         ("method", Any, field(default="???")),
         ("model", mutable_twin(ModelConfig), field(default="???")),

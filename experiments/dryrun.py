@@ -30,6 +30,7 @@ from experiments.models import build_model, count_params
 from experiments.results import RunDir
 from hmt_core.activations import apply_policy
 from hmt_core.driver import iter_state_tensors
+from hmt_core.method import NotTraceableError
 
 GIB = 2**30
 
@@ -139,7 +140,14 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
     run_dir.start(config_dict)
     try:
         start = time.perf_counter()
-        traced = trace_steps(run, method)
+        try:
+            traced = trace_steps(run, method)
+        except NotTraceableError as e:
+            summary = build_summary(run, run_dir.run_id, torch.device("cpu"), memory=None, val_loss=None,
+                                    dryrun={"traceable": False, "reason": str(e)})
+            run_dir.finish(summary)
+            run_dir.set_status("failed")
+            raise SystemExit(f"error: {e}") from None
         wall = time.perf_counter() - start
         rep = traced["report"]
         t = run.train
@@ -151,7 +159,7 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
             host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
             activation_summary=None if run.activation.is_identity() else {
                 "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"]},
-            dryrun={"wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
+            dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
                     "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
                     "cuda_context_gib": run.dryrun.cuda_context_gib,
                     "verdicts": verdicts(rep.peak_bytes, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},

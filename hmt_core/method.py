@@ -70,6 +70,11 @@ class Method(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class NotTraceableError(RuntimeError):
+    """Raised by a method whose code cannot run on FakeTensorMode's shape-only tensors (``mode=dryrun``): the dry
+    run then records the method as untraceable instead of reporting a wrong number."""
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 

@@ -1,0 +1,245 @@
+"""The report's figures (matplotlib, Agg), each saved as PNG and PDF.
+
+Every figure labels its axes with units and has a legend; a method has one colour in every figure
+(``method_colors``). Each ``*_figure`` function returns ``{name: Figure}`` (empty when the results hold no data
+for it, e.g. no run recorded rank histories), so the report can say what it skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from analysis.load import CATEGORIES, Results  # noqa: E402
+from analysis.tables import GIB, groups, method_sort_key, model_sort_key  # noqa: E402
+
+# Okabe-Ito colour-blind-safe palette: fixed colours for the paper's methods, the rest for any other method.
+FIXED_COLORS = {"adamw": "#0072B2", "qlora": "#E69F00", "galore": "#009E73", "apollo": "#CC79A7", "hmt": "#D55E00"}
+SPARE_COLORS = ("#56B4E9", "#F0E442", "#000000", "#999999", "#8C564B", "#17BECF")
+MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4D4D4D", "#8C8C8C", "#B3B3B3", "#6BAED6", "#C6DBEF", "#E5E5E5")))
+
+
+def method_colors(methods) -> dict[str, str]:
+    others = sorted({m for m in methods if m not in FIXED_COLORS}, key=method_sort_key)
+    spare = {m: SPARE_COLORS[i % len(SPARE_COLORS)] for i, m in enumerate(others)}
+    return {**FIXED_COLORS, **spare}
+
+
+def _models(frame: pd.DataFrame) -> list[str]:
+    return sorted(frame["model"].dropna().unique(), key=model_sort_key)
+
+
+def _methods(frame: pd.DataFrame) -> list[str]:
+    return sorted(frame["method"].dropna().unique(), key=method_sort_key)
+
+
+def _subplots(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False, layout="constrained")
+    return fig, list(axes[0])
+
+
+def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    runs = results.completed()
+    runs = runs[runs["mode"] == "train"][["run_id", "method", "model"]]
+    if runs.empty or results.metrics.empty or "loss/train" not in results.metrics:
+        return {}
+    data = results.metrics.merge(runs, on="run_id")
+    if data.empty:
+        return {}
+    models = _models(data)
+    fig, axes = _subplots(len(models))
+    for ax, model in zip(axes, models):
+        for method in _methods(data[data["model"] == model]):
+            rows = data[(data["model"] == model) & (data["method"] == method)]
+            train = rows.groupby("step")["loss/train"].mean().dropna()
+            ax.plot(train.index, train.values, color=colors[method], lw=1.5, label=method)
+            if "loss/val" in rows:
+                val = rows.groupby("step")["loss/val"].mean().dropna()
+                ax.plot(val.index, val.values, color=colors[method], lw=1.2, ls="--", marker="o", ms=3)
+        ax.set(title=f"model {model}", xlabel="optimizer step", ylabel="loss (cross-entropy, nats/token)")
+        ax.grid(alpha=0.3)
+        handles, _ = ax.get_legend_handles_labels()
+        style = [Line2D([], [], color="black", lw=1.5, label="train"),
+                 Line2D([], [], color="black", lw=1.2, ls="--", marker="o", ms=3, label="validation")]
+        ax.legend(handles=handles + style, fontsize="small")
+    fig.suptitle("Loss curves (mean over seeds)")
+    return {"loss_curves": fig}
+
+
+def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not dominated by one with less (or equal) memory and more throughput."""
+    front, best = [], -np.inf
+    for mem, tps in sorted(points, key=lambda p: (p[0], -p[1])):
+        if tps > best:
+            front.append((mem, tps))
+            best = tps
+    return front
+
+
+def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    runs = results.completed()
+    runs = runs[(runs["mode"] == "train")].dropna(subset=["peak_bytes", "tokens_per_s"])
+    if runs.empty:
+        return {}
+    markers = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(_models(runs))}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
+    points: dict[str, list] = {}
+    for (method, model), g in groups(runs):
+        mem, tps = g["peak_bytes"].astype(float).mean() / GIB, g["tokens_per_s"].astype(float).mean()
+        points.setdefault(model, []).append((mem, tps))
+        ax.scatter([mem], [tps], color=colors[method], marker=markers[model], s=60, edgecolor="black", lw=0.5, zorder=3)
+    for model, model_points in points.items():  # methods compete within a model size
+        front = _pareto_front(model_points)
+        ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1, zorder=2)
+    method_handles = [Line2D([], [], color=colors[m], marker="o", ls="", label=m) for m in _methods(runs)]
+    model_handles = [Line2D([], [], color="grey", marker=mk, ls="", label=f"model {m}") for m, mk in markers.items()]
+    front_handle = [Line2D([], [], color="grey", ls=":", label="Pareto front (per model)")]
+    ax.legend(handles=method_handles + model_handles + front_handle, fontsize="small", loc="best")
+    ax.set(xlabel="peak memory (GiB)", ylabel="throughput (tokens/s)", title="Throughput vs peak memory")
+    ax.grid(alpha=0.3)
+    return {"pareto_tokens_per_s_vs_peak_memory": fig}
+
+
+def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    runs = results.completed()
+    columns = [f"peak_{c}_bytes" for c in CATEGORIES]
+    runs = runs.dropna(subset=columns, how="all")
+    if runs.empty:
+        return {}
+    models = _models(runs)
+    fig, axes = _subplots(len(models))
+    for ax, model in zip(axes, models):
+        bars = [(f"{method}" + ("" if mode == "train" else f"\n({mode})"), g)
+                for (method, mode), g in groups(runs[runs["model"] == model], ("method", "mode"))]
+        bottom = np.zeros(len(bars))
+        for category, column in zip(CATEGORIES, columns):
+            heights = np.array([np.nan_to_num(g[column].astype(float).mean()) / GIB for _, g in bars])
+            ax.bar(range(len(bars)), heights, bottom=bottom, color=CATEGORY_COLORS[category], edgecolor="black",
+                   lw=0.4, label=category)
+            bottom += heights
+        ax.set_xticks(range(len(bars)), [label for label, _ in bars])
+        for tick, (label, _) in zip(ax.get_xticklabels(), bars):
+            tick.set_color(colors[label.split("\n")[0]])
+        ax.set(title=f"model {model}", ylabel="memory at peak step (GiB)", xlabel="method")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], title="category", fontsize="small", loc="outside right center")
+    fig.suptitle("Peak memory by category")
+    return {"memory_by_category": fig}
+
+
+def _rank_grid(ranks: pd.DataFrame) -> tuple[list[str], list[int], np.ndarray]:
+    """Layers x steps of ranks; a layer keeps its last recorded rank until the next record."""
+    layers = sorted(ranks["layer"].unique())
+    steps = sorted(ranks["step"].unique())
+    grid = ranks.pivot_table(index="layer", columns="step", values="rank", aggfunc="last")
+    grid = grid.reindex(index=layers, columns=steps).ffill(axis=1)
+    return layers, steps, grid.to_numpy(dtype=float)
+
+
+def rank_figures(results: Results, colors: dict) -> dict[str, Figure]:
+    if results.ranks.empty:
+        return {}
+    runs = results.completed()[["run_id", "method", "model", "seed", "steps"]]
+    ranks = results.ranks.merge(runs, on="run_id")
+    figures = {}
+    for (method, model), g in groups(ranks):
+        run_id = g.sort_values(["seed", "run_id"])["run_id"].iloc[0]
+        seed = g[g["run_id"] == run_id]["seed"].iloc[0]
+        layers, steps, grid = _rank_grid(g[g["run_id"] == run_id])
+        fig, ax = plt.subplots(figsize=(7.5, max(2.5, 0.22 * len(layers) + 1.5)), layout="constrained")
+        total = g[g["run_id"] == run_id]["steps"].iloc[0]  # the last record holds until training ends
+        end = float(total) if pd.notna(total) and total > steps[-1] else steps[-1] + 1
+        x_edges = np.array(list(steps) + [end], dtype=float)  # a rank holds from its record to the next
+        image = ax.pcolormesh(x_edges, np.arange(len(layers) + 1) - 0.5, grid, cmap="viridis")
+        ax.invert_yaxis()
+        ax.set_yticks(range(len(layers)), layers if len(layers) <= 48 else [""] * len(layers), fontsize="x-small")
+        ax.set(xlabel="optimizer step", ylabel="layer", title=f"{method} on {model}: rank per layer (seed {seed})")
+        fig.colorbar(image, ax=ax, label="rank (dimensions)")
+        figures[f"rank_heatmap_{method}_{model}"] = fig
+    if not results.rank_hist.empty:
+        hist = results.rank_hist.merge(runs, on="run_id")
+        fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
+        methods = _methods(hist)
+        all_ranks = sorted(hist["rank"].unique())
+        width = 0.8 / max(len(methods), 1)
+        for i, method in enumerate(methods):
+            counts = hist[hist["method"] == method].groupby("rank")["count"].sum().reindex(all_ranks, fill_value=0)
+            share = counts / counts.sum() if counts.sum() else counts
+            ax.bar(np.arange(len(all_ranks)) + (i - (len(methods) - 1) / 2) * width, share.values, width,
+                   color=colors[method], label=method)
+        ax.set_xticks(range(len(all_ranks)), [str(r) for r in all_ranks])
+        ax.set(xlabel="rank (dimensions)", ylabel="share of basis refreshes (all layers)",
+               title="Rank distribution over training")
+        ax.legend(fontsize="small")
+        figures["rank_distribution"] = fig
+    return figures
+
+
+def _grouped_bars(ax, frame: pd.DataFrame, category: str, value: str, colors: dict, scale: float = 1.0) -> None:
+    categories = sorted(frame[category].unique(), key=model_sort_key if category == "model" else str)
+    methods = _methods(frame)
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        means = frame[frame["method"] == method].groupby(category)[value].mean().reindex(categories)
+        ax.bar(np.arange(len(categories)) + (i - (len(methods) - 1) / 2) * width, means.values / scale, width,
+               color=colors[method], label=method, edgecolor="black", lw=0.4)
+    ax.set_xticks(range(len(categories)), [str(c) for c in categories])
+    ax.legend(fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def activation_error_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    acts = results.activations.dropna(subset=["rel_err"]) if len(results.activations) else results.activations
+    if acts.empty:
+        return {}
+    acts = acts.merge(results.completed()[["run_id", "method", "model"]], on="run_id")
+    models = _models(acts)
+    fig, axes = _subplots(len(models), width=6.0)
+    for ax, model in zip(axes, models):
+        frame = acts[acts["model"] == model].assign(rel_err=lambda f: f["rel_err"].astype(float))
+        _grouped_bars(ax, frame, "component", "rel_err", colors)
+        if (frame["rel_err"] > 0).all() and frame["rel_err"].max() / frame["rel_err"].min() > 100:
+            ax.set_yscale("log")
+        ax.set(title=f"model {model}", xlabel="activation component",
+               ylabel="relative error ‖x̂−x‖/‖x‖ (dimensionless)")
+    fig.suptitle("Activation compression error by component")
+    return {"activation_error": fig}
+
+
+def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    runs = results.completed()
+    panels = [(c, label) for c, label in (("host_device_bytes", "host↔device traffic (GiB)"),
+                                          ("checkpoint_bytes", "checkpoint size (GiB)"))
+              if c in runs and runs[c].notna().any()]
+    if not panels:
+        return {}
+    fig, axes = _subplots(len(panels))
+    for ax, (column, label) in zip(axes, panels):
+        frame = runs.dropna(subset=[column]).assign(**{column: lambda f, c=column: f[c].astype(float)})
+        _grouped_bars(ax, frame, "model", column, colors, scale=GIB)
+        ax.set(xlabel="model", ylabel=label, title=label.split(" (")[0])
+    fig.suptitle("Host-device traffic and checkpoint sizes")
+    return {"transfers_and_checkpoints": fig}
+
+
+ALL_FIGURES = (loss_curves_figure, pareto_figure, memory_category_figure, rank_figures, activation_error_figure,
+               transfer_figure)
+
+
+def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
+    """``<name>.png`` and ``<name>.pdf``, without timestamps in their metadata."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, pdf = out_dir / f"{name}.png", out_dir / f"{name}.pdf"
+    fig.savefig(png, dpi=150, metadata={"Software": None})
+    fig.savefig(pdf, metadata={"CreationDate": None, "ModDate": None})
+    plt.close(fig)
+    return [png, pdf]

@@ -1,0 +1,193 @@
+"""The report's tables, each rendered to Markdown and LaTeX from the same cells.
+
+Rows are aggregated over seeds (mean; validation loss also shows the standard deviation when there are several
+seeds) and ordered by method (``METHOD_ORDER``, then by name) and model size, so the same results always give
+the same bytes. A missing value is shown as "—". Only completed runs enter the numeric tables; the ``runs``
+table lists every run with its state, failed ones included.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from analysis.load import CATEGORIES, Results
+
+METHOD_ORDER = ("adamw", "qlora", "galore", "apollo", "hmt")
+GIB = 2**30
+MIB = 2**20
+DASH = "—"
+
+
+@dataclass
+class Table:
+    name: str
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    align: list[str] = field(default_factory=list)  # "l" | "r" per column; default: first two left, rest right
+
+    def alignment(self) -> list[str]:
+        return self.align or ["l", "l"] + ["r"] * (len(self.columns) - 2)
+
+
+def method_sort_key(name: str) -> tuple:
+    return (METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER), str(name))
+
+
+def model_sort_key(name: str) -> tuple:
+    """``tiny`` < ``125m`` < ``350m`` < ``1b`` < ... < names without a size (by name)."""
+    if name == "tiny":
+        return (0, 0.0, name)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmbt])", str(name).lower())
+    if match:
+        return (1, float(match.group(1)) * {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2)], name)
+    return (2, 0.0, str(name))
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def cell(value) -> str:
+    """A plain value as text: "—" when missing, ``3`` not ``3.0`` for whole numbers."""
+    if _missing(value):
+        return DASH
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def fmt(value, spec: str, scale: float = 1.0) -> str:
+    return DASH if _missing(value) else format(value / scale, spec)
+
+
+def fmt_mean_std(values: pd.Series, spec: str) -> str:
+    values = values.dropna().astype(float)
+    if values.empty:
+        return DASH
+    if len(values) == 1:
+        return format(values.iloc[0], spec)
+    return f"{format(values.mean(), spec)} ± {format(values.std(ddof=1), spec)}"
+
+
+def _mean(values: pd.Series):
+    values = pd.to_numeric(values, errors="coerce").dropna()
+    return float(values.mean()) if len(values) else None
+
+
+def groups(runs: pd.DataFrame, keys: tuple[str, ...] = ("method", "model")) -> list[tuple[tuple, pd.DataFrame]]:
+    """(key values, rows) per group, in report order."""
+    if runs.empty:
+        return []
+    out = [(k if isinstance(k, tuple) else (k,), g) for k, g in runs.groupby(list(keys), dropna=False, sort=False)]
+    sorters = {"method": method_sort_key, "model": model_sort_key}
+    return sorted(out, key=lambda kg: tuple(sorters.get(key, lambda v: (str(v),))(value)
+                                             for key, value in zip(keys, kg[0])))
+
+
+def main_table(results: Results) -> Table:
+    runs = results.completed()
+    runs = runs[runs["mode"] == "train"]
+    rows = []
+    for (method, model), g in groups(runs):
+        rows.append([method, model, str(len(g)), fmt(_mean(g["peak_bytes"]), ".2f", GIB),
+                     fmt(_mean(g["avg_bytes"]), ".2f", GIB), fmt(_mean(g["tokens_per_s"]), ",.0f"),
+                     fmt(_mean(g["step_time_s"]), ".1f", 1e-3), fmt_mean_std(g["val_loss"], ".3f")])
+    return Table("main", "Training runs per method and model (mean over seeds)",
+                 ["Method", "Model", "Seeds", "Peak memory (GiB)", "Avg memory (GiB)", "Tokens/s", "Step time (ms)",
+                  "Val loss"], rows)
+
+
+def memory_category_table(results: Results) -> Table:
+    rows = []
+    for (method, model, mode), g in groups(results.completed(), ("method", "model", "mode")):
+        rows.append([method, model, mode] + [fmt(_mean(g[f"peak_{c}_bytes"]), ".3f", GIB) for c in CATEGORIES]
+                    + [fmt(_mean(g["peak_bytes"]), ".3f", GIB)])
+    return Table("memory_by_category", "Memory by category at the peak step (GiB)",
+                 ["Method", "Model", "Mode", *CATEGORIES, "peak"], rows,
+                 ["l", "l", "l"] + ["r"] * (len(CATEGORIES) + 1))
+
+
+def memory_phase_table(results: Results) -> Table:
+    runs = results.completed()
+    phases = sorted(c[len("peak_phase_"):-len("_bytes")] for c in runs.columns if c.startswith("peak_phase_"))
+    order = {"forward": 0, "backward": 1, "optimizer": 2}
+    phases.sort(key=lambda p: (order.get(p, len(order)), p))
+    rows = [[method, model, mode] + [fmt(_mean(g[f"peak_phase_{p}_bytes"]), ".3f", GIB) for p in phases]
+            for (method, model, mode), g in groups(runs, ("method", "model", "mode"))] if phases else []
+    return Table("memory_by_phase", "Peak memory per training phase (GiB)", ["Method", "Model", "Mode", *phases],
+                 rows, ["l", "l", "l"] + ["r"] * len(phases))
+
+
+def transfer_table(results: Results) -> Table:
+    rows = []
+    for (method, model, mode), g in groups(results.completed(), ("method", "model", "mode")):
+        rows.append([method, model, mode, fmt(_mean(g["host_device_bytes"]), ".3f", GIB),
+                     fmt(_mean(g["checkpoint_bytes"]), ".3f", GIB), fmt(_mean(g["cpu_rss_peak_bytes"]), ".2f", GIB)])
+    return Table("transfers", "Host-device traffic, checkpoint size and host memory (GiB)",
+                 ["Method", "Model", "Mode", "Host↔device (GiB)", "Checkpoint (GiB)", "CPU RSS peak (GiB)"], rows,
+                 ["l", "l", "l", "r", "r", "r"])
+
+
+def activation_table(results: Results) -> Table:
+    runs = results.completed()[["run_id", "method", "model"]]
+    acts = results.activations.merge(runs, on="run_id") if len(results.activations) else results.activations
+    rows = []
+    for (method, model, component), g in groups(acts, ("method", "model", "component")) if len(acts) else []:
+        rows.append([method, model, component, fmt(_mean(g["saved_bytes"]), ".1f", MIB),
+                     fmt(_mean(g["rel_err"]), ".2e"), fmt(_mean(g["grad_cos"]), ".4f")])
+    return Table("activation_error", "Activation compression per component (mean over seeds)",
+                 ["Method", "Model", "Component", "Saved (MiB)", "Relative error", "Grad cosine"], rows,
+                 ["l", "l", "l", "r", "r", "r"])
+
+
+def runs_table(results: Results) -> Table:
+    rows = []
+    for _, r in results.runs.iterrows():
+        rows.append([str(r["run_id"]), str(r["status"]), *(cell(r[k]) for k in ("method", "model", "mode", "seed")),
+                     cell(r.get("error"))[:80]])
+    return Table("runs", "Every run and its state", ["Run", "State", "Method", "Model", "Mode", "Seed", "Error"], rows,
+                 ["l"] * 7)
+
+
+ALL_TABLES = (main_table, memory_category_table, memory_phase_table, transfer_table, activation_table, runs_table)
+
+
+# ---- rendering -------------------------------------------------------------------------------------------------
+def to_markdown(table: Table) -> str:
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    rule = ["---:" if a == "r" else ":---" for a in table.alignment()]
+    body = [line(row) for row in table.rows] or [line(["(no data)"] + [""] * (len(table.columns) - 1))]
+    return "\n".join([line(table.columns), "| " + " | ".join(rule) + " |", *body]) + "\n"
+
+
+LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+                 "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+                 "±": r"$\pm$", "—": "---", "↔": r"$\leftrightarrow$"}
+
+
+def latex_escape(text: str) -> str:
+    return "".join(LATEX_SPECIAL.get(ch, ch) for ch in text)
+
+
+def to_latex(table: Table) -> str:
+    body = [" & ".join(latex_escape(c) for c in row) + r" \\" for row in table.rows]
+    if not body:
+        body = [rf"\multicolumn{{{len(table.columns)}}}{{c}}{{(no data)}} \\"]
+    return "\n".join([
+        r"% Generated by python -m analysis.report; do not edit.",
+        rf"% {latex_escape(table.title)}",
+        rf"\begin{{tabular}}{{{''.join(table.alignment())}}}",
+        r"\toprule",
+        " & ".join(latex_escape(c) for c in table.columns) + r" \\",
+        r"\midrule",
+        *body,
+        r"\bottomrule",
+        r"\end{tabular}",
+    ]) + "\n"

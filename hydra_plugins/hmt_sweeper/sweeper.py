@@ -1,0 +1,70 @@
+"""``hydra/sweeper=hmt``: Hydra multirun over command-line grids and sweep files, skipping completed runs.
+
+    python -m experiments.run -m method=adamw,qlora model=125m,350m            # grid from the command line
+    python -m experiments.run -m hydra.sweeper.file=paper_main cluster=slurm   # a sweep file (experiments/sweeps/)
+    python -m experiments.run -m hydra.sweeper.file=paper_main train.steps=3   # file x command-line overrides
+
+Every job is composed and validated before anything is launched; its run (``results_dir/run_id``, computed
+exactly as the runner does) is skipped when already ``completed`` unless ``force=true``. All remaining jobs go
+to the launcher in one call, so with ``cluster=slurm`` one sweep is one Slurm job array.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobStatus
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.sweep import run_ref_from_config, split_completed, sweep_jobs
+
+log = logging.getLogger(__name__)
+
+
+class HMTSweeper(Sweeper):
+    def __init__(self, file: Optional[str] = None) -> None:
+        self.file = file
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.launcher = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: List[str]) -> Any:
+        assert self.config is not None and self.hydra_context is not None and self.launcher is not None
+        loader = self.hydra_context.config_loader
+        jobs, refs, seen = [], [], set()
+        for job in sweep_jobs(self.file, arguments, loader):
+            ref = run_ref_from_config(loader.load_sweep_config(self.config, job))  # validates before launching
+            if ref.path in seen:
+                log.warning(f"duplicate run {ref.run_id} ({' '.join(job)}): launched once")
+                continue
+            seen.add(ref.path)
+            jobs.append(job)
+            refs.append(ref)
+        launch, skipped = split_completed(jobs, refs)
+        for job in skipped:
+            log.info(f"skip (completed; force=true re-runs it): {' '.join(job)}")
+
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        log.info(f"{len(jobs)} runs: {len(launch)} to launch, {len(skipped)} completed and skipped")
+        if not launch:
+            return []
+        results = self.launcher.launch(launch, initial_job_idx=0)
+        failed = [r for r in results if r.status == JobStatus.FAILED]
+        if failed:
+            log.error(f"{len(failed)} of {len(results)} runs failed")
+        for r in results:
+            _ = r.return_value  # re-raises the first failure, as Hydra's basic sweeper does
+        return [results]
