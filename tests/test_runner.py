@@ -107,3 +107,11 @@ def test_cli_rejects_unknown_names_and_bad_types(tmp_path, args, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_wandb_offline_mirror_lives_inside_the_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summary = run(tmp_path, "method=adamw", "train.steps=2", "wandb.mode=offline", "run_id=w")
+    runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
+    assert (tmp_path / "w" / "status").read_text().strip() == "completed" and summary["steps"] == 2
