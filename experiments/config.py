@@ -57,10 +57,16 @@ class ModelConfig:
         _one_of("model", "dtype", self.dtype, DTYPES)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} not divisible by model.num_heads={self.num_heads}")
+        if self.path is not None:
+            from pathlib import Path
+
+            if not (Path(self.path).expanduser() / "config.json").exists():
+                raise FileNotFoundError(f"model.path has no Hugging Face model (config.json): {self.path}")
 
 
 MODEL_PHASES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
+    "small": ModelConfig(name="small", hidden_size=384, num_layers=6, num_heads=6, intermediate_size=1024),
     "125m": ModelConfig(name="125m", hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
                         vocab_size=32000),
     "350m": ModelConfig(name="350m", hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=2736,

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
+from hmt_core.basis_cache import BasisCache, basis_bytes
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
@@ -63,6 +65,9 @@ class Config:
     dense_8bit: bool = False
     per_layer: bool = True
     seed: int = 0
+    offload_bases: bool = False  # park bases in host memory between uses (hmt_core.basis_cache; per_layer only)
+    basis_cache_mib: int = 4096  # host budget for parked (current + previous) bases
+    kernels: str = "auto"  # "auto" (Triton on CUDA when installed, else PyTorch) | "triton" | "torch"
 
     def __post_init__(self) -> None:
         for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
@@ -81,6 +86,7 @@ class Config:
         choice("rank_fallback", FALLBACKS)
         choice("moment_policy", MOMENT_POLICIES)
         choice("state_dtype", ("fp32", "bf16"))
+        choice("kernels", KERNEL_BACKENDS)
         choice("scaling", ("channel", "tensor"))
         if not self.lr > 0:
             raise ValueError(f"method.lr must be > 0, got {self.lr}")
@@ -110,6 +116,10 @@ class Config:
             raise ValueError(f"method.limiter_gamma must be >= 1, got {self.limiter_gamma}")
         if self.mode == "B" and self.sides == "two_sided" and self.scaling == "channel":
             raise ValueError("method.scaling='channel' needs one-sided projection in mode B; use 'tensor'")
+        if self.offload_bases and not self.per_layer:
+            raise ValueError("method.offload_bases=true needs method.per_layer=true")
+        if self.basis_cache_mib <= 0:
+            raise ValueError(f"method.basis_cache_mib must be > 0, got {self.basis_cache_mib}")
         if not self.target_patterns:
             raise ValueError("method.target_patterns must name at least one pattern")
         for pattern in (*self.target_patterns, self.attn_pattern, self.mlp_pattern):
@@ -162,7 +172,10 @@ class HMTMethod:
         self.max_grad_norm = max_grad_norm
         if self.engine is not None:
             self.engine.remove()
-        self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm) if c.per_layer else None
+        cache = None
+        if c.offload_bases and slots:
+            cache = BasisCache(slots[0].param.device, c.basis_cache_mib * 2**20)
+        self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm, cache=cache) if c.per_layer else None
 
     def start_micro_batch(self, index: int, count: int) -> None:
         if self.engine is not None:
@@ -179,6 +192,8 @@ class HMTMethod:
         for s in self.opt.slots:
             s.param.grad = None
             s.pending = None
+        if self.engine is not None:
+            self.engine.discard_step()
 
     def set_lr_scale(self, scale: float) -> None:
         self.opt.set_lr(self.config.lr * scale)
@@ -192,13 +207,21 @@ class HMTMethod:
         out["optim/basis_fallbacks"] = float(self.opt.fallbacks)
         if self.last_grad_norm is not None:
             out["optim/grad_norm"] = float(self.last_grad_norm)
+        out.update(self.cache_stats())
         return out
+
+    def cache_stats(self) -> dict[str, float]:
+        cache = self.engine.cache if self.engine is not None else None
+        if cache is None:
+            return {}
+        return cache.stats(sum(basis_bytes(s.basis) for s in self.opt.slots))
 
     def summary(self) -> dict[str, Any]:
         out = self.opt.history.summary()
         out["optim/state_bytes"] = sum(t.numel() * t.element_size() for t in self.state_tensors())
         out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)
         out["optim/basis_fallbacks"] = self.opt.fallbacks
+        out.update(self.cache_stats())
         return out
 
     def state_dict(self) -> dict[str, Any]:

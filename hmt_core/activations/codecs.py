@@ -1,8 +1,9 @@
 """Codecs for tensors saved for backward: blockwise INT8, blockwise FP8, outlier-aware INT4/INT8.
 
 Every codec is a pure ``Tensor -> Tensors`` function registered as a ``torch.library.custom_op`` with a fake
-(meta) implementation, so output shapes depend only on input shapes and FakeTensorMode traces work (a later
-issue swaps in Triton kernels behind the same op names).
+(meta) implementation, so output shapes depend only on input shapes and FakeTensorMode traces work. The blockwise
+INT8/FP8 ops run bit-identical Triton kernels (``hmt_core.kernels.quant``) when ``hmt_core.kernels.use_triton``
+says so (CUDA tensors under the default ``"auto"`` backend), else the PyTorch code below.
 
 Blockwise absmax (CompAct-style storage of a compressed activation; HMT design, "BlockwiseInt8Compressor"):
 the flattened tensor is cut into blocks of ``B`` elements (zero-padded at the tail), and per block
@@ -33,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from hmt_core import kernels as _kernels
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -75,6 +78,9 @@ def _unblock(xb: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
 def int8_block_quant(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     # x: (...)  ->  q: (nb, block) int8, scale: (nb,) float32,  nb = ceil(numel / block)
     _check_block(block)
+    if _kernels.use_triton(x):  # bit-identical Triton kernel (hmt_core.kernels.quant)
+        from hmt_core.kernels import quant
+        return quant.int8_block_quant(x, block)
     xb = _blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), -xb.amin(dim=1))  # two reductions, no |x| temporary
     _raise_if_nonfinite(absmax, "int8_block_quant")
@@ -92,6 +98,9 @@ def _(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("hmt::int8_block_dequant", mutates_args=())
 def int8_block_dequant(q: Tensor, scale: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
     # q: (nb, block) int8, scale: (nb,)  ->  x^: shape, dtype
+    if _kernels.use_triton(q, scale):
+        from hmt_core.kernels import quant
+        return quant.int8_block_dequant(q, scale, shape, dtype)
     return _unblock(torch.mul(q, scale[:, None]), shape, dtype)  # int8 * f32 -> f32 in one pass
 
 
@@ -106,6 +115,9 @@ def fp8_block_quant(x: Tensor, block: int, fmt: str) -> tuple[Tensor, Tensor]:
     # x: (...)  ->  q: (nb, block) float8 (e4m3fn | e5m2), scale: (nb,) float32
     _check_block(block)
     fp8 = FP8_DTYPES[fmt]
+    if _kernels.use_triton(x):
+        from hmt_core.kernels import quant
+        return quant.fp8_block_quant(x, block, fmt)
     xb = _blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), -xb.amin(dim=1))
     _raise_if_nonfinite(absmax, "fp8_block_quant")
@@ -123,6 +135,9 @@ def _(x: Tensor, block: int, fmt: str) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("hmt::fp8_block_dequant", mutates_args=())
 def fp8_block_dequant(q: Tensor, scale: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
     # q: (nb, block) float8, scale: (nb,)  ->  x^: shape, dtype
+    if _kernels.use_triton(q, scale):
+        from hmt_core.kernels import quant
+        return quant.fp8_block_dequant(q, scale, shape, dtype)
     return _unblock(q.float() * scale[:, None], shape, dtype)
 
 

@@ -39,13 +39,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hmt_core.kernels import ops as kops
+from hmt_core.basis_cache import BasisCache
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
-from hmt_core.projection import project, scalar
+from hmt_core.projection import scalar
 
 
 class PerLayerEngine:
-    def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None) -> None:
+    def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None,
+                 cache: BasisCache | None = None) -> None:
         self.opt = opt
+        self.cache = cache  # bases parked in host memory between uses (hmt_core.basis_cache)
+        self.order: list[Slot] = []  # projected slots in backward (hook) order, recorded in the first step
+        self.next_in_order: dict[str, Slot] = {}
         self.max_grad_norm = max_grad_norm
         self.index, self.count = 0, 1
         self.norms: dict[int, Tensor] = {}  # slot index -> ‖G‖ (stacked in slot order, like clip_grad_norm_)
@@ -74,8 +80,24 @@ class PerLayerEngine:
 
         return hook
 
-    @torch.no_grad()
     def _on_grad(self, s: Slot, param: Tensor) -> None:
+        if self.cache is None or not s.projected or param.grad is None:
+            return self._on_grad_body(s, param)
+        if not self.next_in_order and s not in self.order:
+            self.order.append(s)  # first step: learn the backward order
+        self._fetch(s, self.next_in_order.get(s.name))
+        try:
+            self._on_grad_body(s, param)
+        finally:
+            s.basis = self.cache.park(s.name, s.basis)
+
+    def _fetch(self, s: Slot, prefetch: Slot | None) -> None:
+        s.basis = self.cache.fetch(s.name, s.basis)
+        if prefetch is not None:
+            self.cache.prefetch(prefetch.name)
+
+    @torch.no_grad()
+    def _on_grad_body(self, s: Slot, param: Tensor) -> None:
         opt, last = self.opt, self.index == self.count - 1
         g = param.grad
         if g is None:  # another hook already consumed it
@@ -89,7 +111,7 @@ class PerLayerEngine:
                     param.grad = None
                     return
                 opt.refresh(s, g)
-            low = project(g, s.basis).float()
+            low = kops.project(g, s.basis, backend=opt.kernels).float()
             s.pending = low if s.pending is None else s.pending.add_(low)
             if self.count == 1:
                 self.norms[s.index] = torch.linalg.vector_norm(g)
@@ -147,14 +169,22 @@ class PerLayerEngine:
         if not torch.isfinite(total):
             self.discard_step()
             return float(total)
+        if self.cache is not None and self.deferred_low:
+            self.cache.prefetch(self.deferred_low[0].name)
         coef = clip_coefficient(total, self.max_grad_norm)
-        for s in self.deferred_low:
+        for i, s in enumerate(self.deferred_low):
+            if self.cache is not None:
+                self._fetch(s, self.deferred_low[i + 1] if i + 1 < len(self.deferred_low) else None)
             self.opt.update_low_rank(s, s.pending, coef)
             s.pending = None
+            if self.cache is not None:
+                s.basis = self.cache.park(s.name, s.basis)
         for s in self.deferred_dense:
             self.opt.update_full(s, s.param.grad, coef)
             s.param.grad = None
         self.lagged_coef = coef
+        if self.cache is not None and self.order and not self.next_in_order:
+            self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
         self.norms, self.deferred_low, self.deferred_dense = {}, [], []
         self.index, self.count = 0, 1
         return scalar(total)  # NaN in a dry run (fake tensors have no value)

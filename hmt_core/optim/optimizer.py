@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from hmt_core import projection as proj
+from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
 from hmt_core.rank import RankHistory, choose_rank, sketch_size, valid_candidates
 
@@ -64,6 +65,7 @@ class LowRankOptimizer:
         self.refreshes = 0
         self.fallbacks = 0
         self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32
+        self.kernels = getattr(cfg, "kernels", None)  # "auto" | "triton" | "torch"; None: hmt_core.kernels' global
         for s in slots:
             s.seed = cfg.seed + s.index
         self.dense8: dict[str, torch.optim.Optimizer] = {}
@@ -146,9 +148,12 @@ class LowRankOptimizer:
             s.v = torch.zeros(g.shape, dtype=self.state_dtype, device=g.device)
         s.step += 1
         s.adam_t += 1
+        if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
+            return kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                                  style=c.adam_style, backend=self.kernels)
         m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style)
-        fn = upd.adam_direction if for_scaling else upd.adam_step
-        return fn(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style)
+        return upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                                  style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
         upd.apply_update_(s.param.data, full_update, step_size=step_size, lr=self.lr,
@@ -161,7 +166,12 @@ class LowRankOptimizer:
         if coef is not None:
             low = low * coef
         direction, step_size = self._adam(s, low)
-        self._apply(s, upd.project_back_scaled(direction, s.basis, self.cfg.scale), step_size)
+        if s.basis is None:
+            self._apply(s, direction, step_size)
+            return
+        # fused reconstruction + decay + update (Triton), or its row-chunked fallback: no full-size P U Qᵀ
+        kops.lowrank_update(s.param.data, direction, s.basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
+                            weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style, backend=self.kernels)
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None) -> None:  # grad: (out, in) full gradient
@@ -176,7 +186,7 @@ class LowRankOptimizer:
             direction, step_size = self._adam(s, grad.float())
             self._apply(s, direction, step_size)
             return
-        low = proj.project(grad, s.basis)
+        low = kops.project(grad, s.basis, backend=self.kernels)
         if self.cfg.mode == "A":
             self.update_low_rank(s, low)
             return
@@ -205,7 +215,7 @@ class LowRankOptimizer:
         coef = clip_coefficient(total, max_grad_norm)
         for s in live:
             if s.projected and self.cfg.mode == "A":
-                self.update_low_rank(s, proj.project(s.param.grad, s.basis), coef)
+                self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
             else:
                 self.update_full(s, s.param.grad, coef)
         return proj.scalar(total)  # NaN in a dry run (fake tensors have no value)

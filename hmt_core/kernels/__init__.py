@@ -1,0 +1,78 @@
+"""Kernel backend switch for HMT's fused ops (issue 9): Triton kernels or their PyTorch fallbacks.
+
+Backends (``BACKENDS``):
+- ``"auto"`` (default): Triton when every tensor is on CUDA and ``triton`` imports, else the PyTorch fallback;
+- ``"triton"``: always Triton — on CUDA, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
+  how the tests check the kernels without a GPU); raises if neither is possible;
+- ``"torch"``: always the PyTorch fallback.
+
+The backend is process-global (``set_backend`` / the ``using`` context manager; initial value from the
+``HMT_KERNELS`` environment variable) and an optimizer config may override it per call (``resolve``).
+Importing this package never imports triton; the kernels live in ``quant`` (blockwise INT8/FP8 codecs,
+Dettmers et al. 2022) and ``lowrank`` (GaLore's projection and reconstruction, Zhao et al. 2024; Adam, Kingma &
+Ba 2015), the custom ops in ``ops``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+
+from torch import Tensor
+
+BACKENDS = ("auto", "triton", "torch")
+
+_state = {"backend": os.environ.get("HMT_KERNELS", "auto")}
+
+
+def _check(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"kernels backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def set_backend(name: str) -> None:
+    _state["backend"] = _check(name)
+
+
+def get_backend() -> str:
+    return _check(_state["backend"])
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: Tensor, backend: str | None = None) -> bool:
+    """Whether an op on ``tensors`` runs its Triton kernel under ``backend`` (None or "": the global one)."""
+    name = _check(backend) if backend else get_backend()
+    if name == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    if name == "auto":
+        return on_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError("kernels backend 'triton' requested but the triton package is not installed "
+                           "(pip install 'hmt[triton]')")
+    if not (on_cuda or interpreting()):
+        raise RuntimeError("kernels backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton "
+                           "is imported) to run the kernels on CPU in Triton's interpreter")
+    return True
