@@ -116,6 +116,7 @@ class TrainConfig:
     log_every: int = 10
     autocast: bool = True  # BF16 autocast where the device supports it
     progress: bool = True
+    save_model: bool = False  # save the final model (Hugging Face format) + tokenizer to <run dir>/model
     checkpoint_every: int = 0  # steps between checkpoints (plus one at the end); 0: only on SIGTERM/SIGUSR1
     keep_checkpoints: int = 2  # newest checkpoints kept; 0 keeps all
     checkpoint_dir: str | None = None  # default <results_dir>/<run_id>/checkpoints

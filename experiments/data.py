@@ -160,7 +160,9 @@ class Corpus:
 
 def build_corpus(*, path: str | None, text_field: str, val_fraction: float, vocab_size: int, seq_len: int,
                  batch_size: int, seed: int, cache_dir: str, min_year: int | None = None,
-                 max_year: int | None = None) -> Corpus:
+                 max_year: int | None = None, tokenizer_path: Path | None = None) -> Corpus:
+    """``tokenizer_path``: use this tokenizer (e.g. the one a pretrained model was trained with) instead of
+    training one on the training split."""
     docs = load_local_corpus(path, text_field) if path else load_builtin_corpus()
     if min_year is not None or max_year is not None:
         lo, hi = min_year or -10**9, max_year or 10**9
@@ -169,8 +171,14 @@ def build_corpus(*, path: str | None, text_field: str, val_fraction: float, voca
             raise ValueError(f"no documents with year in [{min_year}, {max_year}] (data.min_year/data.max_year)")
     train_docs, val_docs = split_documents(docs, val_fraction)
     cache = Path(cache_dir).expanduser()
-    tok = train_tokenizer(train_docs, vocab_size, cache)
-    tokens_path = cache / f"tokens-{_fingerprint(docs, vocab_size)}-{tok.get_vocab_size()}.npz"
+    if tokenizer_path is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_path))
+    else:
+        tok = train_tokenizer(train_docs, vocab_size, cache)
+    tok_id = hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]
+    tokens_path = cache / f"tokens-{_fingerprint(docs, vocab_size)}-{tok_id}.npz"
     if tokens_path.exists():
         arrays = np.load(tokens_path)
         train_ids, val_ids = arrays["train"], arrays["val"]

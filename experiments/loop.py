@@ -1,6 +1,11 @@
 """The training loop: warmup + cosine LR, gradient accumulation, BF16 autocast, periodic validation, the memory
-meter around the first ``METERED_STEPS`` steps, throughput measured on the steps after them (so the meter's
-Python dispatch overhead never inflates step time), metrics to the results store and W&B."""
+meter around the first ``METERED_STEPS`` steps (of this process: a resumed run meters its first steps after the
+checkpoint), throughput measured on the steps after them (so the meter's Python dispatch overhead never
+inflates step time), metrics to the results store and W&B, checkpoints and preemption
+(``experiments.checkpointing``).
+
+A step whose loss or gradient is not finite is skipped (no update; counted as ``skipped``); after
+``train.max_bad_steps`` such steps in a row the run fails with ``TooManyBadSteps``, leaving its checkpoints."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from experiments import gpu_stats
+from experiments.checkpointing import Checkpointer, LoopState, TooManyBadSteps
 from experiments.config import TrainConfig
 from experiments.meter import MemoryMeter
 from hmt_core.method import Method
@@ -44,11 +50,15 @@ def cpu_rss_peak_bytes() -> int:
 
 
 def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tensor], *, meter: MemoryMeter | None,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[torch.Tensor, float | None]:
+               autocast: Callable[[], contextlib.AbstractContextManager],
+               skip_nonfinite: bool = False) -> tuple[torch.Tensor, float | None]:
     """One optimizer step over ``micro_batches`` (each (batch, seq_len) token ids).
 
     Returns (mean loss as a 0-dim tensor, global grad norm or None); the caller converts, so the same function
-    runs under FakeTensorMode, where tensors have no values.
+    runs under FakeTensorMode, where tensors have no values. ``skip_nonfinite`` (real tensors only): a
+    micro-batch loss that is not finite ends the step before its backward, and non-finite gradients left for
+    ``method.step`` skip it; both discard the gradients and return a NaN grad norm (and a NaN loss in the first
+    case). HMT checks the gradients it consumes inside backward itself and returns a NaN norm.
     """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     if meter is not None:
@@ -59,16 +69,31 @@ def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tenso
         method.start_micro_batch(i, count)
         with phase("forward"), autocast():
             loss = model(input_ids=ids, labels=ids).loss / count
+        if skip_nonfinite and not bool(torch.isfinite(loss)):
+            return _discard_step(method, torch.tensor(float("nan")))
         with phase("backward"):
             loss.backward()
         total += loss.detach()
         del loss
+    if skip_nonfinite and not _grads_finite(model):
+        return _discard_step(method, total)
     with phase("optimizer"):
         grad_norm = method.step()
     if meter is not None:
         meter.mark(method.state_tensors(), "optimizer")
     method.zero_grad()
     return total, grad_norm
+
+
+def _discard_step(method: Method, loss: torch.Tensor) -> tuple[torch.Tensor, float]:
+    method.zero_grad()
+    return loss, float("nan")
+
+
+@torch.no_grad()
+def _grads_finite(model: nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return not grads or bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)])).all())
 
 
 @torch.no_grad()
@@ -96,51 +121,64 @@ class LoopResult:
     step_time_median_s: float
     meter: MemoryMeter
     history: list[dict] = field(default_factory=list)
+    skipped_steps: int = 0
+    start_step: int = 0
 
 
 def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, device: torch.device, *,
                  log: Callable[[dict], None], meter: MemoryMeter, wandb_run=None,
                  profiler: contextlib.AbstractContextManager | None = None,
-                 extra_metrics: Callable[[], dict] | None = None) -> LoopResult:
+                 extra_metrics: Callable[[], dict] | None = None, checkpointer: Checkpointer | None = None,
+                 state: LoopState | None = None) -> LoopResult:
+    """Train from ``state.next_step`` (0 for a fresh run) to ``cfg.steps``."""
     from tqdm.auto import tqdm
 
     def autocast() -> contextlib.AbstractContextManager:
         return autocast_context(device, cfg.autocast)
 
+    state = state or LoopState()
+    start = state.next_step
     val_batches = corpus.val.fixed_batches(cfg.eval_batches)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    timed_s, timed_steps, step_times = 0.0, 0, []
-    loss_ema, val_loss, last_loss, peak_mib = None, None, float("nan"), 0.0
-    bar = tqdm(range(cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name)
+    timed_s, timed_steps, step_times, peak_mib = 0.0, 0, [], 0.0
+    bar = tqdm(range(start, cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name,
+               initial=start, total=cfg.steps)
     with profiler or contextlib.nullcontext():
         for step in bar:
             method.set_lr_scale(lr_scale(step, cfg))
             micro = [corpus.train.batch(step * cfg.grad_accum + k).to(device) for k in range(cfg.grad_accum)]
-            metered = step < METERED_STEPS
+            metered = step - start < METERED_STEPS
             gpu_stats.synchronize(device)
             t0 = time.perf_counter()
             with meter if metered else contextlib.nullcontext():
                 loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
-                                               autocast=autocast)
-            last_loss = float(loss_t)
+                                               autocast=autocast, skip_nonfinite=True)
+            loss = float(loss_t)
             gpu_stats.synchronize(device)
             dt = time.perf_counter() - t0
             if not metered:
                 timed_s, timed_steps = timed_s + dt, timed_steps + 1
                 step_times.append(dt)
-            if not math.isfinite(last_loss):
-                raise FloatingPointError(f"non-finite training loss {last_loss} at step {step}")
-            loss_ema = last_loss if loss_ema is None else 0.9 * loss_ema + 0.1 * last_loss
+            skipped = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+            state.next_step = step + 1
+            if skipped:
+                state.skipped_steps, state.bad_in_row = state.skipped_steps + 1, state.bad_in_row + 1
+            else:
+                state.bad_in_row, state.last_loss = 0, loss
+                state.loss_ema = loss if state.loss_ema is None else 0.9 * state.loss_ema + 0.1 * loss
             if metered:
                 peak_mib = meter.report().peak_bytes / 2**20
-            record = {"step": step, "loss/train": last_loss, "lr_scale": lr_scale(step, cfg), "time/step_s": dt,
+            record = {"step": step, "loss/train": loss, "lr_scale": lr_scale(step, cfg), "time/step_s": dt,
                       "throughput/tokens_per_s": tokens_per_step / dt, "metered": metered}
             if grad_norm is not None:
                 record["optim/grad_norm"] = grad_norm
+            if skipped:
+                record["skipped"] = True
+            record["skipped_steps"] = state.skipped_steps
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                val_loss = evaluate(model, val_batches, device, autocast)
-                record["loss/val"] = val_loss
-            if step % cfg.log_every == 0 or "loss/val" in record or step + 1 == cfg.steps:
+                state.val_loss = evaluate(model, val_batches, device, autocast)
+                record["loss/val"] = state.val_loss
+            if step % cfg.log_every == 0 or "loss/val" in record or step + 1 == cfg.steps or skipped:
                 record["memory/peak(GiB)"] = peak_mib / 1024
                 record.update(gpu_stats.step_metrics(device))
                 record.update(method.metrics())
@@ -149,11 +187,26 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                 log(record)
                 if wandb_run is not None:
                     wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
-            bar.set_postfix(loss=f"{loss_ema:.3f}", tok_s=f"{tokens_per_step / dt:.0f}", mem=f"{peak_mib:.0f}MiB")
+            if state.bad_in_row >= cfg.max_bad_steps:
+                last = checkpointer.saved[-1]["path"] if checkpointer and checkpointer.saved else "none written"
+                raise TooManyBadSteps(f"{state.bad_in_row} consecutive steps with a non-finite loss or gradient "
+                                      f"(steps {step + 1 - state.bad_in_row}..{step}, each skipped; "
+                                      f"train.max_bad_steps={cfg.max_bad_steps}); last checkpoint: {last}")
+            if checkpointer is not None:
+                if checkpointer.signal_received is not None:
+                    checkpointer.preempt(state)
+                if checkpointer.due(step + 1) and step + 1 < cfg.steps:
+                    checkpointer.save(state)
+            if state.loss_ema is not None:
+                bar.set_postfix(loss=f"{state.loss_ema:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
+                                mem=f"{peak_mib:.0f}MiB")
             if profiler is not None and hasattr(profiler, "step"):
                 profiler.step()
+    if checkpointer is not None and checkpointer.every > 0:
+        checkpointer.save(state)  # the final checkpoint
     step_time = timed_s / timed_steps if timed_steps else float("nan")
-    return LoopResult(train_loss=last_loss, val_loss=val_loss, steps=cfg.steps, tokens=cfg.steps * tokens_per_step,
+    return LoopResult(train_loss=state.last_loss, val_loss=state.val_loss, steps=cfg.steps,
+                      tokens=cfg.steps * tokens_per_step,
                       tokens_per_s=tokens_per_step / step_time if timed_steps else float("nan"),
                       step_time_s=step_time, step_time_median_s=statistics.median(step_times) if step_times else
-                      float("nan"), meter=meter)
+                      float("nan"), meter=meter, skipped_steps=state.skipped_steps, start_step=start)

@@ -83,12 +83,17 @@ class RunDir:
         self.run_id = run_id
         self._metric_lines: list[str] = []
 
-    def start(self, config: dict) -> None:
+    def start(self, config: dict, *, keep_metrics_before: int | None = None) -> None:
+        """Begin (or, with ``keep_metrics_before=k``, resume at step k: metrics rows of steps < k are kept)."""
         self.path.mkdir(parents=True, exist_ok=True)
         for stale in ("summary.json", "error.txt"):
             (self.path / stale).unlink(missing_ok=True)
         atomic_write_text(self.path / "config.yaml", yaml.safe_dump(_jsonable(config), sort_keys=False))
-        atomic_write_text(self.path / "metrics.jsonl", "")
+        if keep_metrics_before is None:
+            self._metric_lines = []
+        else:
+            self._metric_lines = [dumps(r) for r in read_metrics(self.path) if r.get("step", 0) < keep_metrics_before]
+        self.flush()
         self.set_status("running")
 
     def set_status(self, status: str) -> None:

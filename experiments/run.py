@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from experiments import methods
-from experiments.config import RunConfig, register_configs, to_plain_dict, to_run_config
+from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config
 from experiments.results import RunDir, check_writable, dumps, read_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,8 @@ def default_run_id(run: RunConfig) -> str:
     plain = to_plain_dict(run)
     for key in ("run_id", "results_dir", "force", "wandb", "profile"):
         plain.pop(key, None)
-    plain["train"].pop("progress", None)
+    for key in RUN_ID_IGNORED_TRAIN_KEYS:
+        plain["train"].pop(key, None)
     digest = hashlib.sha256(dumps(plain).encode()).hexdigest()[:8]
     return f"{run.method.name}-{run.model.name}-{run.mode}-s{run.seed}-{digest}"
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from pathlib import Path
 
 import torch
 
 from experiments import gpu_stats
+from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, find_resume
 from experiments.config import RunConfig
 from experiments.data import build_corpus
 from experiments.loop import autocast_context, cpu_rss_peak_bytes, run_training
@@ -56,8 +58,11 @@ def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
 
 def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                   build_summary, print_summary) -> dict:
-    run_dir.start(config_dict)
+    ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
+    resume_point = find_resume(run.train.resume, ckpt_root, force=run.force)
+    run_dir.start(config_dict, keep_metrics_before=resume_point.step if resume_point else None)
     wandb_run = None
+    checkpointer = None
     try:
         seed_everything(run.seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -65,7 +70,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
                               vocab_size=run.model.vocab_size, seq_len=t.seq_len, batch_size=t.batch_size,
                               seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
-                              max_year=run.data.max_year)
+                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path))
         model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
         model = method.prepare(model)
         model.train()
@@ -87,12 +92,19 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         meter.track(model.buffers(), "other")
         meter.watch_grads(model.parameters())  # before the method's own hooks: grads are marked, then used
         method.attach(model, max_grad_norm=t.max_grad_norm or None)
+        checkpointer = Checkpointer(ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model,
+                                    method=method, meta={"run_id": run_dir.run_id, "config": config_dict})
+        state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
+        if resume_point:
+            print(f"resuming {run_dir.run_id} at step {resume_point.step} from {resume_point.path}")
+        checkpointer.install_signal_handlers()
         wandb_run = open_wandb(run, run_dir, config_dict)
         gpu_stats.reset_peaks(device)
         profiler = make_profiler(run_dir, device) if run.profile else None
         result = run_training(model, method, corpus, t, device, log=_logger(run_dir), meter=meter,
                               wandb_run=wandb_run, profiler=profiler,
-                              extra_metrics=act_handle.metrics if act_handle else None)
+                              extra_metrics=act_handle.metrics if act_handle else None, checkpointer=checkpointer,
+                              state=state)
         meter.remove_hooks()
         rep = meter.report()
         memory = rep.to_dict()
@@ -106,25 +118,58 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             step_time_s=result.step_time_s, step_time_median_s=result.step_time_median_s, train_loss=result.train_loss, val_loss=result.val_loss, memory=memory,
             cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
             data=corpus.stats, method_summary=method.summary(),
-            activation_summary=_with_saved(activation_summary, act_handle))
+            activation_summary=_with_saved(activation_summary, act_handle), skipped_steps=result.skipped_steps,
+            resume=_resume_summary(resume_point), checkpoints=checkpointer.summary())
+        if t.save_model:
+            save_model(model, corpus.tokenizer, run_dir.path / "model")
         run_dir.finish(summary)
         if wandb_run is not None:
             wandb_run.summary.update({"memory/peak(GiB)": memory["peak_bytes"] / 2**30, "loss/val": result.val_loss})
         print_summary(summary, run_dir.path)
         return summary
+    except Preempted as e:
+        run_dir.fail(str(e) + "\n")
+        print(e)
+        raise
     except BaseException as e:
         run_dir.fail("".join(traceback.format_exception(e)))
         raise
     finally:
+        if checkpointer is not None:
+            checkpointer.restore_signal_handlers()
         if wandb_run is not None:
             with contextlib.suppress(Exception):
                 wandb_run.finish()
+
+
+def _resume_summary(point) -> dict | None:
+    if point is None:
+        return None
+    return {"from_step": point.step, "path": str(point.path), "rejected_checkpoints": point.rejected}
 
 
 def _with_saved(activation_summary: dict | None, handle) -> dict | None:
     if activation_summary is None:
         return None
     return {**activation_summary, "saved_bytes": handle.saved_bytes()}
+
+
+def model_tokenizer(model_path: str | None) -> Path | None:
+    """A model saved by this harness carries the tokenizer it was trained with; reuse it (fine-tuning)."""
+    path = Path(model_path).expanduser() / "tokenizer.json" if model_path else None
+    return path if path is not None and path.exists() else None
+
+
+def save_model(model, tokenizer, path: Path) -> None:
+    """Hugging Face ``save_pretrained`` + ``tokenizer.json`` into ``path``, atomically (temp dir, then rename)."""
+    import shutil
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save(str(tmp / "tokenizer.json"))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
 
 
 def _logger(run_dir: RunDir):

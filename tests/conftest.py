@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# Triton kernels run on CPU through Triton's interpreter. It must be chosen before anything imports triton
+# (bitsandbytes and torch may import it), so it is set here, first; the "auto" kernel backend ignores it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.kernels import ops as kops
 from hmt_core.basis_cache import BasisCache
@@ -144,7 +145,8 @@ class PerLayerEngine:
             param.grad = None
 
     def _finite(self, t: Tensor) -> bool:
-        if not bool(torch.isfinite(t).all()):
+        """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass."""
+        if not is_fake(t) and not bool(torch.isfinite(t).all()):
             self.nonfinite = True
         return not self.nonfinite
 
@@ -166,9 +168,9 @@ class PerLayerEngine:
         if not self.norms:
             return 0.0
         total = global_norm([self.norms[i] for i in sorted(self.norms)])
-        if not torch.isfinite(total):
+        if not self._finite(total):
             self.discard_step()
-            return float(total)
+            return float("nan")
         if self.cache is not None and self.deferred_low:
             self.cache.prefetch(self.deferred_low[0].name)
         coef = clip_coefficient(total, self.max_grad_norm)
