@@ -10,16 +10,14 @@ modules whose name matches ``target_patterns`` are projected; the rest is a plai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from baselines.galore import split_params
-from hmt_core.driver import OptimizerDriver
+from hmt_core.driver import Built, OptimizerMethod
 
 PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "tensor", "scale": 128.0}}
 
@@ -72,59 +70,20 @@ def _d_model(model: nn.Module) -> int:
     return min(min(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear))
 
 
-class APOLLOMethod:
-    name = "apollo"
+def build(model: nn.Module, config: Config) -> Built:
+    from apollo_torch import APOLLOAdamW
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.driver: OptimizerDriver | None = None
-        self.resolved: tuple[int, str, float] | None = None
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
-        from apollo_torch import APOLLOAdamW
-
-        c = self.config
-        if any(is_fake(p) for p in model.parameters()):
-            _make_seed_arithmetic_real()
-        rank, scaling, scale = self.resolved = c.resolved(model)
-        regular, lowrank = split_params(model, c.target_patterns, rank)
-        groups = [{"params": regular},
-                  {"params": lowrank, "rank": rank, "proj": "random", "scale_type": scaling, "scale": scale,
-                   "update_proj_gap": c.update_proj_gap, "proj_type": "std"}]
-        opt = APOLLOAdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
-        self.driver = OptimizerDriver(opt, max_grad_norm=max_grad_norm)
-
-    def start_micro_batch(self, index: int, count: int) -> None:
-        pass
-
-    def step(self) -> float | None:
-        return self.driver.step()
-
-    def zero_grad(self) -> None:
-        self.driver.zero_grad()
-
-    def set_lr_scale(self, scale: float) -> None:
-        self.driver.set_lr_scale(scale)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        return self.driver.state_tensors()
-
-    def metrics(self) -> dict[str, float]:
-        return {"rank/mean": float(self.resolved[0])} if self.resolved else {}
-
-    def summary(self) -> dict[str, Any]:
-        rank, scaling, scale = self.resolved
-        return {"rank/fixed": rank, "apollo/scaling": scaling, "apollo/scale": scale,
-                "optim/state_bytes": sum(t.numel() * t.element_size() for t in self.state_tensors())}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.driver.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.driver.load_state_dict(state)
+    c = config
+    if any(is_fake(p) for p in model.parameters()):
+        _make_seed_arithmetic_real()
+    rank, scaling, scale = c.resolved(model)
+    regular, lowrank = split_params(model, c.target_patterns, rank)
+    groups = [{"params": regular},
+              {"params": lowrank, "rank": rank, "proj": "random", "scale_type": scaling, "scale": scale,
+               "update_proj_gap": c.update_proj_gap, "proj_type": "std"}]
+    opt = APOLLOAdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+    return Built(opt, summary={"rank/fixed": rank, "apollo/scaling": scaling, "apollo/scale": scale},
+                 metrics={"rank/mean": float(rank)})
 
 
 def _make_seed_arithmetic_real() -> None:
@@ -138,5 +97,5 @@ def _make_seed_arithmetic_real() -> None:
     random_projector.next_seed = next_seed
 
 
-def make(config: Config) -> APOLLOMethod:
-    return APOLLOMethod(config)
+def make(config: Config) -> OptimizerMethod:
+    return OptimizerMethod("apollo", build=functools.partial(build, config=config))

@@ -16,14 +16,12 @@ accumulation; HMT's ``per_layer`` is the comparison point for that.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import functools
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 
-from hmt_core.driver import OptimizerDriver
+from hmt_core.driver import Built, OptimizerMethod
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,61 +74,22 @@ def split_params(model: nn.Module, patterns: tuple[str, ...], rank: int) -> tupl
     return [p for n, p in named if n not in lowrank_names], [p for n, p in named if n in lowrank_names]
 
 
-class GaLoreMethod:
-    name = "galore"
+def build(model: nn.Module, config: Config) -> Built:
+    from galore_torch import GaLoreAdamW, GaLoreAdamW8bit
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.driver: OptimizerDriver | None = None
-        self.n_lowrank = 0
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
-        from galore_torch import GaLoreAdamW, GaLoreAdamW8bit
-
-        c = self.config
-        if c.eight_bit and not any(p.is_cuda for p in model.parameters()):
-            raise ValueError("method.eight_bit=true needs a CUDA device: galore-torch's GaLoreAdamW8bit calls "
-                             "torch.cuda.synchronize() in every step")
-        regular, lowrank = split_params(model, c.target_patterns, c.rank)
-        self.n_lowrank = len(lowrank)
-        groups = [{"params": regular},
-                  {"params": lowrank, "rank": c.rank, "update_proj_gap": c.update_proj_gap, "scale": c.scale,
-                   "proj_type": c.proj_type}]
-        kw = dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
-        opt = GaLoreAdamW8bit(groups, **kw) if c.eight_bit else GaLoreAdamW(groups, no_deprecation_warning=True, **kw)
-        self.driver = OptimizerDriver(opt, max_grad_norm=max_grad_norm)
-
-    def start_micro_batch(self, index: int, count: int) -> None:
-        pass
-
-    def step(self) -> float | None:
-        return self.driver.step()
-
-    def zero_grad(self) -> None:
-        self.driver.zero_grad()
-
-    def set_lr_scale(self, scale: float) -> None:
-        self.driver.set_lr_scale(scale)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        return self.driver.state_tensors()
-
-    def metrics(self) -> dict[str, float]:
-        return {"rank/mean": float(self.config.rank)}
-
-    def summary(self) -> dict[str, Any]:
-        return {"rank/fixed": self.config.rank, "optim/projected_params": self.n_lowrank,
-                "optim/state_bytes": sum(t.numel() * t.element_size() for t in self.state_tensors())}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.driver.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.driver.load_state_dict(state)
+    c = config
+    if c.eight_bit and not any(p.is_cuda for p in model.parameters()):
+        raise ValueError("method.eight_bit=true needs a CUDA device: galore-torch's GaLoreAdamW8bit calls "
+                         "torch.cuda.synchronize() in every step")
+    regular, lowrank = split_params(model, c.target_patterns, c.rank)
+    groups = [{"params": regular},
+              {"params": lowrank, "rank": c.rank, "update_proj_gap": c.update_proj_gap, "scale": c.scale,
+               "proj_type": c.proj_type}]
+    kw = dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
+    opt = GaLoreAdamW8bit(groups, **kw) if c.eight_bit else GaLoreAdamW(groups, no_deprecation_warning=True, **kw)
+    return Built(opt, summary={"rank/fixed": c.rank, "optim/projected_params": len(lowrank)},
+                 metrics={"rank/mean": float(c.rank)})
 
 
-def make(config: Config) -> GaLoreMethod:
-    return GaLoreMethod(config)
+def make(config: Config) -> OptimizerMethod:
+    return OptimizerMethod("galore", build=functools.partial(build, config=config))

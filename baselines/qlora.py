@@ -7,15 +7,14 @@ model is written to disk and a model of any size can be prepared; everything els
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
-from hmt_core.driver import OptimizerDriver
+from hmt_core.driver import Built, OptimizerMethod
 from hmt_core.method import NotTraceableError, trainable_parameters
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -80,69 +79,37 @@ def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_d
     return replaced
 
 
-class QLoRAMethod:
-    name = "qlora"
+def prepare(model: nn.Module, config: Config) -> nn.Module:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.driver: OptimizerDriver | None = None
-        self.quantized_layers = 0
-
-    def prepare(self, model: nn.Module) -> nn.Module:
-        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-        c = self.config
-        if any(is_fake(p) for p in model.parameters()):
-            raise NotTraceableError(
-                "method=qlora cannot be traced under FakeTensorMode: bitsandbytes' Params4bit is a Tensor subclass "
-                "that cannot wrap a fake tensor, so no dry-run memory figure is reported for it")
-        for p in model.parameters():
-            p.requires_grad_(False)
-        self.quantized_layers = quantize_linear_nf4(model, c.target_modules, compute_dtype=_TORCH_DTYPES[c.compute_dtype],
-                                                    double_quant=c.double_quant)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
-                          target_modules=list(c.target_modules), task_type="CAUSAL_LM", bias="none")
-        return get_peft_model(model, lora)
-
-    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
-        c = self.config
-        params = trainable_parameters(model)
-        if c.optimizer == "adamw8bit":
-            import bitsandbytes as bnb
-
-            opt = bnb.optim.AdamW8bit(params, lr=c.lr, weight_decay=c.weight_decay)
-        else:
-            opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
-        self.driver = OptimizerDriver(opt, max_grad_norm=max_grad_norm)
-
-    def start_micro_batch(self, index: int, count: int) -> None:
-        pass
-
-    def step(self) -> float | None:
-        return self.driver.step()
-
-    def zero_grad(self) -> None:
-        self.driver.zero_grad()
-
-    def set_lr_scale(self, scale: float) -> None:
-        self.driver.set_lr_scale(scale)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        return self.driver.state_tensors()
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def summary(self) -> dict[str, Any]:
-        return {"quantized_linear_layers": self.quantized_layers, "lora_r": self.config.lora_r}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.driver.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.driver.load_state_dict(state)
+    c = config
+    if any(is_fake(p) for p in model.parameters()):
+        raise NotTraceableError(
+            "method=qlora cannot be traced under FakeTensorMode: bitsandbytes' Params4bit is a Tensor subclass "
+            "that cannot wrap a fake tensor, so no dry-run memory figure is reported for it")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    quantize_linear_nf4(model, c.target_modules, compute_dtype=_TORCH_DTYPES[c.compute_dtype],
+                                                double_quant=c.double_quant)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                      target_modules=list(c.target_modules), task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(model, lora)
 
 
-def make(config: Config) -> QLoRAMethod:
-    return QLoRAMethod(config)
+def build(model: nn.Module, config: Config) -> Built:
+    c = config
+    params = trainable_parameters(model)
+    if c.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(params, lr=c.lr, weight_decay=c.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+    quantized = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit")
+    return Built(opt, summary={"quantized_linear_layers": quantized, "lora_r": c.lora_r})
+
+
+def make(config: Config) -> OptimizerMethod:
+    return OptimizerMethod("qlora", build=functools.partial(build, config=config),
+                           prepare=functools.partial(prepare, config=config))

@@ -1,16 +1,17 @@
 """Bookkeeping shared by methods that update through an ordinary ``torch.optim.Optimizer`` step.
 
-A method composes one ``OptimizerDriver`` (no inheritance): it clips the global gradient norm, steps,
-zeroes gradients, applies the loop's LR scale to every group's base LR, and lists the optimizer's state
-tensors for the memory meter.
+``OptimizerDriver`` clips the global gradient norm, steps, zeroes gradients, applies the loop's LR scale to
+every group's base LR, and lists the optimizer's state tensors for the memory meter. ``OptimizerMethod`` is the
+whole ``Method`` built on it from a baseline's ``prepare``/``build`` functions (composition, no inheritance).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 
@@ -62,3 +63,64 @@ class OptimizerDriver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.base_lrs = list(state["base_lrs"])
+
+
+class Built(NamedTuple):
+    """What a baseline's build function returns: its optimizer and what it reports about it."""
+
+    optimizer: torch.optim.Optimizer
+    summary: dict[str, Any] = {}
+    metrics: dict[str, float] = {}
+
+
+class OptimizerMethod:
+    """A whole ``Method`` for methods that update through one ``torch.optim`` step (the baselines).
+
+    Composed from two functions — ``prepare(model) -> model`` and ``build(model) -> Built`` — so each baseline
+    module holds only what is its own: its ``Config``, how it changes the model, which optimizer it builds.
+    """
+
+    def __init__(self, name: str, *, build: Callable[[nn.Module], Built],
+                 prepare: Callable[[nn.Module], nn.Module] | None = None) -> None:
+        self.name = name
+        self._build = build
+        self._prepare = prepare
+        self.driver: OptimizerDriver | None = None
+        self.built: Built | None = None
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return self._prepare(model) if self._prepare else model
+
+    def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        self.built = self._build(model)
+        self.driver = OptimizerDriver(self.built.optimizer, max_grad_norm=max_grad_norm)
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        pass  # gradients accumulate in .grad; the optimizer steps once after the last micro-batch
+
+    def step(self) -> float | None:
+        return self.driver.step()
+
+    def zero_grad(self) -> None:
+        self.driver.zero_grad()
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.driver.set_lr_scale(scale)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return self.driver.state_tensors()
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.built.metrics) if self.built else {}
+
+    def summary(self) -> dict[str, Any]:
+        if self.built is None:
+            return {}
+        state_bytes = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        return {**self.built.summary, "optim/state_bytes": state_bytes}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.driver.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.driver.load_state_dict(state)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from apollo_torch import APOLLOAdamW
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import batches, tiny_llama
 
 from hmt_core import hmt
 from hmt_core.hmt import projected_weight_names
@@ -17,18 +17,6 @@ VARIANTS = {  # name: (rank, scale_type, scale, lr)
     "apollo": (16, "channel", 1.0, 1e-2),
     "mini": (1, "tensor", 128.0, 1e-3),
 }
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4)
-    return LlamaForCausalLM(cfg).float()
-
-
-def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(n)]
 
 
 def apollo_optimizer(model, variant):
@@ -109,7 +97,8 @@ def test_apollo_baseline_method_wraps_apollo_torch(variant, expected):
     model, ref = copy.deepcopy(init), copy.deepcopy(init)
     method = apollo.make(apollo.Config(variant=variant, update_proj_gap=GAP, lr=1e-3))
     method.attach(model, max_grad_norm=1.0)
-    assert method.resolved == expected
+    assert (method.summary()["rank/fixed"], method.summary()["apollo/scaling"],
+            method.summary()["apollo/scale"]) == expected
     rank, scaling, scale = expected
     targets = projected_weight_names(ref, ("attn", "mlp"))
     groups = [{"params": [p for n, p in ref.named_parameters() if n not in targets]},

@@ -3,11 +3,8 @@ requeue), non-finite loss/gradient (skipped and counted; too many in a row stops
 checkpoint directory and a full disk (clear error, earlier checkpoints intact)."""
 
 import json
-import os
 import resource
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 import torch
