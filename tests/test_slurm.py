@@ -60,6 +60,14 @@ def slurm_env():
         subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
 
 
+def _broken_model(tmp_path: Path) -> Path:
+    """A model directory that passes config validation (it has a config.json) but fails to load in the job."""
+    path = tmp_path / "broken-model"
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    return path
+
+
 def _write_sweep(path: Path, fail_model_path: Path) -> Path:
     path.write_text(f"common: {COMMON}\ngrid:\n  method: [adamw]\n  seed: [0, 1]\n"
                     f"runs:\n  - [method=adamw, seed=0, model.path={fail_model_path}]\n")
@@ -95,7 +103,7 @@ def _task_count(task_lines: list[str]) -> int:
 
 
 def test_sweep_is_one_slurm_array_failures_visible_and_resumable(slurm_env: dict, tmp_path: Path) -> None:
-    sweep_file = _write_sweep(tmp_path / "mini.yaml", tmp_path / "no-such-model")
+    sweep_file = _write_sweep(tmp_path / "mini.yaml", _broken_model(tmp_path))
     results = tmp_path / "results"
     command = [sys.executable, "-m", "experiments.run", "-m", f"hydra.sweeper.file={sweep_file}",
                f"results_dir={results}", *SLURM_OPTIONS]
@@ -115,7 +123,7 @@ def test_sweep_is_one_slurm_array_failures_visible_and_resumable(slurm_env: dict
         summary = json.loads((path / "summary.json").read_text())
         assert (summary["method"], summary["model"], summary["seed"], summary["steps"]) == ("adamw", "tiny", seed, 3)
     failed = sweep.run_ref_for(jobs[2]).path
-    assert "no-such-model" in (failed / "error.txt").read_text()
+    assert "no-such-architecture" in (failed / "error.txt").read_text()
     for _ in range(30):  # let Slurm finish the array before quoting it
         if not subprocess.run(["squeue", "-h", "-j", array_id], env=slurm_env, capture_output=True, text=True).stdout:
             break
@@ -151,7 +159,7 @@ def test_launcher_marks_runs_that_die_before_starting_failed(slurm_env: dict, tm
 def test_hand_submitted_array_sbatch_runs_the_sweep_by_task_id(slurm_env: dict, tmp_path: Path) -> None:
     sweep_file = tmp_path / "pair.yaml"
     sweep_file.write_text(f"common: {COMMON}\nruns:\n  - [method=adamw, seed=3]\n"
-                          f"  - [method=adamw, seed=4, model.path={tmp_path / 'no-such-model'}]\n")
+                          f"  - [method=adamw, seed=4, model.path={_broken_model(tmp_path)}]\n")
     results = f"results_dir={tmp_path / 'results'}"
     jobs = [sweep.merge_overrides(job, [results]) for job in sweep.load_sweep(sweep_file)]
     spec = subprocess.run([sys.executable, "-m", "experiments.sweep", "array", str(sweep_file), results], cwd=REPO,
