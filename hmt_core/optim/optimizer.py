@@ -155,6 +155,23 @@ class LowRankOptimizer:
         return upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                   style=c.adam_style)
 
+    def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
+        """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
+        but only one chunk of fp32 gradient / moments / direction is alive instead of ~6 weight-sized ones."""
+        c = self.cfg
+        if s.m is None:
+            s.m = torch.zeros(grad.shape, dtype=self.state_dtype, device=grad.device)
+            s.v = torch.zeros(grad.shape, dtype=self.state_dtype, device=grad.device)
+        s.step += 1
+        s.adam_t += 1
+        for a in range(0, grad.shape[0], rows):
+            b = min(a + rows, grad.shape[0])
+            d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
+                                          beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
+                                          backend=self.kernels)
+            upd.apply_update_(s.param.data[a:b], d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
+                              style=c.adam_style)
+
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
         upd.apply_update_(s.param.data, full_update, step_size=step_size, lr=self.lr,
                           weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
@@ -183,6 +200,10 @@ class LowRankOptimizer:
                 s.param.grad = grad
                 self.dense8[s.name].step()
                 return
+            rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32) if grad.dim() == 2 else grad.shape[0]
+            if rows < grad.shape[0]:  # a large dense weight (embedding, lm_head): row chunks, same arithmetic
+                self._dense_adam_rows(s, grad, rows)
+                return
             direction, step_size = self._adam(s, grad.float())
             self._apply(s, direction, step_size)
             return
@@ -194,6 +215,13 @@ class LowRankOptimizer:
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
                                     kind=c.scaling)
+        rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32)
+        if rows < grad.shape[0]:  # a large weight: row-chunked, at most one chunk of the fp32 update alive
+            s.limiter_prev = upd.scaled_update_rows_(
+                s.param.data, grad, factor, prev_norm=s.limiter_prev,
+                gamma=c.limiter_gamma if c.norm_limiter else None, sqrt_scale=math.sqrt(c.scale),
+                step_size=step_size, lr=self.lr, weight_decay=c.weight_decay, style=c.adam_style, rows=rows)
+            return
         scaled = grad * factor
         if c.norm_limiter:
             scaled, s.limiter_prev = upd.norm_growth_limit(scaled, s.limiter_prev, c.limiter_gamma)

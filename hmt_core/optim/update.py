@@ -149,3 +149,30 @@ def project_back_scaled(direction: Tensor, basis: Basis | None, scale: float) ->
 
 def _basis_dtype(b: Basis) -> torch.dtype:
     return (b.left if b.left is not None else b.right).dtype
+
+
+def scaled_update_rows_(param: Tensor, grad: Tensor, factor: Tensor, *,  # param, grad: (out, in)
+                        prev_norm: Tensor | None, gamma: float | None, sqrt_scale: float, step_size: float,
+                        lr: float, weight_decay: float, style: str, rows: int) -> Tensor:
+    """Mode B's ``W ← W − step·(limit(G ⊙ s) · √scale)`` in row chunks of ``rows``: never more than one chunk of
+    the fp32 update is alive (the unchunked form holds ~3 weight-sized fp32 temporaries). ``factor`` s is 0-d,
+    (out, 1) or (in,). Each element sees the same operations as ``grad * factor`` → ``norm_growth_limit`` →
+    ``apply_update_``; only the limiter's norm is summed chunk by chunk. ``gamma`` None: no limiter.
+    Returns the norm to remember for the next step's limiter (``‖u‖`` after limiting)."""
+    def chunk_factor(start: int, stop: int) -> Tensor:
+        return factor[start:stop] if factor.dim() == 2 else factor
+
+    spans = [(i, min(i + rows, grad.shape[0])) for i in range(0, grad.shape[0], rows)]
+    limiter = None
+    if gamma is not None:
+        sq = sum(torch.linalg.vector_norm(grad[a:b] * chunk_factor(a, b)).square() for a, b in spans)
+        norm = sq.sqrt()
+        if prev_norm is not None:
+            limiter = torch.clamp(norm / (prev_norm + 1e-8), min=gamma) / gamma
+            norm = norm / limiter
+    for a, b in spans:
+        u = grad[a:b] * chunk_factor(a, b)
+        if limiter is not None:
+            u = u / limiter
+        apply_update_(param[a:b], u * sqrt_scale, step_size=step_size, lr=lr, weight_decay=weight_decay, style=style)
+    return norm if gamma is not None else prev_norm
