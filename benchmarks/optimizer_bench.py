@@ -18,7 +18,6 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
