@@ -140,14 +140,18 @@ class LowRankOptimizer:
             for group in opt.param_groups:
                 group["lr"] = lr
 
+    def _begin_adam_step(self, s: Slot, like: Tensor) -> None:  # like: the gradient the moments follow
+        """Create the moments (state dtype) on first use and advance the step counters."""
+        if s.m is None:
+            s.m = torch.zeros(like.shape, dtype=self.state_dtype, device=like.device)
+            s.v = torch.zeros(like.shape, dtype=self.state_dtype, device=like.device)
+        s.step += 1
+        s.adam_t += 1
+
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
         c = self.cfg
-        if s.m is None:
-            s.m = torch.zeros(g.shape, dtype=self.state_dtype, device=g.device)
-            s.v = torch.zeros(g.shape, dtype=self.state_dtype, device=g.device)
-        s.step += 1
-        s.adam_t += 1
+        self._begin_adam_step(s, g)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             return kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                   style=c.adam_style, backend=self.kernels)
@@ -159,11 +163,7 @@ class LowRankOptimizer:
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
         but only one chunk of fp32 gradient / moments / direction is alive instead of ~6 weight-sized ones."""
         c = self.cfg
-        if s.m is None:
-            s.m = torch.zeros(grad.shape, dtype=self.state_dtype, device=grad.device)
-            s.v = torch.zeros(grad.shape, dtype=self.state_dtype, device=grad.device)
-        s.step += 1
-        s.adam_t += 1
+        self._begin_adam_step(s, grad)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
             d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
