@@ -20,33 +20,16 @@ import time
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.meter import MemoryMeter  # noqa: E402
+from experiments.update_memory import update_temp_bytes  # noqa: E402
 from hmt_core import kernels  # noqa: E402
 from hmt_core.activations import codecs  # noqa: E402
 from hmt_core.kernels import ops  # noqa: E402
 from hmt_core.projection import Basis  # noqa: E402
 
 MIB = 1 << 20
-
-
-def update_temp_bytes(o: int, i: int, r: int, *, naive: bool, dtype: torch.dtype, fake: bool) -> tuple[int, int]:
-    """(peak temp bytes, peak total bytes) of one two-sided update W (o, i) ← W − lr·P U Qᵀ, measured by the meter."""
-    with FakeTensorMode() if fake else torch.no_grad():
-        w, p, u, q = (torch.zeros(s, dtype=dtype) for s in ((o, i), (o, r), (r, r), (i, r)))
-        meter = MemoryMeter(source="fake" if fake else "tracker")
-        meter.track([w, p, u, q], "params")
-        with meter:
-            if naive:
-                w -= 1e-3 * (p @ u @ q.T)
-            else:
-                ops.lowrank_update(w, u, Basis(p, q.T), scale=1.0, step_size=1e-3, lr=1e-3, weight_decay=0.0,
-                                   style="torch", backend="torch")
-        rep = meter.report()
-        return rep.peak_by_category_bytes["temp"], rep.peak_bytes
 
 
 def memory_section(real: bool) -> None:

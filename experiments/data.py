@@ -11,7 +11,6 @@ the packed blocks, so a resumed run sees exactly the batches an uninterrupted on
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,7 +190,3 @@ def build_corpus(*, path: str | None, text_field: str, val_fraction: float, voca
              "val_tokens": int(len(val_ids))}
     return Corpus(PackedTokens(train_ids, seq_len, batch_size, seed), PackedTokens(val_ids, seq_len, batch_size, seed),
                   tok.get_vocab_size(), tok, stats)
-
-
-def describe(corpus: Corpus) -> str:
-    return json.dumps(corpus.stats)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from experiments.meter import MemoryMeter
+from experiments.update_memory import update_temp_bytes
 from hmt_core import kernels
 from hmt_core.activations import codecs as C
 from hmt_core.kernels import ops, quant
@@ -271,17 +271,7 @@ def test_optimizer_step_with_triton_kernels_matches_torch_fallback():
 
 # ---------------------------------------------------------------------------------------------- memory bound
 def _update_temp_bytes(o, i, r, *, naive, dtype=torch.float32, fake=True, chunk_rows=0):
-    with FakeTensorMode() if fake else torch.no_grad():
-        w, p, u, q = (torch.zeros(s, dtype=dtype) for s in ((o, i), (o, r), (r, r), (i, r)))
-        meter = MemoryMeter(source="fake" if fake else "tracker")
-        meter.track([w, p, u, q], "params")
-        with meter:
-            if naive:
-                w -= 1e-3 * (p @ u @ q.T)
-            else:
-                ops.lowrank_update(w, u, Basis(p, q.T), scale=1.0, step_size=1e-3, lr=1e-3, weight_decay=0.0,
-                                   style="torch", backend="torch", chunk_rows=chunk_rows)
-        return meter.report().peak_by_category_bytes["temp"]
+    return update_temp_bytes(o, i, r, naive=naive, dtype=dtype, fake=fake, chunk_rows=chunk_rows)[0]
 
 
 def test_chunked_fallback_bounds_temporaries_on_a_7b_mlp_matrix():
