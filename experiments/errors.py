@@ -1,0 +1,37 @@
+"""Errors that are the user's input, not the harness's bug.
+
+Raise ``UserError`` (or a subclass) with a message that names the culprit — the file, the config key and the
+value — and the entry points (``experiments.run``, ``experiments.sweep``, ``experiments.plan``,
+``analysis.report``) print it as one line ``error: <message>`` and exit non-zero, with no traceback (set
+``HYDRA_FULL_ERROR=1`` to see one). Anything else that escapes is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class UserError(ValueError):
+    """Bad input (a file, a key, a value) that the user can fix; the message names it."""
+
+
+def exit_with_error(message: str, code: int = 2) -> None:
+    """Print ``error: <message>`` on one line to stderr and exit with ``code``."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def one_line_errors(fn: Callable[[], T], *extra: type[BaseException]) -> T:
+    """Run ``fn``; a ``UserError`` (or one of ``extra``) becomes ``error: ...`` + exit 2 unless HYDRA_FULL_ERROR=1."""
+    try:
+        return fn()
+    except (UserError, *extra) as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        exit_with_error(str(e))
+    raise AssertionError("unreachable")
