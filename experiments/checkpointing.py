@@ -2,14 +2,16 @@
 
 - Where: ``train.checkpoint_dir`` (default ``<results_dir>/<run_id>/checkpoints``).
 - When: after every ``train.checkpoint_every`` steps and at the end (0: never periodically), and whenever
-  SIGTERM or SIGUSR1 arrives (Slurm preemption, ``sbatch --signal=B:USR1@120``): the signal only sets a flag;
+  SIGTERM or SIGUSR1 arrives (Slurm preemption, ``sbatch --signal=B:USR1@120``) or SIGINT (Ctrl-C; exit 130,
+  no requeue; a second Ctrl-C stops at once, keeping the checkpoints already written): the signal only sets a flag;
   the current step finishes, a checkpoint is written, then the run exits with ``PREEMPTED_EXIT_CODE`` (75,
   EX_TEMPFAIL; list it in slurm.conf's ``RequeueExit`` for automatic requeue) after asking Slurm to requeue
   the job (``scontrol requeue``) when it runs under Slurm. ``train.keep_checkpoints`` bounds how many are kept.
 - Resume: ``train.resume=auto`` (default) continues from the newest checkpoint in the checkpoint directory whose
   checksums verify (newer damaged ones are reported and skipped); ``never`` starts over (and clears old
   checkpoints of this run); a path (a ``step-*`` directory, or a checkpoint directory) resumes from there and
-  fails if it does not verify. ``force=true`` always starts over.
+  fails if it does not verify. ``force=true`` always starts over. A checkpoint written under a different
+  configuration (any key but where/how often things are written: ``RESUMABLE_KEYS``) is refused, naming the keys.
 
 A checkpoint holds: trainable weights and buffers (``model.pt``), the method's state (``method.pt``: moments,
 projection bases, rank history, limiter and clipping state), and ``loop.pt``: the next step (the data position
@@ -32,10 +34,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS
+from experiments.errors import UserError
 from hmt_core import checkpoint as ck
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, the shell's convention for Ctrl-C
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # test hook: seconds to pause after the first file of each checkpoint, to kill a writer mid-checkpoint
 PAUSE_ENV = "HMT_CHECKPOINT_PAUSE_S"
 
@@ -49,6 +54,14 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class Interrupted(Preempted):
+    """Ctrl-C: raised after the checkpoint is written; exits with ``INTERRUPTED_EXIT_CODE`` (no Slurm requeue)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = INTERRUPTED_EXIT_CODE
 
 
 class TooManyBadSteps(FloatingPointError):
@@ -82,30 +95,81 @@ def checkpoint_root(run_dir: Path, checkpoint_dir: str | None) -> Path:
     return Path(checkpoint_dir).expanduser() if checkpoint_dir else Path(run_dir) / "checkpoints"
 
 
-def find_resume(resume: str, root: Path, *, force: bool) -> ResumePoint | None:
-    """The checkpoint to resume from, per ``train.resume``; prints why damaged checkpoints were skipped."""
+def find_resume(resume: str, root: Path, *, force: bool, config: dict | None = None) -> ResumePoint | None:
+    """The checkpoint to resume from, per ``train.resume``; prints why damaged checkpoints were skipped.
+
+    Reads only: starting over removes old checkpoints later (``clear_checkpoints``), once the run's set-up has
+    passed its checks. With ``config`` given, a checkpoint written under a different configuration is refused
+    with a one-line ``UserError`` listing the keys that differ (``config_differences``).
+    """
     if force or resume == "never":
-        for _, path in ck.list_checkpoints(root):  # starting over: old checkpoints would shadow the new ones
-            shutil.rmtree(path)
         return None
     if resume == "auto":
         path, manifest, rejected = ck.find_latest_good(root)
     else:
         target = Path(resume).expanduser()
+        if not target.exists():
+            raise UserError(f"train.resume={resume}: no such checkpoint or directory")
         if (target / ck.MANIFEST).exists() or ck.STEP_DIR.match(target.name):
-            path, manifest, rejected = target, ck.verify(target), []  # an explicit checkpoint must verify
+            try:
+                path, manifest, rejected = target, ck.verify(target), []  # an explicit checkpoint must verify
+            except ck.CheckpointError as e:
+                raise UserError(f"train.resume={resume}: {e}") from None
         else:
             path, manifest, rejected = ck.find_latest_good(target)
             if path is None:
-                raise ck.CheckpointError(f"train.resume={resume}: no good checkpoint there"
-                                         + (f" ({'; '.join(rejected)})" if rejected else ""))
+                raise UserError(f"train.resume={resume}: no good checkpoint there"
+                                + (f" ({'; '.join(rejected)})" if rejected else ""))
     for problem in rejected:
         print(f"warning: skipping damaged checkpoint: {problem}", file=sys.stderr)
     if path is None:
         return None
+    if config is not None:
+        saved = (manifest.get("meta") or {}).get("config")
+        differences = config_differences(saved, config) if saved is not None else ["(no configuration recorded)"]
+        if differences:
+            shown = "; ".join(differences[:6]) + (f"; … {len(differences) - 6} more" if len(differences) > 6 else "")
+            raise UserError(f"checkpoint {path} was written by a run with a different configuration ({shown}); "
+                            "resume with the same settings, or start over with force=true or train.resume=never")
     if rejected:
         print(f"resuming from the previous good checkpoint {path}", file=sys.stderr)
     return ResumePoint(path, manifest, rejected)
+
+
+# Keys a resumed run may change: where things are written and how often, not what is computed.
+RESUMABLE_KEYS = ("run_id", "results_dir", "force", "wandb", "profile", "dryrun",
+                  *(f"train.{key}" for key in RUN_ID_IGNORED_TRAIN_KEYS))
+
+
+def _flatten(value, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        out: dict[str, object] = {}
+        for key, sub in value.items():
+            out.update(_flatten(sub, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: list(value) if isinstance(value, tuple) else value}
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """``key: saved -> current`` for every setting that changes what the run computes (another method is one
+    difference, ``method: 'hmt' -> 'adamw'``, not one per key of the two methods' configs)."""
+    name_a, name_b = (saved.get("method") or {}).get("name"), (current.get("method") or {}).get("name")
+    if name_a != name_b:
+        rest = config_differences({**saved, "method": {}}, {**current, "method": {}})
+        return [f"method: {name_a!r} -> {name_b!r}", *rest]
+    a, b = _flatten(saved), _flatten(current)
+    keep = lambda k: not any(k == r or k.startswith(r + ".") for r in RESUMABLE_KEYS)  # noqa: E731
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}"
+            for k in sorted(set(a) | set(b)) if keep(k) and a.get(k) != b.get(k)]
+
+
+def clear_checkpoints(root: Path) -> int:
+    """Remove this run's old checkpoints (starting over: they would shadow the new ones); returns how many."""
+    removed = 0
+    for _, path in ck.list_checkpoints(root):
+        shutil.rmtree(path)
+        removed += 1
+    return removed
 
 
 class Checkpointer:
@@ -177,12 +241,20 @@ class Checkpointer:
         self._previous_handlers.clear()
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.signal_received == signal.SIGINT:  # a second Ctrl-C: stop now (the last checkpoint stays)
+                raise KeyboardInterrupt
+            print("\ninterrupted: finishing this step, then writing a checkpoint (Ctrl-C again stops at once)",
+                  file=sys.stderr)
         self.signal_received = signum
 
     def preempt(self, state: LoopState) -> None:
         """Called between steps once a signal arrived: checkpoint, ask Slurm to requeue, raise ``Preempted``."""
         name = signal.Signals(self.signal_received).name
         saved = self.save(state)
+        if self.signal_received == signal.SIGINT:
+            raise Interrupted(f"interrupted (Ctrl-C) after step {state.next_step}; checkpoint {saved.path} "
+                              "written; the same command resumes (train.resume=auto)")
         requeued = request_slurm_requeue()
         raise Preempted(f"preempted by {name} after step {state.next_step}; checkpoint {saved.path} written; "
                         f"{requeued}; the same command resumes (train.resume=auto)")

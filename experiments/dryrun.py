@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import RunConfig
+from experiments.errors import UserError
 from experiments.loop import autocast_context, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
@@ -118,7 +119,10 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
         meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
         meter.track(model.buffers(), "other")
         meter.watch_grads(model.parameters())
-        method.attach(model, max_grad_norm=t.max_grad_norm or None)
+        try:
+            method.attach(model, max_grad_norm=t.max_grad_norm or None)
+        except ValueError as e:  # the method's settings do not fit this model (rank > dims, ...)
+            raise UserError(str(e)) from None
         retention = ModuleRetention(model, meter)
         vocab = model.get_input_embeddings().num_embeddings
         for step in range(run.dryrun.steps):
@@ -137,41 +141,45 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
 
 def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                    build_summary, print_summary) -> dict:
-    run_dir.start(config_dict)
+    """Trace first, write after: a bad setting fails before anything in ``run_dir`` is touched."""
+    start = time.perf_counter()
     try:
-        start = time.perf_counter()
-        try:
-            traced = trace_steps(run, method)
-        except NotTraceableError as e:
-            summary = build_summary(run, run_dir.run_id, torch.device("cpu"), memory=None, val_loss=None,
-                                    dryrun={"traceable": False, "reason": str(e)})
-            run_dir.finish(summary)
-            run_dir.set_status("failed")
-            raise SystemExit(f"error: {e}") from None
-        wall = time.perf_counter() - start
-        rep = traced["report"]
-        t = run.train
-        summary = build_summary(
-            run, run_dir.run_id, torch.device("cpu"), params_total=traced["params_total"],
-            params_trainable=traced["params_trainable"], steps=run.dryrun.steps,
-            tokens=run.dryrun.steps * t.batch_size * t.seq_len * t.grad_accum, tokens_per_s=None, step_time_s=None,
-            train_loss=None, val_loss=None, memory=rep.to_dict(), cpu_rss_peak_bytes=cpu_rss_peak_bytes(),
-            host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
-            activation_summary=None if run.activation.is_identity() else {
-                "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"]},
-            dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
-                    "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
-                    "cuda_context_gib": run.dryrun.cuda_context_gib,
-                    "verdicts": verdicts(rep.peak_bytes, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
-        )
-        summary["device"] = f"fake (target {device.type})"
+        traced = trace_steps(run, method)
+    except NotTraceableError as e:
+        summary = build_summary(run, run_dir.run_id, torch.device("cpu"), memory=None, val_loss=None,
+                                dryrun={"traceable": False, "reason": str(e)})
+        run_dir.start(config_dict)
         run_dir.finish(summary)
-        print_summary(summary, run_dir.path)
-        print_dryrun(summary)
-        return summary
+        run_dir.set_status("failed")
+        raise UserError(str(e)) from None
+    except (UserError, KeyboardInterrupt):
+        raise
     except BaseException as e:
+        run_dir.start(config_dict)
         run_dir.fail("".join(traceback.format_exception(e)))
         raise
+    wall = time.perf_counter() - start
+    rep = traced["report"]
+    t = run.train
+    summary = build_summary(
+        run, run_dir.run_id, torch.device("cpu"), params_total=traced["params_total"],
+        params_trainable=traced["params_trainable"], steps=run.dryrun.steps,
+        tokens=run.dryrun.steps * t.batch_size * t.seq_len * t.grad_accum, tokens_per_s=None, step_time_s=None,
+        train_loss=None, val_loss=None, memory=rep.to_dict(), cpu_rss_peak_bytes=cpu_rss_peak_bytes(),
+        host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
+        activation_summary=None if run.activation.is_identity() else {
+            "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"]},
+        dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
+                "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
+                "cuda_context_gib": run.dryrun.cuda_context_gib,
+                "verdicts": verdicts(rep.peak_bytes, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
+    )
+    summary["device"] = f"fake (target {device.type})"
+    run_dir.start(config_dict)
+    run_dir.finish(summary)
+    print_summary(summary, run_dir.path)
+    print_dryrun(summary)
+    return summary
 
 
 def print_dryrun(summary: dict) -> None:

@@ -20,10 +20,22 @@ class UserError(ValueError):
     """Bad input (a file, a key, a value) that the user can fix; the message names it."""
 
 
+class ErrorExit(SystemExit):
+    """Exit ``code`` after an ``error:`` line; ``str()`` is that line (what ``pytest.raises(match=...)`` sees)."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(code)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
 def exit_with_error(message: str, code: int = 2) -> None:
     """Print ``error: <message>`` on one line to stderr and exit with ``code``."""
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
-    raise SystemExit(code)
+    line = f"error: {' '.join(str(message).split())}"
+    print(line, file=sys.stderr)
+    raise ErrorExit(line, code)
 
 
 def one_line_errors(fn: Callable[[], T], *extra: type[BaseException]) -> T:

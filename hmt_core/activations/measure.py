@@ -75,7 +75,12 @@ def saved_metrics(saved: dict[str, int]) -> dict[str, float]:
 
 
 def flat_grad(model: nn.Module) -> Tensor:
-    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
+    """The model's accumulated ``.grad`` tensors, flattened into one float64 vector."""
+    return concat_grads(p.grad for p in model.parameters())
+
+
+def concat_grads(grads: Iterable[Tensor | None]) -> Tensor:
+    return torch.cat([g.detach().reshape(-1).double() for g in grads if g is not None])
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
@@ -87,22 +92,22 @@ def probe(
 ) -> dict[str, float]:
     """One probe step (no optimizer update): saved bytes, rel_err and grad cosine of ``policy`` against keep.
 
-    ``loss_fn(model) -> scalar loss`` runs the forward on a fixed probe batch. Gradients are zeroed before and
-    after; the model must not already carry a policy (``apply_policy`` is called here).
+    ``loss_fn(model) -> scalar loss`` runs the forward on a fixed probe batch. Gradients are taken with
+    ``torch.autograd.grad``, never accumulated into ``.grad``: post-accumulate-grad hooks (per-layer updates in
+    backward, the meter's gradient marks) do not fire, so the probe may run on a model whose method is attached.
+    The model must not already carry a policy (``apply_policy`` is called here).
     """
+    params = [p for p in model.parameters() if p.requires_grad]
     from hmt_core.activations.apply import apply_policy
     from hmt_core.activations.policy import CODEC_ACTIONS, PRESETS
 
     def grads(pol, errors: ErrorAccumulator | None = None):
-        model.zero_grad(set_to_none=True)
         handle = apply_policy(model, pol, errors=errors)
         try:
-            loss_fn(model).backward()
+            g = concat_grads(torch.autograd.grad(loss_fn(model), params, allow_unused=True))
             saved = handle.saved_bytes()
         finally:
             handle.remove()
-        g = flat_grad(model)
-        model.zero_grad(set_to_none=True)
         return g, saved
 
     reference, _ = grads(PRESETS["none"])

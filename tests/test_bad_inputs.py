@@ -1,0 +1,243 @@
+"""A new user's bad inputs: each gets one ``error:`` line naming the culprit, a non-zero exit, no traceback, and
+leaves what was written before intact. Most cases run the runner in-process (``main_with_config`` on a
+Hydra-composed config, exactly what ``python -m experiments.run`` calls); a few go through a real subprocess
+to prove the command line itself prints no traceback, and Ctrl-C is a real SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_runner import CONF, MICRO
+
+from experiments.data import build_corpus
+from experiments.local_corpus import split_long_text
+from experiments.run import main_with_config
+
+REPO = Path(__file__).resolve().parent.parent
+PARAGRAPH = ("The committee met in the spring and spoke of roads, of harvests, of the long winter and of the "
+             "taxes that every town must pay. ")
+
+
+def book(n_paragraphs: int, seed: int = 0) -> str:
+    """Plain English-like text with blank-line paragraph breaks (a small "book")."""
+    words = PARAGRAPH.split()
+    out = []
+    for i in range(n_paragraphs):
+        rot = (i * 7 + seed) % len(words)
+        out.append(" ".join(words[rot:] + words[:rot]) + f" Chapter {i}.")
+    return "\n\n".join(out)
+
+
+def compose_run(results: Path, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("run", overrides=[f"results_dir={results}", *MICRO, f"data.cache_dir={results}/.cache",
+                                        *overrides])
+    return main_with_config(cfg)
+
+
+@pytest.fixture
+def results(tmp_path):
+    """A results dir holding an earlier completed run, which no failure may touch."""
+    old = tmp_path / "results" / "old"
+    old.mkdir(parents=True)
+    (old / "summary.json").write_text('{"val_loss": 1.0}')
+    (old / "status").write_text("completed\n")
+    return tmp_path / "results"
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+            and ".cache" not in p.parts}
+
+
+def expect_error(capsys, results: Path, overrides: list[str], *fragments: str) -> str:
+    """Run; assert a non-zero exit, one ``error:`` line containing every fragment, nothing earlier changed."""
+    before = snapshot(results)
+    with pytest.raises(SystemExit) as exc:
+        compose_run(results, *overrides)
+    assert exc.value.code not in (0, None), exc.value.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "Traceback" not in err, err
+    assert snapshot(results) == before  # no new run directory, no file changed
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- data files
+def test_one_large_text_file_is_cut_into_pieces_with_a_validation_split(tmp_path):
+    path = tmp_path / "book.txt"
+    text = book(400)
+    path.write_text(text)
+    pieces = split_long_text(text, 16_000)
+    assert len(pieces) >= -(-len(text) // 16_000) and max(map(len, pieces)) <= 16_000
+    assert all(p.endswith(".") for p in pieces)  # cut at paragraph ends, never inside one
+    corpus = build_corpus(path=str(path), text_field="text", val_fraction=0.05, vocab_size=512, seq_len=32,
+                          batch_size=2, seed=0, cache_dir=str(tmp_path / "cache"), chunk_chars=16_000)
+    assert corpus.stats["train_docs"] + corpus.stats["val_docs"] == len(pieces), corpus.stats
+    assert corpus.stats["val_docs"] >= 1, corpus.stats
+    assert corpus.stats["val_tokens"] >= 32
+
+
+def test_two_documents_give_both_splits(tmp_path):
+    (tmp_path / "a.txt").write_text(book(20))
+    (tmp_path / "b.txt").write_text(book(20, seed=3))
+    corpus = build_corpus(path=str(tmp_path), text_field="text", val_fraction=0.05, vocab_size=300, seq_len=16,
+                          batch_size=2, seed=0, cache_dir=str(tmp_path / "cache"), chunk_chars=0)
+    assert (corpus.stats["train_docs"], corpus.stats["val_docs"]) == (1, 1)
+
+
+def test_one_file_corpus_trains_through_the_runner(results, tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text(book(400))
+    summary = compose_run(results, f"data.path={path}", "train.steps=2", "train.warmup_steps=1",
+                          "method=adamw", "run_id=book")
+    assert summary["data"]["val_docs"] >= 1 and summary["val_loss"] is not None
+
+
+@pytest.mark.parametrize("name, content, fragments", [
+    ("empty.txt", b"", ["empty.txt", "no text"]),
+    ("blob.txt", bytes(range(256)) * 4, ["blob.txt", "binary"]),
+    ("latin1.txt", "caf\u00e9 au lait\n".encode("latin-1") * 50, ["latin1.txt", "not UTF-8", "offset 3"]),
+    ("rows.jsonl", b'{"text": "a"}\n{"body": "b"}\n', ["rows.jsonl line 2", "data.text_field='text'"]),
+    ("bad.jsonl", b'{"text": "a"}\n{"text": "b"\n', ["bad.jsonl line 2", "not JSON"]),
+    ("null.jsonl", b'{"text": "a"}\n{"text": null}\n', ["null.jsonl line 2", "NoneType"]),
+    ("short.txt", b"just one short line\n", ["1 document", "data.chunk_chars"]),
+])
+def test_bad_corpus_files(capsys, results, tmp_path, name, content, fragments):
+    path = tmp_path / "corpus" / name
+    path.parent.mkdir()
+    path.write_bytes(content)
+    expect_error(capsys, results, [f"data.path={path}", "train.steps=2"], *fragments)
+
+
+def test_corpus_too_short_for_one_sequence(capsys, results, tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text(book(6))
+    expect_error(capsys, results, [f"data.path={path}", "train.seq_len=2048", "data.chunk_chars=300"],
+                 "train.seq_len=2048", "tokens")
+
+
+def test_years_outside_the_builtin_corpus(capsys, results):
+    expect_error(capsys, results, ["data.min_year=3000"], "data.min_year", "1790")
+
+
+# ------------------------------------------------------------------------------------------ run ids and keys
+@pytest.mark.parametrize("run_id", ["../../x", "a/b/c", "..", ".hidden"])
+def test_run_id_must_be_one_folder(capsys, results, run_id):
+    expect_error(capsys, results, [f"run_id={run_id}"], f"run_id={run_id!r}")
+    assert not (results.parent / "x").exists() and not (results / "a").exists()
+
+
+def test_seq_len_beyond_the_models_positions(capsys, results):
+    expect_error(capsys, results, ["train.seq_len=8192"], "train.seq_len=8192", "max_position_embeddings=4096")
+
+
+def test_rank_larger_than_the_weights(capsys, results):
+    expect_error(capsys, results, ["method=galore", "method.rank=128"], "method.rank=128", "min(out, in)=64")
+    expect_error(capsys, results, ["method.rank=128"], "method.rank=128")
+
+
+def test_target_patterns_matching_no_weight(capsys, results):
+    expect_error(capsys, results, ["method.target_patterns=[nosuchlayer]"], "method.target_patterns", "nosuchlayer")
+
+
+def test_warmup_longer_than_the_run_is_a_loud_warning(capsys, results):
+    compose_run(results, "train.steps=2", "train.warmup_steps=20", "method=adamw", "run_id=w")
+    err = capsys.readouterr().err
+    assert "warning: train.warmup_steps=20 >= train.steps=2" in err, err
+
+
+def test_wandb_online_without_a_key(capsys, results, monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    expect_error(capsys, results, ["wandb.mode=online"], "wandb.mode=online", "WANDB_API_KEY")
+
+
+def test_model_config_that_is_not_json(capsys, results, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
+    expect_error(capsys, results, [f"model.path={model_dir}"], str(model_dir / "config.json"))
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def test_resuming_with_another_method_names_the_differences(capsys, results):
+    compose_run(results, "train.steps=2", "train.warmup_steps=1", "train.checkpoint_every=1", "run_id=r")
+    (results / "r" / "status").write_text("failed\n")  # as if it had died: a rerun would resume
+    expect_error(capsys, results, ["train.steps=2", "train.warmup_steps=1", "method=adamw", "run_id=r"],
+                 "different configuration", "method: 'hmt' -> 'adamw'", "force=true")
+
+
+def test_resume_from_a_missing_path(capsys, results, tmp_path):
+    expect_error(capsys, results, [f"train.resume={tmp_path}/nope"], "train.resume=", "nope")
+
+
+# --------------------------------------------------------------------------------------- the real command line
+def cli(results: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    args = [sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO,
+            f"data.cache_dir={results}/.cache", *overrides]
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["run_id=../../x"], "run_id='../../x'"),
+    (["train.seq_len=8192"], "train.seq_len=8192"),
+    (["method=nosuch"], "method"),
+])
+def test_command_line_prints_one_line_and_no_traceback(results, overrides, fragment):
+    before = snapshot(results)
+    proc = cli(results, *overrides)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out
+    assert fragment in out, out
+    assert snapshot(results) == before
+
+
+def test_ctrl_c_checkpoints_and_the_rerun_resumes(results):
+    overrides = ["run_id=c", "method=adamw", "train.steps=400", "train.warmup_steps=1", "train.eval_every=1000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO,
+            f"data.cache_dir={results}/.cache", *overrides]
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = results / "c" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    assert "interrupted (Ctrl-C) after step" in err and "the same command resumes" in err, err
+    step = json.loads(metrics.read_text().splitlines()[-1])["step"] + 1
+    assert (results / "c" / "checkpoints" / f"step-{step:08d}").is_dir(), list((results / "c").rglob("*"))
+    rerun = cli(results, *overrides)  # the same command resumes, and says so
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"resuming c at step {step} from" in rerun.stderr, rerun.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(400))
+
+
+def test_rerun_says_why_it_starts_at_step_zero(results, capsys):
+    run_dir = results / "z"
+    run_dir.mkdir()
+    (run_dir / "status").write_text("failed\n")
+    compose_run(results, "train.steps=1", "train.warmup_steps=1", "method=adamw", "run_id=z")
+    err = capsys.readouterr().err
+    assert "starting z at step 0: its previous attempt ended 'failed' without a usable checkpoint" in err, err
