@@ -8,6 +8,7 @@ import torch
 
 from experiments.data import (Document, PackedTokens, build_corpus, load_builtin_corpus, load_local_corpus,
                               split_documents)
+from experiments.errors import UserError
 
 
 def test_builtin_corpus_split_is_by_document_and_deterministic():
@@ -41,7 +42,7 @@ def test_local_corpus_txt_jsonl_parquet(tmp_path):
     assert texts == sorted(["hello world\nsecond line", "row 0", "row 1", "row 2", "p0", "p1"])
     with pytest.raises(ValueError, match="data.text_field='body'"):
         load_local_corpus(str(tmp_path / "b.jsonl"), "body")
-    with pytest.raises(FileNotFoundError, match="no .txt/.jsonl"):
+    with pytest.raises(UserError, match="no .txt/.jsonl"):
         (tmp_path / "empty").mkdir()
         load_local_corpus(str(tmp_path / "empty"), "text")
 
@@ -61,6 +62,12 @@ def test_build_corpus_caches_tokenizer_and_round_trips_text(tmp_path):
         build_corpus(**{**kwargs, "min_year": 3000, "max_year": 3001})
 
 
-def test_split_needs_both_sides():
-    with pytest.raises(ValueError, match="need both non-empty"):
+def test_split_needs_two_documents_and_always_fills_both_sides():
+    with pytest.raises(UserError, match="need at least 2"):
         split_documents([Document("only", "x")], 0.05)
+    docs = [Document(f"d{i}", "x") for i in range(3)]
+    for fraction in (1e-9, 1 - 1e-9):  # hashing puts everything on one side: one document moves over
+        train, val = split_documents(docs, fraction)
+        assert len(train) + len(val) == 3 and train and val
+        _, val_reversed = split_documents(list(reversed(docs)), fraction)
+        assert {d.doc_id for d in val} == {d.doc_id for d in val_reversed}  # still independent of order
