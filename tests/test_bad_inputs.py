@@ -40,8 +40,7 @@ def compose_run(results: Path, *overrides: str):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("run", overrides=[f"results_dir={results}", *MICRO, f"data.cache_dir={results}/.cache",
-                                        *overrides])
+        cfg = compose("run", overrides=[f"results_dir={results}", *MICRO, *overrides])
     return main_with_config(cfg)
 
 
@@ -190,8 +189,7 @@ def test_resume_from_a_missing_path(capsys, results, tmp_path):
 def cli(results: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    args = [sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO,
-            f"data.cache_dir={results}/.cache", *overrides]
+    args = [sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO, *overrides]
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -210,10 +208,9 @@ def test_command_line_prints_one_line_and_no_traceback(results, overrides, fragm
 
 
 def test_ctrl_c_checkpoints_and_the_rerun_resumes(results):
-    overrides = ["run_id=c", "method=adamw", "train.steps=400", "train.warmup_steps=1", "train.eval_every=1000"]
+    overrides = ["run_id=c", "method=adamw", "train.steps=100", "train.warmup_steps=1", "train.eval_every=1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO,
-            f"data.cache_dir={results}/.cache", *overrides]
+    args = [sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO, *overrides]
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = results / "c" / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -231,7 +228,7 @@ def test_ctrl_c_checkpoints_and_the_rerun_resumes(results):
     assert rerun.returncode == 0, rerun.stderr
     assert f"resuming c at step {step} from" in rerun.stderr, rerun.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(400))
+    assert [r["step"] for r in rows] == list(range(100))
 
 
 def test_rerun_says_why_it_starts_at_step_zero(results, capsys):
