@@ -78,6 +78,10 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
                           max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path),
                           chunk_chars=run.data.chunk_chars)
     model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
+    rows = model.get_input_embeddings().num_embeddings
+    if corpus.vocab_size > rows:
+        raise UserError(f"the tokenizer has {corpus.vocab_size} tokens but the model's embedding has {rows} rows "
+                        f"(model.path={run.model.path}): token ids beyond {rows - 1} would index out of range")
     model = method.prepare(model)
     model.train()
     meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
