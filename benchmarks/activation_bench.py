@@ -1,4 +1,4 @@
-"""Activation policies side by side in one run: none, full_ckpt, selective, hmt (issue 5).
+"""Activation policies side by side in one run: none, full_ckpt, selective, hmt.
 
 For each preset, on the same model, init and batch (built-in corpus, seq len >= 512):
   * act@fwd_end: live bytes of forward-born tensors when forward ends (experiments.meter.MemoryMeter,
@@ -8,7 +8,7 @@ For each preset, on the same model, init and batch (built-in corpus, seq len >= 
   * step time: median over interleaved rounds of forward+backward (no meter, no optimizer), and ratios to
     full_ckpt.
 Then none vs hmt train for the same number of AdamW steps from the same init and batches; validation loss on
-fixed held-out batches. Targets (issue 5): hmt act <= selective act, hmt time <= 0.8 x full_ckpt time.
+fixed held-out batches. Targets: hmt act <= selective act, hmt time <= 0.8 x full_ckpt time.
 
     python benchmarks/activation_bench.py --seq-len 512 --train-steps 30
 """
@@ -137,7 +137,7 @@ def main() -> None:
     p.add_argument("--cache-dir", default="~/.cache/hmt")
     args = p.parse_args()
     if args.seq_len < 512:
-        print("note: issue 5 asks for seq len >= 512")
+        print("note: the activation targets are stated for seq len >= 512")
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = build_corpus(path=None, text_field="text", val_fraction=0.05, vocab_size=args.vocab, seq_len=args.seq_len,

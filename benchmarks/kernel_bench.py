@@ -1,4 +1,4 @@
-"""Kernel benchmark for issue 9 (not a test): Triton kernels vs their PyTorch fallbacks.
+"""Kernel benchmark (not a test): Triton kernels vs their PyTorch fallbacks.
 
     python benchmarks/kernel_bench.py [--real] [--skip-e2e] [--steps 10]
 

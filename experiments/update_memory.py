@@ -1,5 +1,5 @@
 """Meter-measured temporaries of one low-rank weight update, naive vs the row-chunked fallback
-(issue 9's memory bound; used by ``benchmarks/kernel_bench.py`` and ``tests/test_kernels.py``)."""
+(the fused update's memory bound; used by ``benchmarks/kernel_bench.py`` and ``tests/test_kernels.py``)."""
 
 from __future__ import annotations
 

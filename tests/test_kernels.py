@@ -1,4 +1,4 @@
-"""Issue 9: Triton kernels vs their PyTorch fallbacks, run on CPU in Triton's interpreter.
+"""Triton kernels vs their PyTorch fallbacks, run on CPU in Triton's interpreter.
 
 TRITON_INTERPRET=1 is set here, before ``hmt_core.kernels.quant`` / ``lowrank`` (whose ``@triton.jit`` decide
 interpreter vs compiler when they are decorated) are imported; nothing else imports them on CPU. triton is

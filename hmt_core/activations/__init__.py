@@ -1,4 +1,4 @@
-"""Hybrid activation memory (issue 5): per-component keep / recompute / compress of what autograd saves.
+"""Hybrid activation memory: per-component keep / recompute / compress of what autograd saves.
 
 Runner entry points::
 

@@ -1,4 +1,4 @@
-"""Kernel backend switch for HMT's fused ops (issue 9): Triton kernels or their PyTorch fallbacks.
+"""Kernel backend switch for HMT's fused ops: Triton kernels or their PyTorch fallbacks.
 
 Backends (``BACKENDS``):
 - ``"auto"`` (default): Triton when every tensor is on CUDA and ``triton`` imports, else the PyTorch fallback;
