@@ -1,8 +1,10 @@
 """The report's figures (matplotlib, Agg), each saved as PNG and PDF.
 
 Every figure labels its axes with units and has a legend; a method has one colour in every figure
-(``method_colors``). Each ``*_figure`` function returns ``{name: Figure}`` (empty when the results hold no data
-for it, e.g. no run recorded rank histories), so the report can say what it skipped.
+(``method_colors``). Runs of one method and model with different settings (their ``variant``,
+``analysis.settings``) are drawn separately: loss curves by line style, points and bars labelled with the variant.
+Each ``*_figure`` function returns ``{name: Figure}`` (empty when the results hold no data for it, e.g. no run
+recorded rank histories), so the report can say what it skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.load import CATEGORIES, Results  # noqa: E402
+from analysis.settings import natural_key  # noqa: E402
 from analysis.tables import GIB, groups, method_sort_key, model_sort_key  # noqa: E402
 
 # Okabe-Ito colour-blind-safe palette: fixed colours for the paper's methods, the rest for any other method.
@@ -47,9 +50,17 @@ def _subplots(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, 
     return fig, list(axes[0])
 
 
+VARIANT_LINESTYLES = ("-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+
+
+def _variant_column(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``variant`` column of strings ("" for the only setting of a method and model)."""
+    return frame.assign(variant=frame["variant"].fillna("") if "variant" in frame else "")
+
+
 def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
-    runs = results.completed()
-    runs = runs[runs["mode"] == "train"][["run_id", "method", "model"]]
+    runs = _variant_column(results.completed())
+    runs = runs[runs["mode"] == "train"][["run_id", "method", "model", "variant"]]
     if runs.empty or results.metrics.empty or "loss/train" not in results.metrics:
         return {}
     data = results.metrics.merge(runs, on="run_id")
@@ -58,10 +69,13 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
     models = _models(data)
     fig, axes = _subplots(len(models))
     for ax, model in zip(axes, models):
-        for method in _methods(data[data["model"] == model]):
-            rows = data[(data["model"] == model) & (data["method"] == method)]
+        for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
+            variants = sorted(data[(data["model"] == model) & (data["method"] == method)]["variant"].unique(),
+                              key=natural_key)
+            style = VARIANT_LINESTYLES[variants.index(variant) % len(VARIANT_LINESTYLES)]
             train = rows.groupby("step")["loss/train"].mean().dropna()
-            ax.plot(train.index, train.values, color=colors[method], lw=1.5, label=method)
+            ax.plot(train.index, train.values, color=colors[method], lw=1.5, ls=style,
+                    label=f"{method} ({variant})" if variant else method)
             if "loss/val" in rows:
                 val = rows.groupby("step")["loss/val"].mean().dropna()
                 ax.plot(val.index, val.values, color=colors[method], lw=1.2, ls="--", marker="o", ms=3)
@@ -86,17 +100,19 @@ def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]
 
 
 def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
-    runs = results.completed()
+    runs = _variant_column(results.completed())
     runs = runs[(runs["mode"] == "train")].dropna(subset=["peak_bytes", "tokens_per_s"])
     if runs.empty:
         return {}
     markers = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(_models(runs))}
     fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
     points: dict[str, list] = {}
-    for (method, model), g in groups(runs):
+    for (method, model, variant), g in groups(runs, ("method", "model", "variant")):
         mem, tps = g["peak_bytes"].astype(float).mean() / GIB, g["tokens_per_s"].astype(float).mean()
         points.setdefault(model, []).append((mem, tps))
         ax.scatter([mem], [tps], color=colors[method], marker=markers[model], s=60, edgecolor="black", lw=0.5, zorder=3)
+        if variant:
+            ax.annotate(variant, (mem, tps), textcoords="offset points", xytext=(4, 4), fontsize="xx-small")
     for model, model_points in points.items():  # methods compete within a model size
         front = _pareto_front(model_points)
         ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1, zorder=2)
@@ -110,7 +126,7 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
 
 
 def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
-    runs = results.completed()
+    runs = _variant_column(results.completed())
     columns = [f"peak_{c}_bytes" for c in CATEGORIES]
     runs = runs.dropna(subset=columns, how="all")
     if runs.empty:
@@ -118,8 +134,9 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
     models = _models(runs)
     fig, axes = _subplots(len(models))
     for ax, model in zip(axes, models):
-        bars = [(f"{method}" + ("" if mode == "train" else f"\n({mode})"), g)
-                for (method, mode), g in groups(runs[runs["model"] == model], ("method", "mode"))]
+        keys = ("method", "mode", "variant")
+        bars = [(f"{method}" + ("" if mode == "train" else f"\n({mode})") + (f"\n{variant}" if variant else ""), g)
+                for (method, mode, variant), g in groups(runs[runs["model"] == model], keys)]
         bottom = np.zeros(len(bars))
         for category, column in zip(CATEGORIES, columns):
             heights = np.array([np.nan_to_num(g[column].astype(float).mean()) / GIB for _, g in bars])

@@ -1,10 +1,16 @@
-"""Read ``results/<run_id>/`` directories into pandas tables, and compact them to parquet.
+"""Read the run directories under a results tree into pandas tables, and compact them to parquet.
+
+Run directories are found at any depth (``analysis.rundirs``: ``results/<run_id>/``,
+``results/reference/<run_id>/``, ...); a damaged run is skipped with a warning (``Results.warnings``) and bad
+input — no results folder, no usable run in it — raises ``UserError`` naming the folder.
 
 Tables (every row keyed by ``run_id``; rows sorted so the same results give the same bytes):
 
 * ``runs``: one row per run directory: ``status`` (pending | running | completed | failed), the summary's
   scalars, memory flattened to ``peak_bytes``, ``avg_bytes``, ``peak_<category>_bytes``,
-  ``avg_<category>_bytes``, ``peak_phase_<phase>_bytes``, ``memory_source``. Absent keys are NaN/None.
+  ``avg_<category>_bytes``, ``peak_phase_<phase>_bytes``, ``memory_source``; ``setting`` (the id of the run's
+  configuration less its seed, ``analysis.settings``) and ``variant`` (the label telling apart the settings of
+  one method, model and mode; empty when there is only one). Absent keys are NaN/None.
 * ``metrics``: one row per logged step, one column per key of ``metrics.jsonl``.
 * ``ranks``: ``run_id, layer, step, rank`` from ``method_summary`` ``rank/history`` (or ``rank_history``).
 * ``rank_hist``: ``run_id, rank, count`` from ``rank/histogram_all_refreshes`` (or ``rank_histogram``).
@@ -14,12 +20,15 @@ Tables (every row keyed by ``run_id``; rows sorted so the same results give the 
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import yaml
+
+from analysis.rundirs import RunFiles, find_run_dirs, read_run
+from analysis.settings import setting_id, setting_of, variant_labels
+from experiments.errors import UserError
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
 SCALARS = ("method", "model", "mode", "device", "seed", "params_total", "params_trainable", "steps", "tokens",
@@ -35,57 +44,39 @@ class Results:
     ranks: pd.DataFrame
     rank_hist: pd.DataFrame
     activations: pd.DataFrame
+    warnings: list[str] = field(default_factory=list)  # one line per damaged file that was skipped or cut
 
     def completed(self) -> pd.DataFrame:
         return self.runs[self.runs["status"] == "completed"]
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-
-
-def _status(run_dir: Path) -> str:
-    try:
-        return (run_dir / "status").read_text().strip() or "pending"
-    except FileNotFoundError:
-        return "pending"
-
-
-def run_row(run_dir: Path) -> dict:
-    summary = _read_json(run_dir / "summary.json")
-    config = {}
-    if not summary and (run_dir / "config.yaml").exists():  # failed/running: identify it from its config
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    row: dict = {"run_id": summary.get("run_id", run_dir.name), "status": _status(run_dir)}
+def run_row(run: RunFiles) -> dict:
+    summary, config = run.summary, run.config
+    row: dict = {"run_id": str(summary.get("run_id") or run.path.name), "status": run.status}
     for key in SCALARS:
         row[key] = summary.get(key)
-    if config:
-        row["method"] = (config.get("method") or {}).get("name")
-        row["model"] = (config.get("model") or {}).get("name")
+    if not summary and config:  # failed/running: identify it from its config
+        row["method"] = _mapping(config.get("method")).get("name")
+        row["model"] = _mapping(config.get("model")).get("name")
         row["mode"], row["seed"] = config.get("mode"), config.get("seed")
-    memory = summary.get("memory") or {}
+    memory = _mapping(summary.get("memory"))
     row["peak_bytes"], row["avg_bytes"] = memory.get("peak_bytes"), memory.get("avg_bytes")
     row["memory_source"] = memory.get("source")
     for kind in ("peak", "avg"):
-        by_category = memory.get(f"{kind}_by_category_bytes") or {}
+        by_category = _mapping(memory.get(f"{kind}_by_category_bytes"))
         for category in CATEGORIES:
             row[f"{kind}_{category}_bytes"] = by_category.get(category)
-    for phase, value in sorted((memory.get("peak_by_phase_bytes") or {}).items()):
+    for phase, value in sorted(_mapping(memory.get("peak_by_phase_bytes")).items()):
         row[f"peak_phase_{phase}_bytes"] = value
-    if (run_dir / "error.txt").exists():
-        lines = [line for line in (run_dir / "error.txt").read_text().splitlines() if line.strip()]
+    if (run.path / "error.txt").exists():
+        text = (run.path / "error.txt").read_text(encoding="utf-8", errors="replace")
+        lines = [line for line in text.splitlines() if line.strip()]
         row["error"] = lines[-1] if lines else ""
     return row
 
 
-def _metrics_rows(run_dir: Path, run_id: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [{"run_id": run_id, **json.loads(line)} for line in path.read_text().splitlines() if line.strip()]
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
 
 
 def _activations_from_metrics(run_id: str, metrics: list[dict]) -> list[dict]:
@@ -103,7 +94,7 @@ def _activations_from_metrics(run_id: str, metrics: list[dict]) -> list[dict]:
 def _first(mapping: dict, *keys: str) -> dict:
     for key in keys:
         if mapping.get(key):
-            return mapping[key]
+            return _mapping(mapping[key])
     return {}
 
 
@@ -126,14 +117,14 @@ def _activation_rows(run_id: str, activation_summary: dict) -> list[dict]:
 def _method_rows(run_id: str, summary: dict) -> tuple[list, list, list]:
     """Rank history/histogram under ``rank_history``/``rank_histogram`` or the runner's ``rank/history`` and
     ``rank/histogram_all_refreshes`` (else ``rank/histogram_current``); activation rows (``_activation_rows``)."""
-    method_summary = summary.get("method_summary") or {}
+    method_summary = _mapping(summary.get("method_summary"))
     history = _first(method_summary, "rank_history", "rank/history")
     ranks = [{"run_id": run_id, "layer": layer, "step": int(step), "rank": float(rank)}
              for layer, records in sorted(history.items()) for step, rank in records]
     histogram = _first(method_summary, "rank_histogram", "rank/histogram_all_refreshes", "rank/histogram_current")
     hist = [{"run_id": run_id, "rank": int(rank), "count": int(count)}
             for rank, count in sorted(histogram.items(), key=lambda kv: int(kv[0]))]
-    return ranks, hist, _activation_rows(run_id, summary.get("activation_summary") or {})
+    return ranks, hist, _activation_rows(run_id, _mapping(summary.get("activation_summary")))
 
 
 def _frame(rows: list[dict], columns: tuple[str, ...], sort: list[str]) -> pd.DataFrame:
@@ -141,26 +132,70 @@ def _frame(rows: list[dict], columns: tuple[str, ...], sort: list[str]) -> pd.Da
     return frame.sort_values(sort, kind="stable").reset_index(drop=True) if len(frame) else frame
 
 
-def load_results(results_dir: str | Path) -> Results:
-    """Every run directory under ``results_dir`` (a directory holding a ``status`` or ``summary.json``)."""
+def _add_settings(runs: list[dict], configs: dict[str, dict]) -> None:
+    """``setting`` and ``variant`` of every run; variants are told apart among the completed runs of one method,
+    model and mode (the runs a table row may average)."""
+    settings = {row["run_id"]: setting_of(configs[row["run_id"]]) for row in runs}
+    completed = {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
+                 for row in runs if row["status"] == "completed"}
+    labels = variant_labels({r: settings[r] for r in completed}, completed)
+    for row in runs:
+        row["setting"], row["variant"] = setting_id(settings[row["run_id"]]), labels.get(row["run_id"], "")
+
+
+def load_results(results_dir: str | Path, warn: Callable[[str], None] | None = None) -> Results:
+    """Every run directory at any depth under ``results_dir`` (``analysis.rundirs``). Damaged runs are skipped
+    with a warning in ``Results.warnings`` (each also passed to ``warn`` as it is found); ``UserError`` when the
+    folder is missing or has no usable finished run (one with a readable summary.json)."""
     root = Path(results_dir)
+    if not root.exists():
+        raise UserError(f"results directory not found: {root}")
     if not root.is_dir():
-        raise FileNotFoundError(f"results directory not found: {root}")
+        raise UserError(f"{root} is not a directory (give the folder that holds the run directories)")
+    warnings: list[str] = []
+
+    def note(warning: str) -> None:
+        warnings.append(warning)
+        if warn is not None:
+            warn(warning)
+
     runs, metrics, ranks, hist, acts = [], [], [], [], []
-    for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if not ((run_dir / "status").exists() or (run_dir / "summary.json").exists()):
+    configs: dict[str, dict] = {}
+    where: dict[str, Path] = {}
+    finished: set[str] = set()  # runs with a summary.json
+    skipped = 0
+    for run_dir in find_run_dirs(root):
+        run = read_run(run_dir, note)
+        if run is None:
+            skipped += 1
             continue
-        row = run_row(run_dir)
+        try:
+            row = run_row(run)
+            r, h, a = _method_rows(row["run_id"], run.summary)
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
+            note(f"{run_dir / 'summary.json'}: unexpected content ({type(e).__name__}: {e}); run skipped")
+            skipped += 1
+            continue
+        if row["run_id"] in where:
+            note(f"{run_dir}: run_id {row['run_id']} already read from {where[row['run_id']]}; this copy is skipped")
+            skipped += 1
+            continue
+        where[row["run_id"]] = run_dir
+        if run.summary:
+            finished.add(row["run_id"])
+        configs[row["run_id"]] = run.config
         runs.append(row)
-        run_metrics = _metrics_rows(run_dir, row["run_id"])
+        run_metrics = [{"run_id": row["run_id"], **line} for line in run.metrics]
         metrics.extend(run_metrics)
-        summary = _read_json(run_dir / "summary.json")
-        r, h, a = _method_rows(row["run_id"], summary)
-        if summary and not summary.get("activation_summary"):
+        if run.summary and not run.summary.get("activation_summary"):
             a = _activations_from_metrics(row["run_id"], run_metrics)
         ranks += r
         hist += h
         acts += a
+    if not any(row["status"] == "completed" and row["run_id"] in finished for row in runs):
+        damaged = f" ({skipped} damaged run(s) skipped: see the warnings above)" if skipped else ""
+        raise UserError(f"no runs with summary.json under {root}{damaged}")
+    _add_settings(runs, configs)
     metric_frame = _frame(metrics, ("run_id", "step"), ["run_id", "step"])
     if len(metric_frame):  # fixed column order: run_id, step, then metric keys sorted
         metric_frame = metric_frame[["run_id", "step"] + sorted(c for c in metric_frame if c not in ("run_id", "step"))]
@@ -171,6 +206,7 @@ def load_results(results_dir: str | Path) -> Results:
         rank_hist=_frame(hist, ("run_id", "rank", "count"), ["run_id", "rank"]),
         activations=_frame(acts, ("run_id", "component", "saved_bytes", "rel_err", "grad_cos"),
                            ["run_id", "component"]),
+        warnings=warnings,
     )
 
 

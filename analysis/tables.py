@@ -1,9 +1,11 @@
 """The report's tables, each rendered to Markdown and LaTeX from the same cells.
 
-Rows are aggregated over seeds (mean; validation loss also shows the standard deviation when there are several
-seeds) and ordered by method (``METHOD_ORDER``, then by name) and model size, so the same results always give
-the same bytes. A missing value is shown as "—". Only completed runs enter the numeric tables; the ``runs``
-table lists every run with its state, failed ones included.
+Rows are aggregated over the seeds of one setting (mean; validation loss also shows the standard deviation when
+there are several seeds): runs of one method and model with different settings (``analysis.settings``) are
+separate rows, told apart by a "Variant" column listing the keys that differ (the column appears only when some
+method and model has several settings). Rows are ordered by method (``METHOD_ORDER``, then by name), model size
+and variant, so the same results always give the same bytes. A missing value is shown as "—". Only completed
+runs enter the numeric tables; the ``runs`` table lists every run with its state, failed ones included.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from analysis.load import CATEGORIES, Results
+from analysis.settings import natural_key
 
 METHOD_ORDER = ("adamw", "qlora", "galore", "apollo", "hmt")
 GIB = 2**30
@@ -84,32 +87,55 @@ def groups(runs: pd.DataFrame, keys: tuple[str, ...] = ("method", "model")) -> l
     if runs.empty:
         return []
     out = [(k if isinstance(k, tuple) else (k,), g) for k, g in runs.groupby(list(keys), dropna=False, sort=False)]
-    sorters = {"method": method_sort_key, "model": model_sort_key}
+    sorters = {"method": method_sort_key, "model": model_sort_key, "variant": lambda v: natural_key(str(v))}
     return sorted(out, key=lambda kg: tuple(sorters.get(key, lambda v: (str(v),))(value)
                                              for key, value in zip(keys, kg[0])))
+
+
+def _variants(runs: pd.DataFrame) -> bool:
+    """Whether some method and model of these runs has several settings (then tables get a Variant column)."""
+    return "variant" in runs and bool((runs["variant"].fillna("") != "").any())
+
+
+def _by_setting(runs: pd.DataFrame, keys: tuple[str, ...]) -> tuple[bool, list[tuple[list[str], pd.DataFrame]]]:
+    """(with variant column, [(leading cells, rows)]): ``groups`` over ``keys`` and, when needed, the variant, whose
+    label then follows the keys' cells."""
+    with_variant = _variants(runs)
+    if with_variant:
+        runs = runs.assign(variant=runs["variant"].fillna(""))
+    found = groups(runs, keys + (("variant",) if with_variant else ()))
+    return with_variant, [([str(v) for v in key], g) for key, g in found]
+
+
+def _columns(keys: list[str], with_variant: bool, rest: list[str]) -> tuple[list[str], list[str]]:
+    """(column names, alignment): the key columns (+ "Variant") left-aligned, the rest right-aligned."""
+    lead = keys + (["Variant"] if with_variant else [])
+    return lead + rest, ["l"] * len(lead) + ["r"] * len(rest)
 
 
 def main_table(results: Results) -> Table:
     runs = results.completed()
     runs = runs[runs["mode"] == "train"]
+    with_variant, found = _by_setting(runs, ("method", "model"))
     rows = []
-    for (method, model), g in groups(runs):
-        rows.append([method, model, str(len(g)), fmt(_mean(g["peak_bytes"]), ".2f", GIB),
+    for lead, g in found:
+        rows.append([*lead, str(g["seed"].nunique(dropna=False)), fmt(_mean(g["peak_bytes"]), ".2f", GIB),
                      fmt(_mean(g["avg_bytes"]), ".2f", GIB), fmt(_mean(g["tokens_per_s"]), ",.0f"),
                      fmt(_mean(g["step_time_s"]), ".1f", 1e-3), fmt_mean_std(g["val_loss"], ".3f")])
-    return Table("main", "Training runs per method and model (mean over seeds)",
-                 ["Method", "Model", "Seeds", "Peak memory (GiB)", "Avg memory (GiB)", "Tokens/s", "Step time (ms)",
-                  "Val loss"], rows)
+    columns, align = _columns(["Method", "Model"], with_variant, ["Seeds", "Peak memory (GiB)", "Avg memory (GiB)",
+                                                                  "Tokens/s", "Step time (ms)", "Val loss"])
+    return Table("main", "Training runs per method, model and setting (mean over seeds)", columns, rows, align)
+
+
+MODE_KEYS = ("method", "model", "mode")
 
 
 def memory_category_table(results: Results) -> Table:
-    rows = []
-    for (method, model, mode), g in groups(results.completed(), ("method", "model", "mode")):
-        rows.append([method, model, mode] + [fmt(_mean(g[f"peak_{c}_bytes"]), ".3f", GIB) for c in CATEGORIES]
-                    + [fmt(_mean(g["peak_bytes"]), ".3f", GIB)])
-    return Table("memory_by_category", "Memory by category at the peak step (GiB)",
-                 ["Method", "Model", "Mode", *CATEGORIES, "peak"], rows,
-                 ["l", "l", "l"] + ["r"] * (len(CATEGORIES) + 1))
+    with_variant, found = _by_setting(results.completed(), MODE_KEYS)
+    rows = [lead + [fmt(_mean(g[f"peak_{c}_bytes"]), ".3f", GIB) for c in CATEGORIES]
+            + [fmt(_mean(g["peak_bytes"]), ".3f", GIB)] for lead, g in found]
+    columns, align = _columns(["Method", "Model", "Mode"], with_variant, [*CATEGORIES, "peak"])
+    return Table("memory_by_category", "Memory by category at the peak step (GiB)", columns, rows, align)
 
 
 def memory_phase_table(results: Results) -> Table:
@@ -117,32 +143,35 @@ def memory_phase_table(results: Results) -> Table:
     phases = sorted(c[len("peak_phase_"):-len("_bytes")] for c in runs.columns if c.startswith("peak_phase_"))
     order = {"forward": 0, "backward": 1, "optimizer": 2}
     phases.sort(key=lambda p: (order.get(p, len(order)), p))
-    rows = [[method, model, mode] + [fmt(_mean(g[f"peak_phase_{p}_bytes"]), ".3f", GIB) for p in phases]
-            for (method, model, mode), g in groups(runs, ("method", "model", "mode"))] if phases else []
-    return Table("memory_by_phase", "Peak memory per training phase (GiB)", ["Method", "Model", "Mode", *phases],
-                 rows, ["l", "l", "l"] + ["r"] * len(phases))
+    with_variant, found = _by_setting(runs, MODE_KEYS)
+    rows = [lead + [fmt(_mean(g[f"peak_phase_{p}_bytes"]), ".3f", GIB) for p in phases]
+            for lead, g in found] if phases else []
+    columns, align = _columns(["Method", "Model", "Mode"], with_variant, phases)
+    return Table("memory_by_phase", "Peak memory per training phase (GiB)", columns, rows, align)
 
 
 def transfer_table(results: Results) -> Table:
-    rows = []
-    for (method, model, mode), g in groups(results.completed(), ("method", "model", "mode")):
-        rows.append([method, model, mode, fmt(_mean(g["host_device_bytes"]), ".3f", GIB),
-                     fmt(_mean(g["checkpoint_bytes"]), ".3f", GIB), fmt(_mean(g["cpu_rss_peak_bytes"]), ".2f", GIB)])
-    return Table("transfers", "Host-device traffic, checkpoint size and host memory (GiB)",
-                 ["Method", "Model", "Mode", "Host↔device (GiB)", "Checkpoint (GiB)", "CPU RSS peak (GiB)"], rows,
-                 ["l", "l", "l", "r", "r", "r"])
+    with_variant, found = _by_setting(results.completed(), MODE_KEYS)
+    rows = [lead + [fmt(_mean(g["host_device_bytes"]), ".3f", GIB), fmt(_mean(g["checkpoint_bytes"]), ".3f", GIB),
+                    fmt(_mean(g["cpu_rss_peak_bytes"]), ".2f", GIB)] for lead, g in found]
+    columns, align = _columns(["Method", "Model", "Mode"], with_variant,
+                              ["Host↔device (GiB)", "Checkpoint (GiB)", "CPU RSS peak (GiB)"])
+    return Table("transfers", "Host-device traffic, checkpoint size and host memory (GiB)", columns, rows, align)
 
 
 def activation_table(results: Results) -> Table:
-    runs = results.completed()[["run_id", "method", "model"]]
-    acts = results.activations.merge(runs, on="run_id") if len(results.activations) else results.activations
-    rows = []
-    for (method, model, component), g in groups(acts, ("method", "model", "component")) if len(acts) else []:
-        rows.append([method, model, component, fmt(_mean(g["saved_bytes"]), ".1f", MIB),
-                     fmt(_mean(g["rel_err"]), ".2e"), fmt(_mean(g["grad_cos"]), ".4f")])
-    return Table("activation_error", "Activation compression per component (mean over seeds)",
-                 ["Method", "Model", "Component", "Saved (MiB)", "Relative error", "Grad cosine"], rows,
-                 ["l", "l", "l", "r", "r", "r"])
+    runs = results.completed()
+    runs = runs[[c for c in ("run_id", "method", "model", "variant") if c in runs]]
+    acts = results.activations.merge(runs, on="run_id") if len(results.activations) else runs.iloc[:0]
+    with_variant = _variants(acts)
+    keys = ("method", "model") + (("variant",) if with_variant else ()) + ("component",)
+    rows = [[str(v) for v in key] + [fmt(_mean(g["saved_bytes"]), ".1f", MIB), fmt(_mean(g["rel_err"]), ".2e"),
+                                     fmt(_mean(g["grad_cos"]), ".4f")]
+            for key, g in groups(acts.assign(variant=acts["variant"].fillna("")) if with_variant else acts, keys)]
+    columns, align = _columns(["Method", "Model"], with_variant,
+                              ["Component", "Saved (MiB)", "Relative error", "Grad cosine"])
+    align[len(align) - 4] = "l"  # the component column
+    return Table("activation_error", "Activation compression per component (mean over seeds)", columns, rows, align)
 
 
 def runs_table(results: Results) -> Table:

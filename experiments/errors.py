@@ -8,6 +8,7 @@ value — and the entry points (``experiments.run``, ``experiments.sweep``, ``ex
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -47,3 +48,11 @@ def one_line_errors(fn: Callable[[], T], *extra: type[BaseException]) -> T:
             raise
         exit_with_error(str(e))
     raise AssertionError("unreachable")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose usage errors end, like every other error here, in one ``error: ...`` line (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        exit_with_error(f"{self.prog}: {message}")

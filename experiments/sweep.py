@@ -1,23 +1,19 @@
 """Sweep files, run identity and run state: what a sweep is, which of its runs are done, and a CLI over them.
 
-A sweep file (``experiments/sweeps/<name>.yaml``) lists override sets for ``python -m experiments.run``::
-
-    description: what this grid is for
-    common: [train.steps=2000]          # added to every run
-    grid:                               # cartesian product; the first key varies slowest
-      method: [adamw, qlora, galore, apollo, hmt]
-      model: [125m, 350m]
-      seed: [0, 1, 2]
-    runs:                               # explicit override sets, after the grid's
-      - [method=hmt, model=1b, seed=0]
-
-Precedence, lowest first: ``common``, the grid point / run, overrides given on the command line.
+A sweep file (``experiments/sweeps/<name>.yaml``) lists override sets for ``python -m experiments.run``; its
+format and expansion are in ``experiments.sweep_files``.
 
 A run's identity is the runner's own: the ``run_id`` it would write to (``run_id=`` if given, else
 ``experiments.run.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
 word in ``<results_dir>/<run_id>/status`` (running | completed | failed) or ``pending`` when the run has not
 started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the runner unless
 ``force=true``.
+
+Bad input — an unknown sweep name, a sweep file that is not YAML or not shaped as it should be, an override
+naming an unknown key or a wrongly typed value — raises ``UserError`` naming the file, the run and the override;
+the CLI prints it as one line ``error: ...`` and exits 2 (``HYDRA_FULL_ERROR=1`` shows the traceback). Every
+command but ``count`` and ``overrides`` (the listing an array task reads on its node) composes and validates
+each run first.
 
 CLI (the sweep argument is a path or a name under experiments/sweeps/, or ``-`` for none; trailing overrides
 are added to every run and may sweep (``seed=0,1,2``), exactly as on the ``experiments.run -m`` command line)::
@@ -33,108 +29,33 @@ are added to every run and may sweep (``seed=0,1,2``), exactly as on the ``exper
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, TypeVar
 
 import yaml
 
+from experiments.errors import OneLineErrorParser, UserError, one_line_errors
+from experiments.sweep_files import (  # noqa: F401  (the sweep-file API stays importable from here)
+    SWEEPS_DIR,
+    expand_sweep,
+    first_line,
+    load_sweep,
+    merge_overrides,
+    override_key,
+    sweep_jobs,
+    sweep_label,
+)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SWEEPS_DIR = REPO_ROOT / "experiments" / "sweeps"
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
 STATES = ("pending", "running", "completed", "failed")
 # Overrides that never change what a run computes; dropped before composing a config only to learn its id.
 NON_IDENTITY_KEYS = ("cluster", "hydra")
-
-
-# ---- sweep files -----------------------------------------------------------------------------------------------
-def resolve_sweep_path(sweep: str | Path) -> Path:
-    """A path to a sweep file, or a bare name of one under experiments/sweeps/ (with or without .yaml)."""
-    path = Path(sweep)
-    if path.exists():
-        return path
-    for candidate in (SWEEPS_DIR / f"{sweep}.yaml", SWEEPS_DIR / str(sweep)):
-        if candidate.exists():
-            return candidate
-    raise FileNotFoundError(f"sweep file not found: {sweep} (nor {SWEEPS_DIR / f'{sweep}.yaml'})")
-
-
-def _scalar(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (str, int, float)):
-        return str(value)
-    raise ValueError(f"grid value for {key!r} must be a scalar, got {value!r}; write it in `runs` as an override")
-
-
-def expand_sweep(spec: dict) -> list[list[str]]:
-    """The override sets of a parsed sweep file, in a fixed order (grid first, then ``runs``)."""
-    unknown = set(spec) - {"description", "common", "grid", "runs"}
-    if unknown:
-        raise ValueError(f"unknown sweep file keys {sorted(unknown)}; allowed: description, common, grid, runs")
-    common = [str(o) for o in spec.get("common") or []]
-    grid = spec.get("grid") or {}
-    points: list[list[str]] = []
-    if grid:
-        axes = [[f"{key}={_scalar(key, v)}" for v in (values if isinstance(values, list) else [values])]
-                for key, values in grid.items()]
-        points.extend(list(point) for point in itertools.product(*axes))
-    for run in spec.get("runs") or []:
-        if not isinstance(run, list):
-            raise ValueError(f"each entry of `runs` must be a list of overrides, got {run!r}")
-        points.append([str(o) for o in run])
-    if not points:
-        raise ValueError("sweep file has neither `grid` nor `runs`")
-    return [merge_overrides(common, point) for point in points]
-
-
-def load_sweep(sweep: str | Path) -> list[list[str]]:
-    path = resolve_sweep_path(sweep)
-    spec = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(spec, dict):
-        raise ValueError(f"{path}: a sweep file is a mapping with grid/runs/common/description")
-    try:
-        return expand_sweep(spec)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-
-
-def expand_command_line(overrides: Sequence[str], config_loader: Any = None) -> list[list[str]]:
-    """Hydra's multirun grid of command-line overrides (``method=adamw,qlora seed=0,1`` -> 4 override lists)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(list(overrides))
-    return BasicSweeper.split_arguments(parsed, None)[0]
-
-
-def sweep_jobs(sweep: str | Path | None, overrides: Sequence[str], config_loader: Any = None) -> list[list[str]]:
-    """The runs of a multirun: each run of the sweep file (none: one empty run) x the command-line grid, a later
-    override of a key replacing an earlier one. The sweeper and the CLI both use this, so they agree."""
-    from_file = load_sweep(sweep) if sweep not in (None, "", "-") else [[]]
-    command_line = expand_command_line(overrides, config_loader)
-    return [merge_overrides(f, c) for f in from_file for c in command_line]
-
-
-def override_key(override: str) -> str:
-    """``+train.steps=3`` -> ``train.steps``; ``~foo`` -> ``foo``; ``hydra/launcher=x`` -> ``hydra/launcher``."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def merge_overrides(*lists: Sequence[str]) -> list[str]:
-    """Concatenate override lists; a later override of the same key replaces an earlier one (in place)."""
-    merged: dict[str, str] = {}
-    for overrides in lists:
-        for override in overrides:
-            key = override_key(override)
-            merged.pop(key, None)
-            merged[key] = override
-    return list(merged.values())
+T = TypeVar("T")
 
 
 # ---- run identity and state ------------------------------------------------------------------------------------
@@ -151,14 +72,54 @@ class RunRef:
         return self.results_dir / self.run_id
 
 
+def describe_config_error(error: BaseException) -> str:
+    """Hydra's, OmegaConf's or the config schema's error in one line that names the key and the value."""
+    text = str(error)
+    message = first_line(error)
+    if "Available options in" in text:  # an unknown group option: list the known ones
+        options = []
+        for line in text.split("Available options in", 1)[1].splitlines()[1:]:
+            if not line.startswith("\t"):
+                break
+            options.append(line.strip())
+        message += f" (available: {', '.join(options)})"
+    if error.__cause__ is not None:
+        message = f"{message.rstrip('.')}: {first_line(error.__cause__)}"
+    hint = [line.strip() for line in text.splitlines()[1:] if line.strip().startswith("To append")]
+    return message + (f"; {hint[0][0].lower()}{hint[0][1:]}" if hint else "")
+
+
+def checked(where: str, make: Callable[[], T]) -> T:
+    """``make()`` (composing and validating a run's config); a config error becomes ``UserError`` ending with
+    ``(where)``."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return make()
+    except UserError as e:
+        raise UserError(f"{e} ({where})") from None
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
+        raise UserError(f"{describe_config_error(e)} ({where})") from e
+
+
 def validated_run_config(cfg: Any) -> Any:
     """The runner's frozen ``RunConfig`` of a composed Hydra config (with or without its ``hydra`` node)."""
+    import dataclasses
+
     from omegaconf import OmegaConf
 
-    from experiments.config import to_run_config
+    from experiments.config import RunConfig, to_run_config
 
     if "hydra" in cfg:  # a job's config: its hydra node may hold values only set inside the job
         cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(str(key) for key in cfg if key not in known)
+    if unknown:
+        hint = ("; a sweep file is chosen with hydra.sweeper.file=<name> (experiments.run -m) or as the sweep "
+                "argument (experiments.sweep)") if "sweep" in unknown else ""
+        raise UserError(f"unknown top-level config key(s) {', '.join(unknown)} (added with +key=...?); known: "
+                        f"{', '.join(sorted(known))}{hint}")
     return to_run_config(cfg)
 
 
@@ -197,7 +158,7 @@ def run_state(run_dir: Path) -> str:
     """``pending`` (never started), or the word in ``status``: running | completed | failed."""
     try:
         word = (Path(run_dir) / "status").read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # never started (or results_dir is not even a folder)
         return "pending"
     return word or "pending"
 
@@ -228,6 +189,12 @@ def _jobs(args: argparse.Namespace) -> list[list[str]]:
     return sweep_jobs(args.sweep, extra)
 
 
+def checked_run_refs(jobs: Sequence[Sequence[str]], label: str) -> list[RunRef]:
+    """The run of every job, each composed and validated; ``UserError`` naming the first bad run."""
+    return [checked(f"run {index} of {label}: {' '.join(job)}", lambda job=job: run_ref_for(job))
+            for index, job in enumerate(jobs)]
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -237,10 +204,10 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s ago"
 
 
-def status_rows(jobs: Sequence[Sequence[str]]) -> list[dict]:
+def status_rows(jobs: Sequence[Sequence[str]], refs: Sequence[RunRef] | None = None) -> list[dict]:
+    refs = refs if refs is not None else [run_ref_for(job) for job in jobs]
     rows = []
-    for index, job in enumerate(jobs):
-        ref = run_ref_for(job)
+    for index, (job, ref) in enumerate(zip(jobs, refs)):
         state = run_state(ref.path)
         error = ""
         if state == "failed" and (ref.path / "error.txt").exists():
@@ -280,8 +247,8 @@ def array_spec(indices: Sequence[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrorParser(prog="python -m experiments.sweep", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     for name in ("list", "count", "status", "overrides", "array", "mark-failed"):
         p = sub.add_parser(name)
         p.add_argument("sweep")
@@ -295,31 +262,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(arg.startswith("-") for arg in rest):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.overrides = list(args.overrides) + rest
-    jobs = _jobs(args)
+    return one_line_errors(lambda: run_command(args))
 
+
+def run_command(args: argparse.Namespace) -> int:
+    jobs = _jobs(args)
+    label = sweep_label(args.sweep)
     if args.command == "count":
         print(len(jobs))
     elif args.command == "list":
+        checked_run_refs(jobs, label)
         for index, job in enumerate(jobs):
             print(f"{index:>3}  {' '.join(job)}")
     elif args.command == "status":
-        print_status(status_rows(jobs))
+        print_status(status_rows(jobs, checked_run_refs(jobs, label)))
     elif args.command == "array":
-        todo = [i for i, job in enumerate(jobs) if run_state(run_ref_for(job).path) != "completed"]
+        todo = [i for i, ref in enumerate(checked_run_refs(jobs, label)) if run_state(ref.path) != "completed"]
         if not todo:
             print("every run of this sweep is completed", file=sys.stderr)
             return 1
         print(array_spec(todo))
     else:
         if not 0 <= args.index < len(jobs):
-            print(f"--index {args.index} out of range: the sweep has {len(jobs)} runs", file=sys.stderr)
-            return 2
+            raise UserError(f"--index {args.index} is out of range: {label} has {len(jobs)} runs (0-{len(jobs) - 1})")
         job = jobs[args.index]
         if args.command == "overrides":
             print("\n".join(job))
         else:
-            cfg = compose_run_config(job)
-            return mark_failed(run_ref_from_config(cfg), args.reason, _plain_config(cfg))
+            where = f"run {args.index} of {label}: {' '.join(job)}"
+            cfg = checked(where, lambda: compose_run_config(job))
+            ref, config = checked(where, lambda: (run_ref_from_config(cfg), _plain_config(cfg)))
+            return mark_failed(ref, args.reason, config)
     return 0
 
 
@@ -332,9 +305,13 @@ def mark_failed(ref: RunRef, reason: str, config: dict | None = None) -> int:
     if state in ("completed", "failed"):
         print(f"{ref.run_id}: already {state}; left as is", file=sys.stderr)
         return 0
-    if config is not None and not (ref.path / "config.yaml").exists():
-        atomic_write_text(ref.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    RunDir(ref.results_dir, ref.run_id).fail(reason.rstrip("\n") + "\n")
+    try:
+        if config is not None and not (ref.path / "config.yaml").exists():
+            atomic_write_text(ref.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        RunDir(ref.results_dir, ref.run_id).fail(reason.rstrip("\n") + "\n")
+    except OSError as e:
+        culprit = f" ({e.filename})" if e.filename and str(e.filename) != str(ref.path) else ""
+        raise UserError(f"cannot mark {ref.path} failed: {e.strerror or e}{culprit}") from None
     print(f"{ref.run_id}: marked failed ({reason})", file=sys.stderr)
     return 0
 

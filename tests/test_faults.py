@@ -16,7 +16,6 @@ from experiments.data import build_corpus
 from experiments.loop import run_training
 from experiments.meter import MemoryMeter
 from experiments.models import build_model
-from experiments.results import read_metrics
 from hmt_core import checkpoint as ck
 from test_resume import ENV, finish, last_step, launch, losses, wait_for
 

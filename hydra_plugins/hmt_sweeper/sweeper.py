@@ -7,6 +7,10 @@
 Every job is composed and validated before anything is launched; its run (``results_dir/run_id``, computed
 exactly as the runner does) is skipped when already ``completed`` unless ``force=true``. All remaining jobs go
 to the launcher in one call, so with ``cluster=slurm`` one sweep is one Slurm job array.
+
+Bad input (an unknown sweep file, a malformed one, a run whose overrides name an unknown key or a wrongly typed
+value) stops the sweep before anything is launched with one line ``error: ...`` naming the file, the run and the
+override, and exit status 2, as ``python -m experiments.sweep`` does (``HYDRA_FULL_ERROR=1``: the traceback).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.sweep import run_ref_from_config, split_completed, sweep_jobs
+from experiments.errors import one_line_errors
+from experiments.sweep import checked, run_ref_from_config, split_completed, sweep_jobs, sweep_label
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +45,15 @@ class HMTSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: List[str]) -> Any:
+        return one_line_errors(lambda: self._sweep(arguments))
+
+    def _sweep(self, arguments: List[str]) -> Any:
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None
-        loader = self.hydra_context.config_loader
+        loader, label = self.hydra_context.config_loader, sweep_label(self.file)
         jobs, refs, seen = [], [], set()
-        for job in sweep_jobs(self.file, arguments, loader):
-            ref = run_ref_from_config(loader.load_sweep_config(self.config, job))  # validates before launching
+        for index, job in enumerate(sweep_jobs(self.file, arguments, loader)):
+            ref = checked(f"run {index} of {label}: {' '.join(job)}",  # validates before launching
+                          lambda job=job: run_ref_from_config(loader.load_sweep_config(self.config, job)))
             if ref.path in seen:
                 log.warning(f"duplicate run {ref.run_id} ({' '.join(job)}): launched once")
                 continue

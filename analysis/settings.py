@@ -1,0 +1,90 @@
+"""A run's setting (its configuration less the seed and the keys that do not change what it computes), and the
+short "variant" labels that tell apart runs of one method and model trained with different settings.
+
+Runs are averaged together only when their settings are equal, so that the "Seeds" a table reports are seeds of
+one configuration. When one method and model were run with several settings, each setting is labelled with the
+keys whose values differ among them, e.g. ``method.rank=32`` and ``method.rank=64``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+# Top-level keys that are not part of a setting: the seed (what a table averages over) and where/how a run was
+# stored or watched.
+IGNORED_TOP_KEYS = ("seed", "run_id", "results_dir", "force", "wandb", "profile")
+# Train keys that never change a run's trajectory; the same list as experiments.config.RUN_ID_IGNORED_TRAIN_KEYS
+# (a test keeps them equal; importing it here would load torch into the report).
+IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume", "max_bad_steps")
+
+
+def _flatten(mapping: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def setting_of(config: Mapping) -> dict[str, Any]:
+    """The run's ``config.yaml`` flattened to dotted keys, less ``IGNORED_TOP_KEYS`` and ``IGNORED_TRAIN_KEYS``."""
+    flat = _flatten({k: v for k, v in config.items() if k not in IGNORED_TOP_KEYS})
+    return {k: v for k, v in flat.items() if not (k.startswith("train.") and k[len("train."):] in IGNORED_TRAIN_KEYS)}
+
+
+def setting_id(setting: Mapping[str, Any]) -> str:
+    """8 hex digits identifying a setting (equal settings, equal ids)."""
+    canonical = json.dumps(setting, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:8]
+
+
+_ABSENT = object()
+
+
+def render_value(value: Any) -> str:
+    """A config value as it would be written in an override: ``true``, ``null``, ``0.001``, ``[32,64]``."""
+    if value is _ABSENT:
+        return "(unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, separators=(",", ":"), default=str)
+    return str(value)
+
+
+def natural_key(text: str) -> tuple:
+    """Sort key that orders embedded numbers by value: ``rank=8`` before ``rank=32``."""
+    return tuple((0, float(part), "") if re.fullmatch(r"\d+(?:\.\d+)?", part) else (1, 0.0, part)
+                 for part in re.split(r"(\d+(?:\.\d+)?)", text))
+
+
+def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable]) -> dict[str, str]:
+    """``{run_id: label}``: ``""`` when the run's group (e.g. method, model, mode) holds a single setting, else
+    ``key=value, ...`` over the keys whose values differ among that group's settings (sorted). Distinct settings
+    always get distinct labels (a label that would repeat gets the setting id appended)."""
+    members: dict[Hashable, list[str]] = {}
+    for run_id in sorted(settings):
+        members.setdefault(group_of[run_id], []).append(run_id)
+    labels: dict[str, str] = {}
+    for run_ids in members.values():
+        distinct = {setting_id(settings[r]): settings[r] for r in run_ids}
+        if len(distinct) == 1:
+            labels.update({r: "" for r in run_ids})
+            continue
+        keys = sorted({k for s in distinct.values() for k in s})
+        differing = [k for k in keys if len({render_value(s.get(k, _ABSENT)) for s in distinct.values()}) > 1]
+        by_id = {sid: ", ".join(f"{k}={render_value(s.get(k, _ABSENT))}" for k in differing)
+                 for sid, s in distinct.items()}
+        repeated = {label for label in by_id.values() if list(by_id.values()).count(label) > 1}
+        by_id = {sid: f"{label} [{sid}]".lstrip() if label in repeated else label for sid, label in by_id.items()}
+        labels.update({r: by_id[setting_id(settings[r])] for r in run_ids})
+    return labels
