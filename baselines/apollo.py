@@ -5,7 +5,10 @@ Presets (``variant``): ``apollo`` — rank d_model/4, channel-wise scaling, scal
 rank 1, tensor-wise scaling, scale 128. Both: seeded random projection refreshed every 200 steps, lr 0.01,
 norm-growth limiter on. apollo-torch multiplies the update by ``√scale`` (``np.sqrt(group["scale"])``), so
 Mini's effective factor is √128 ≈ 11.3; HMT's Mode B does the same. Only the 2-D weights of ``nn.Linear``
-modules whose name matches ``target_patterns`` are projected; the rest is a plain AdamW group.
+and ``Conv1D`` (GPT-2) modules whose name matches ``target_patterns`` are projected
+(``hmt_core.hmt.projected_weight_names``; none matching is an error); the rest is a plain AdamW group.
+apollo-torch, like HMT's Mode B, takes channel-wise scaling over the longer side of the gradient, so for a
+non-square ``Conv1D`` weight the channels are the same features as for the ``nn.Linear`` equivalent.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 
 from baselines.galore import split_params
 from hmt_core.driver import Built, OptimizerMethod
+from hmt_core.hmt import projectable_modules, projected_elements
 
 PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "tensor", "scale": 128.0}}
 
@@ -67,7 +71,7 @@ def _d_model(model: nn.Module) -> int:
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden:
         return int(hidden)
-    return min(min(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear))
+    return min(min(m.weight.shape) for _, m in projectable_modules(model))
 
 
 def build(model: nn.Module, config: Config) -> Built:
@@ -82,7 +86,8 @@ def build(model: nn.Module, config: Config) -> Built:
               {"params": lowrank, "rank": rank, "proj": "random", "scale_type": scaling, "scale": scale,
                "update_proj_gap": c.update_proj_gap, "proj_type": "std"}]
     opt = APOLLOAdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
-    return Built(opt, summary={"rank/fixed": rank, "apollo/scaling": scaling, "apollo/scale": scale},
+    return Built(opt, summary={"rank/fixed": rank, "apollo/scaling": scaling, "apollo/scale": scale,
+                               "optim/projected_params": len(lowrank), "projected_params": projected_elements(lowrank)},
                  metrics={"rank/mean": float(rank)})
 
 

@@ -5,8 +5,10 @@ not re-implemented.
 Published defaults: projection gap T = 200, scale α = 0.25, lr 0.01, one-sided "std" projection, Adam eps 1e-6
 (galore-torch's default; the paper writes 1e-8). The rank is set per model size ("per phase"): the paper uses
 128 / 256 / 256 / 512 for LLaMA 60M / 130M / 350M / 1B; set ``rank`` accordingly. Only the 2-D weights of
-``nn.Linear`` modules whose name matches ``target_patterns`` ("attn", "mlp", as in galore-torch's scripts) are
-projected; everything else is a plain group of the same optimizer.
+``nn.Linear`` and ``Conv1D`` (GPT-2) modules whose name matches ``target_patterns`` ("attn", "mlp", as in
+galore-torch's scripts; ``hmt_core.hmt.projected_weight_names``) are projected; everything else is a plain group
+of the same optimizer. galore-torch picks the projected side from the gradient's shape, so a ``Conv1D``
+weight's (in, out) layout changes nothing for a non-square weight (see ``hmt_core.hmt`` on square ones).
 
 Notes: ``GaLoreAdamW8bit`` calls ``torch.cuda.synchronize()`` in every step, so it only runs on CUDA machines.
 Per-layer (in-backward) GaLore is not offered here: galore-torch's own layer-wise mode refuses gradient
@@ -15,13 +17,13 @@ accumulation; HMT's ``per_layer`` is the comparison point for that.
 
 from __future__ import annotations
 
-import re
 import functools
 from dataclasses import dataclass
 
 from torch import nn
 
 from hmt_core.driver import Built, OptimizerMethod
+from hmt_core.hmt import projected_elements, require_projected_weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,17 +62,14 @@ class Config:
 
 
 def split_params(model: nn.Module, patterns: tuple[str, ...], rank: int) -> tuple[list, list]:
-    """(regular, low-rank) trainable parameters; raises if ``rank`` exceeds a projected weight's min(out, in)."""
-    lowrank_names = set()
-    for mod_name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and any(re.search(p, mod_name) for p in patterns):
-            w = module.weight
-            if w.requires_grad:
-                if rank > min(w.shape):
-                    raise ValueError(f"method.rank={rank} exceeds min(out, in)={min(w.shape)} of "
-                                     f"{mod_name}.weight {tuple(w.shape)}")
-                lowrank_names.add(f"{mod_name}.weight")
+    """(regular, low-rank) trainable parameters; the low-rank ones are ``hmt_core.hmt``'s projected weights (2-D
+    ``nn.Linear``/``Conv1D`` weights matching ``patterns``; none matching is a ``ValueError``). Raises if ``rank``
+    exceeds a projected weight's min(rows, cols)."""
+    lowrank_names = require_projected_weights(model, patterns)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, p in named:
+        if name in lowrank_names and rank > min(p.shape):
+            raise ValueError(f"method.rank={rank} exceeds min(out, in)={min(p.shape)} of {name} {tuple(p.shape)}")
     return [p for n, p in named if n not in lowrank_names], [p for n, p in named if n in lowrank_names]
 
 
@@ -87,7 +86,8 @@ def build(model: nn.Module, config: Config) -> Built:
                "proj_type": c.proj_type}]
     kw = dict(lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay)
     opt = GaLoreAdamW8bit(groups, **kw) if c.eight_bit else GaLoreAdamW(groups, no_deprecation_warning=True, **kw)
-    return Built(opt, summary={"rank/fixed": c.rank, "optim/projected_params": len(lowrank)},
+    return Built(opt, summary={"rank/fixed": c.rank, "optim/projected_params": len(lowrank),
+                               "projected_params": projected_elements(lowrank)},
                  metrics={"rank/mean": float(c.rank)})
 
 

@@ -3,17 +3,23 @@ double quantization) plus trainable LoRA adapters (peft; Hu et al., 2021: W x + 
 AdamW (torch, or bitsandbytes 8-bit). The base model's Linear layers are quantized in place, so no copy of the
 model is written to disk and a model of any size can be prepared; everything else follows peft's recipe
 (``prepare_model_for_kbit_training``: non-quantized parameters in fp32, input grads enabled).
+
+Target modules: ``target_modules`` are leaf module names (Llama's projections by default); for a model that has
+none of the defaults (GPT-2: ``c_attn``, ``c_proj``, ``c_fc`` are ``Conv1D``) peft's per-model-type default
+is used, and a configured list matching nothing is an error naming the module names the model has.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
+from experiments.errors import UserError
 from hmt_core.driver import Built, OptimizerMethod
 from hmt_core.method import NotTraceableError, trainable_parameters
 
@@ -51,20 +57,54 @@ class Config:
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
+def _linear_kinds() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def resolve_target_modules(model: nn.Module, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The LoRA target module names (leaf names, as peft matches them) for ``model``: the configured
+    ``targets`` that exist; with the default Llama-style targets and none of them present (GPT-2's ``c_attn``,
+    ...), peft's own per-model-type default; otherwise a ``UserError`` listing the names the model has."""
+    present = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                 if isinstance(module, _linear_kinds()) and module.weight.dim() == 2))
+    matched = tuple(t for t in targets if t in present)
+    if matched:
+        return matched
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    peft_default = tuple(t for t in TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type, ())
+                         if t in present)
+    if tuple(targets) == DEFAULT_TARGETS and peft_default:
+        print(f"qlora: {model_type} has none of the default target modules {list(DEFAULT_TARGETS)}; using peft's "
+              f"default for {model_type}: {list(peft_default)} (set method.target_modules to choose)", file=sys.stderr)
+        return peft_default
+    hint = f"; peft's default for {model_type}: {list(peft_default)}" if peft_default else ""
+    raise UserError(f"method.target_modules={list(targets)} match no Linear/Conv1D module of {model_type}; "
+                    f"names look like: {', '.join(present[:8]) or '(none)'}{hint}")
+
+
 def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_dtype: torch.dtype,
                         double_quant: bool) -> int:
-    """Replace every ``nn.Linear`` whose name ends in one of ``targets`` by a frozen NF4 ``Linear4bit``."""
+    """Replace every ``nn.Linear`` (or ``transformers`` ``Conv1D``, GPT-2's layer: ``y = x W + b`` with ``W``
+    stored (in, out), so its transpose is the ``nn.Linear`` weight) whose name ends in one of ``targets`` by a
+    frozen NF4 ``Linear4bit``."""
     import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
 
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if not (isinstance(child, nn.Linear) and child_name in targets):
+            if not (isinstance(child, _linear_kinds()) and child_name in targets):
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+            weight = child.weight.data.t() if isinstance(child, Conv1D) else child.weight.data  # (out, in)
+            out_features, in_features = weight.shape
+            q = bnb.nn.Linear4bit(in_features, out_features, bias=child.bias is not None,
                                   compute_dtype=compute_dtype, compress_statistics=double_quant,
                                   quant_type="nf4", device="meta")
-            q.weight = bnb.nn.Params4bit(child.weight.data.to(compute_dtype), requires_grad=False,
+            q.weight = bnb.nn.Params4bit(weight.to(compute_dtype).contiguous(), requires_grad=False,
                                          compress_statistics=double_quant, quant_type="nf4")
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data, requires_grad=False)
@@ -75,7 +115,7 @@ def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_d
             setattr(parent, child_name, q)
             replaced += 1
     if replaced == 0:
-        raise ValueError(f"method.target_modules={list(targets)} matched no nn.Linear in the model")
+        raise UserError(f"method.target_modules={list(targets)} matched no nn.Linear/Conv1D in the model")
     return replaced
 
 
@@ -87,13 +127,13 @@ def prepare(model: nn.Module, config: Config) -> nn.Module:
         raise NotTraceableError(
             "method=qlora cannot be traced under FakeTensorMode: bitsandbytes' Params4bit is a Tensor subclass "
             "that cannot wrap a fake tensor, so no dry-run memory figure is reported for it")
+    targets = resolve_target_modules(model, c.target_modules)
     for p in model.parameters():
         p.requires_grad_(False)
-    quantize_linear_nf4(model, c.target_modules, compute_dtype=_TORCH_DTYPES[c.compute_dtype],
-                                                double_quant=c.double_quant)
+    quantize_linear_nf4(model, targets, compute_dtype=_TORCH_DTYPES[c.compute_dtype], double_quant=c.double_quant)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
-                      target_modules=list(c.target_modules), task_type="CAUSAL_LM", bias="none")
+                      target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
     return get_peft_model(model, lora)
 
 

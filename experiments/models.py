@@ -105,13 +105,14 @@ def _in_fake_mode() -> bool:
     return detect_fake_mode() is not None
 
 
-def model_source(cfg: ModelConfig) -> str:
+def model_source(cfg: ModelConfig, *, shapes_only: bool = False) -> str:
     """How ``build_model`` makes the model: ``"phase"`` (the harness's Llama shape, random init), ``"config"``
     (``model.path`` holds only config.json, or a dry run: random init from the config) or ``"weights"``
-    (``from_pretrained``)."""
+    (``from_pretrained``). ``shapes_only=True`` (``mode=dryrun``) answers for a dry run from outside one; inside
+    ``FakeTensorMode`` that is detected."""
     if not cfg.path:
         return "phase"
-    return "weights" if has_weights(cfg.path) and not _in_fake_mode() else "config"
+    return "weights" if has_weights(cfg.path) and not (shapes_only or _in_fake_mode()) else "config"
 
 
 def model_vocab_size(cfg: ModelConfig) -> int:

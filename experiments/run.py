@@ -20,7 +20,7 @@ from experiments import methods
 from experiments.checkpointing import INTERRUPTED_EXIT_CODE
 from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config
 from experiments.errors import UserError, exit_with_error
-from experiments.models import load_hf_config, max_positions
+from experiments.models import load_hf_config, max_positions, model_source
 from experiments.results import RunDir, check_writable, dumps, read_status
 from hmt_core.checkpoint import CheckpointError
 
@@ -74,6 +74,7 @@ def versions() -> dict[str, str | None]:
 
 def build_summary(run: RunConfig, run_id: str, device: torch.device, **fields) -> dict:
     return {"run_id": run_id, "method": run.method.name, "model": run.model.name, "mode": run.mode,
+            "model_source": model_source(run.model, shapes_only=run.mode == "dryrun"),
             "device": device.type, "seed": run.seed, "git_sha": git_sha(), "versions": versions(), **fields}
 
 

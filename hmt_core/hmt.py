@@ -7,10 +7,20 @@ a seeded Gaussian (APOLLO, Zhu et al., 2024), refreshed every ``update_interval`
 energy ``E(r) ≥ τ`` (``hmt_core.rank``). Update math: ``hmt_core.optim.update``; per-layer hooks, gradient
 accumulation and the clipping rule: ``hmt_core.optim.hooks``.
 
-Which parameters are projected: 2-D weights of ``nn.Linear`` modules whose qualified name matches one of
-``target_patterns`` (regular expressions, ``re.search``; default ``attn``/``mlp`` as in galore-torch's
-scripts). Everything else (embeddings, norms, lm_head, biases) gets AdamW (same ``adam_style``), or
-bitsandbytes' ``AdamW8bit`` with ``dense_8bit=True``.
+Which parameters are projected (``projected_weight_names``, shared with the galore and apollo baselines): 2-D
+weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` (GPT-2's layers, weight stored (in, out)) modules
+whose qualified name matches one of ``target_patterns`` (regular expressions, ``re.search``; default
+``attn``/``mlp`` as in galore-torch's scripts); patterns matching none are an error, never a silent dense
+run. Everything else (embeddings, norms, lm_head, biases) gets AdamW (same ``adam_style``), or bitsandbytes'
+``AdamW8bit`` with ``dense_8bit=True``.
+
+Layout: projection and update act on the gradient's own (rows, cols), whatever a layer calls them. The
+one-sided rule keeps the longer side at full size, and Mode B's ``channel`` scaling runs over that side, so for
+a non-square weight the channels are the same features whether it is stored (out, in) or (in, out) — e.g.
+the MLP's wide side. For a square weight (GPT-2's attention ``c_proj``) rows ≥ cols picks the right-sided
+basis: channels are rows, i.e. output features of an ``nn.Linear`` but input features of a ``Conv1D``, and
+the projected subspace is the input space of the one and the output space of the other. Both are valid
+low-rank projections; two-sided projection and ``tensor`` scaling do not depend on layout at all.
 """
 
 from __future__ import annotations
@@ -129,14 +139,48 @@ class Config:
                 raise ValueError(f"method.target_patterns: invalid regular expression {pattern!r}: {err}") from None
 
 
+def projectable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, module) of every ``nn.Linear`` and ``transformers`` ``Conv1D`` module with a 2-D weight."""
+    kinds: tuple[type, ...] = (nn.Linear,)
+    try:
+        from transformers.pytorch_utils import Conv1D
+
+        kinds = (nn.Linear, Conv1D)
+    except ImportError:  # transformers is optional for hmt_core itself
+        pass
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, kinds) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            yield name, module
+
+
 def projected_weight_names(model: nn.Module, patterns: tuple[str, ...]) -> set[str]:
-    """Qualified names of the 2-D ``nn.Linear`` weights whose module name matches a pattern."""
+    """Qualified names of the trainable 2-D ``nn.Linear``/``Conv1D`` weights whose module name matches a
+    pattern (``re.search``); empty when none does (``require_projected_weights`` makes that an error)."""
     names = set()
-    for mod_name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and any(re.search(p, mod_name) for p in patterns):
-            if module.weight.requires_grad and module.weight.dim() == 2:
-                names.add(f"{mod_name}.weight" if mod_name else "weight")
+    for mod_name, module in projectable_modules(model):
+        if module.weight.requires_grad and any(re.search(p, mod_name) for p in patterns):
+            names.add(f"{mod_name}.weight" if mod_name else "weight")
     return names
+
+
+def require_projected_weights(model: nn.Module, patterns: tuple[str, ...],
+                              key: str = "method.target_patterns") -> set[str]:
+    """``projected_weight_names``, or a ``ValueError`` naming ``key``, the model type and a few module names
+    when the patterns match no weight (a projected method would otherwise silently train dense AdamW)."""
+    names = projected_weight_names(model, patterns)
+    if names:
+        return names
+    model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    candidates = [n for n, _ in projectable_modules(model)] or [n for n, _ in model.named_parameters()]
+    examples = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n) for n in candidates))[:6]
+    raise ValueError(f"{key}={list(patterns)} match no 2-D Linear/Conv1D weight of {model_type}; names look like: "
+                    + (", ".join(examples) if examples else "(the model has no parameters)"))
+
+
+def projected_elements(params) -> int:
+    """Elements in the projected weights ``params`` (the ``projected_params`` summary entry)."""
+    return int(sum(p.numel() for p in params))
 
 
 class HMTMethod:
@@ -154,7 +198,7 @@ class HMTMethod:
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
         c = self.config
-        targets = projected_weight_names(model, c.target_patterns)
+        targets = require_projected_weights(model, c.target_patterns)
         slots = []
         for index, (name, p) in enumerate(((n, p) for n, p in model.named_parameters() if p.requires_grad), 1):
             projected = name in targets
@@ -219,7 +263,8 @@ class HMTMethod:
     def summary(self) -> dict[str, Any]:
         out = self.opt.history.summary()
         out["optim/state_bytes"] = sum(t.numel() * t.element_size() for t in self.state_tensors())
-        out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)
+        out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)  # tensors
+        out["projected_params"] = projected_elements(s.param for s in self.opt.slots if s.projected)  # elements
         out["optim/basis_fallbacks"] = self.opt.fallbacks
         out.update(self.cache_stats())
         return out
