@@ -7,7 +7,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# HMT_TEST_THREADS=n runs the tests with n intra-op threads (to check that results do not depend on it)
+torch.set_num_threads(int(os.environ.get("HMT_TEST_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture

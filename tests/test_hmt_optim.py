@@ -1,5 +1,13 @@
 """HMT optimizer: identity projection == torch AdamW, per-layer == ordinary step (clipping, accumulation),
-config errors, exact resume, robustness, state accounting."""
+config errors, exact resume, robustness, state accounting.
+
+The equivalence tests compare one step at a time from the same state (teacher forcing, ``helpers.replay``): the
+reference (torch.optim.AdamW, or HMT's ordinary step) runs, its state is recorded before every step, and HMT is
+put into that state and takes the step itself. Rounding differences of one step cannot compound, so the result
+does not depend on which BLAS kernel the CPU picks. They run in float64; HMT's optimizer arithmetic is float32
+by design (fp32 moments; the projected gradient is cast with ``.float()``), so against a float64 reference what
+remains is fp32 rounding (unit roundoff u = 2⁻²⁴ ≈ 6e-8) of one Adam step.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +15,43 @@ import copy
 
 import pytest
 import torch
+from helpers import (assert_bases_close, assert_tensors_close, batches, force_state, hmt_snapshot, lm_step, record,
+                     reference_snapshot, replay, state_rows, tiny_llama, update_rows)
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hmt_core import hmt
 
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4)
-    return LlamaForCausalLM(cfg).float()
-
-
-def batches(n: int, seed: int = 1, batch: int = 2) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (batch, 16), generator=gen) for _ in range(n)]
+DTYPE = torch.float64
+# vs torch.optim.AdamW (fp64): one update element-wise within 2e-6·(|ΔW| + max|ΔW|) per tensor: HMT's fp32 Adam
+# does a handful of roundings per element, each ≤ u·(magnitudes involved), and |m|/√v ≤ ~7 for β = (0.9, 0.999),
+# so ≲ 10u·max|ΔW| ≈ 6e-7·max (the check holds down to 1.9e-7); moments (fp32 in HMT) likewise within
+# 2e-6·(|m| + max|m|): the EMA's rounding where β₁m and (1 − β₁)g cancel is ≤ ~2u·max (holds down to 1.5e-7).
+# A real difference (β₂ 0.999 → 0.9991, weight decay 0.1 → 0.1001) needs 5e-5 or more (negative controls).
+ADAMW_TOL = 2e-6
+# The global gradient norm HMT returns is the fp32 norm of per-parameter norms (clip_grad_norm_ in fp64): u-level.
+NORM_RTOL = 1e-6
+# Per-layer vs ordinary step: the same HMT arithmetic in the same dtypes (fp32 optimizer math on fp64 gradients),
+# only called from backward hooks instead of after backward; the same gradient goes into the same functions, so
+# the results agree to a few fp32 roundings at most (measured: bit-identical; Mode B with lagged clipping 2e-12,
+# the test's coefficient being computed in Python floats). 1e-6·(|x| + max|x|): far below a real difference (a
+# 1e-4 change of β₁ needs 4.5e-4; a lagged vs an exact clipping coefficient, a wrong accumulation: O(1)).
+SAME_TOL = 1e-6
+# Accumulation over micro-batches: per-layer Mode A accumulates Σᵢ PᵀGᵢ in an fp32 low-rank buffer (hooks.py),
+# the ordinary step sums the full gradients in the parameter dtype (fp64) and projects once. Where PᵀG₁ and PᵀG₂
+# cancel, the fp32 sum keeps an absolute error ~u·(|PᵀG₁| + |PᵀG₂|), which the moments show as u-level of their
+# largest entry (checked with SAME_TOL). Adam's first step is nearly sign(Ĝ) (N = Ĝ/(|Ĝ| + ε) with ε = 1e-8), so
+# such a coordinate's update can move by much more than u: the update check holds down to 2.8e-6 (at step 0;
+# ≤ 3e-7 afterwards, once v has history). 1e-5·(|ΔW| + max|ΔW|) for the update, a 3.6× margin; a wrong
+# accumulation changes the moments by O(1), a 1e-4 change of a hyperparameter the update by ≥ 1e-4.
+ACCUM_UPDATE_TOL = 1e-5
+# Bases each side computes at a refresh: svd / rsvd ones are compared sign-aligned, within the SVD's conditioning
+# (helpers.assert_bases_close); seeded random ones are the same fp32 draws scaled by 1/√r: 1e-6 relative.
+RANDOM_BASIS_RTOL = 1e-6
 
 
 def train(model, method, data, micro: int = 1) -> list[float]:
-    norms = []
-    for x in data:
-        for i, chunk in enumerate(x.chunk(micro)):
-            method.start_micro_batch(i, micro)
-            (model(input_ids=chunk, labels=chunk).loss / micro).backward()
-        norms.append(method.step())
-        method.zero_grad()
-    return norms
+    run = lm_step(model, method.step, method.zero_grad, method.start_micro_batch, micro=micro)
+    return [run(x) for x in data]
 
 
 def attached(model, max_grad_norm=None, **kw):
@@ -47,27 +65,85 @@ def assert_same_params(a, b, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    torch.set_num_threads(1)
+def check_step(method, model, snaps, *, tol: float, update_tol: float | None = None, ref_norms=None):
+    """``replay``'s check: HMT's update (``update_tol``, default ``tol``), moments (``tol``), fresh bases, limiter
+    memory and returned gradient norm against the reference's."""
+    update_tol = tol if update_tol is None else update_tol
+    source = "random" if method.config.basis == "random" else "svd"
+
+    def check(k, norm, refreshed=None):
+        if ref_norms is not None:
+            assert abs(norm - ref_norms[k]) <= NORM_RTOL * abs(ref_norms[k]), \
+                f"step {k}: gradient norm {norm} vs reference {ref_norms[k]} (rtol={NORM_RTOL:.0e})"
+        before, after = snaps[k], snaps[k + 1]
+        if refreshed is not None:
+            assert_bases_close(refreshed, before, after, source=source, random_rtol=RANDOM_BASIS_RTOL, step=k)
+        assert_tensors_close(update_rows(model, before, after), rtol=update_tol, atol=update_tol, atol_of_max=True,
+                             step=k, what="update")
+        rows = state_rows(method, after, k)  # also: step counters, ranks, seeds equal
+        assert_tensors_close(rows["moments"], rtol=tol, atol=tol, atol_of_max=True, step=k, what="moment")
+        assert_tensors_close(rows["limiter"], rtol=tol, atol=0, step=k, what="limiter memory")
+        if "rank_history" in after:  # an HMT reference: the same refreshes with the same ranks
+            history = method.summary()["rank/history"]
+            assert history == after["rank_history"], f"step {k}: rank history {history} vs {after['rank_history']}"
+
+    return check
+
+
+def adamw_reference(data, *, clip: float, **adamw):
+    """torch.optim.AdamW with global-norm clipping over ``data``: (snapshots, gradient norm of each step)."""
+    ref = tiny_llama(dtype=DTYPE)
+    opt = torch.optim.AdamW(ref.parameters(), **adamw)
+
+    def step(x):
+        ref(input_ids=x, labels=x).loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        return float(norm)
+
+    return record(lambda: reference_snapshot(ref, opt), step, data)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_identity_full_rank_equals_torch_adamw(per_layer):
-    init = tiny_llama()
-    ref = copy.deepcopy(init)
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-8)
-    for x in batches(8):
-        ref(input_ids=x, labels=x).loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-    model = copy.deepcopy(init)
+    data = batches(8)
+    snaps, norms = adamw_reference(data, clip=0.5, lr=3e-3, weight_decay=0.1, eps=1e-8)
+    assert min(norms) > 0.5  # clipping was active
+    model = tiny_llama(dtype=DTYPE)
     method = attached(model, 0.5, sides="identity", scale=1.0, lr=3e-3, weight_decay=0.1, adam_style="torch",
                       per_layer=per_layer)
-    train(model, method, batches(8))
+    replay(method, model, lm_step(model, method.step, method.zero_grad, method.start_micro_batch), data, snaps,
+           check_step(method, model, snaps, tol=ADAMW_TOL, ref_norms=norms))
     assert all(s.rank == min(s.param.shape) for s in method.opt.slots if s.projected)
-    assert_same_params(model, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kw", [dict(beta2=0.9991), dict(weight_decay=0.1001)], ids=["beta2", "weight_decay"])
+def test_adamw_equivalence_is_sensitive(kw):
+    """Negative control: HMT off by 1e-4 in one hyperparameter fails the step-by-step check at step 0."""
+    data = batches(1)
+    snaps, norms = adamw_reference(data, clip=0.5, lr=3e-3, weight_decay=0.1, eps=1e-8)
+    model = tiny_llama(dtype=DTYPE)
+    method = attached(model, 0.5, **{**dict(sides="identity", scale=1.0, lr=3e-3, weight_decay=0.1,
+                                            adam_style="torch", per_layer=False), **kw})
+    with pytest.raises(AssertionError, match="^step 0: "):
+        replay(method, model, lm_step(model, method.step, method.zero_grad, method.start_micro_batch), data, snaps,
+               check_step(method, model, snaps, tol=ADAMW_TOL, ref_norms=norms))
+
+
+def per_layer_vs_ordinary(kw, clip, data, micro=1, steps=None, **per_layer_kw):
+    """HMT's ordinary step as the reference, per-layer HMT replayed one step at a time from its state."""
+    a = tiny_llama(dtype=DTYPE)
+    ma = attached(a, clip, per_layer=False, **kw)
+    snaps, na = record(lambda: hmt_snapshot(ma, a), lm_step(a, ma.step, ma.zero_grad, ma.start_micro_batch, micro),
+                       data)
+    b = tiny_llama(dtype=DTYPE)
+    mb = attached(b, clip, per_layer=True, **{**kw, **per_layer_kw})
+    # with accumulation per-layer Mode A reports ‖Σᵢ PᵀGᵢ‖ for projected weights, not ‖ΣᵢGᵢ‖ (hooks.py, rule 4)
+    check = check_step(mb, b, snaps, tol=SAME_TOL, update_tol=SAME_TOL if micro == 1 else ACCUM_UPDATE_TOL,
+                       ref_norms=na if micro == 1 else None)
+    replay(mb, b, lm_step(b, mb.step, mb.zero_grad, mb.start_micro_batch, micro), data[:steps], snaps, check)
+    return ma, mb, na
 
 
 @pytest.mark.parametrize("mode,basis", [("A", "rsvd"), ("A", "svd"), ("B", "random")])
@@ -77,14 +153,17 @@ def test_per_layer_in_backward_equals_ordinary_step(mode, basis):
     kw = dict(mode=mode, basis=basis, rank=None, rank_candidates=(8, 16, 32), tau=0.5, update_interval=4,
               lr=3e-3, weight_decay=0.01)
     clip = 0.3 if mode == "A" else None
-    init = tiny_llama()
-    a, b = copy.deepcopy(init), copy.deepcopy(init)
-    ma, mb = attached(a, clip, per_layer=False, **kw), attached(b, clip, per_layer=True, **kw)
-    na, nb = train(a, ma, batches(9)), train(b, mb, batches(9))
+    ma, mb, na = per_layer_vs_ordinary(kw, clip, batches(9))
     assert clip is None or min(na) > clip  # clipping was active
-    torch.testing.assert_close(torch.tensor(nb), torch.tensor(na), rtol=1e-5, atol=0)
-    assert ma.summary()["rank/history"] == mb.summary()["rank/history"]
-    assert_same_params(b, a, rtol=1e-5, atol=1e-6)
+    hist = ma.summary()["rank/history"]
+    assert hist == mb.summary()["rank/history"] and all(len(h) == 3 for h in hist.values())  # steps 0, 4, 8
+
+
+def test_per_layer_equivalence_is_sensitive():
+    """Negative control: per-layer HMT with β₁ off by 1e-4 fails the step-by-step check at step 0."""
+    kw = dict(mode="A", basis="svd", rank=8, update_interval=4, lr=3e-3, weight_decay=0.01)
+    with pytest.raises(AssertionError, match="^step 0: "):
+        per_layer_vs_ordinary(kw, 0.3, batches(1), beta1=0.9 * (1 + 1e-4))
 
 
 def test_full_gradients_of_projected_weights_never_coexist():
@@ -102,14 +181,11 @@ def test_full_gradients_of_projected_weights_never_coexist():
 
 def test_grad_accumulation_in_low_rank_space_matches_accumulated_step():
     """With a gradient-independent basis (seeded random) and no clipping, accumulating Ĝ per micro-batch
-    equals projecting the accumulated G: per-layer with 2 micro-batches == ordinary step on the sum."""
+    equals projecting the accumulated G: per-layer with 2 micro-batches == ordinary step on the sum, one step at
+    a time from the same state (tolerances: ACCUM_UPDATE_TOL)."""
     kw = dict(mode="A", basis="random", rank=8, update_interval=3, lr=3e-3)
-    init = tiny_llama()
-    a, b = copy.deepcopy(init), copy.deepcopy(init)
-    train(a, attached(a, None, per_layer=False, **kw), batches(5, batch=4), micro=2)
-    mb = attached(b, None, per_layer=True, **kw)
-    train(b, mb, batches(5, batch=4), micro=2)
-    assert_same_params(b, a, rtol=1e-5, atol=1e-6)
+    ma, mb, _ = per_layer_vs_ordinary(kw, None, batches(5, batch=4), micro=2)
+    assert ma.summary()["rank/history"] == mb.summary()["rank/history"]
 
 
 def test_grad_accumulation_updates_only_after_last_micro_batch():
@@ -127,24 +203,30 @@ def test_grad_accumulation_updates_only_after_last_micro_batch():
 
 
 def test_mode_b_per_layer_clipping_uses_previous_step_norm():
+    """Per-layer Mode B clips with the previous step's global-norm coefficient: one step at a time from the same
+    state, it equals an ordinary step on the gradient scaled by that coefficient."""
     torch.manual_seed(0)
     net = nn.Sequential()
     net.add_module("mlp", nn.Linear(24, 40, bias=False))
-    xs = [torch.randn(8, 24) for _ in range(3)]
+    net = net.to(DTYPE)
+    xs = [torch.randn(8, 24, dtype=DTYPE) for _ in range(3)]
     kw = dict(mode="B", basis="random", rank=4, lr=1e-2, update_interval=10)
     a, b = copy.deepcopy(net), copy.deepcopy(net)
     ma, mb = attached(a, None, per_layer=False, **kw), attached(b, 0.01, per_layer=True, **kw)
+    check = check_step(mb, b, snaps := [hmt_snapshot(ma, a)], tol=SAME_TOL)
     coef = 1.0
-    for x in xs:
+    for k, x in enumerate(xs):
+        force_state(mb, b, snaps[k])  # b's lagged coefficient is its own (from its previous step)
         a(x).square().sum().backward()
         a.mlp.weight.grad.mul_(coef)  # reference: ordinary step on the grad clipped by last step's coefficient
         ma.step()
         ma.zero_grad()
+        snaps.append(hmt_snapshot(ma, a))
         b(x).square().sum().backward()
         norm = mb.step()
         mb.zero_grad()
+        check(k, norm)
         coef = min(1.0, 0.01 / (norm + 1e-6))
-        torch.testing.assert_close(b.mlp.weight, a.mlp.weight, rtol=1e-5, atol=1e-7)
     assert coef < 0.1  # clipping really was active
 
 
@@ -263,12 +345,14 @@ def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
 
     def run(chunk_rows):
         model = tiny_llama()
-        method = hmt.make(hmt.Config(target_patterns=("no_such_module",), state_dtype="bf16", lr=1e-3,
-                                     weight_decay=0.1, per_layer=False))
+        # one small projected weight (patterns matching none are an error); embedding and lm_head stay dense
+        method = hmt.make(hmt.Config(target_patterns=(r"layers\.0\.self_attn\.q_proj",), rank=4, state_dtype="bf16",
+                                     lr=1e-3, weight_decay=0.1, per_layer=False))
         method.attach(model, max_grad_norm=None)
         if chunk_rows:
-            monkeypatch.setattr(kops, "chunk_rows_for",
-                                lambda shape, dtype, chunk_bytes=0: calls.append(shape) or chunk_rows)
+            monkeypatch.setattr(kops, "chunk_rows_for",  # chunk the (256, 64) embedding / lm_head only
+                                lambda shape, dtype, chunk_bytes=0: calls.append(shape) or (
+                                    chunk_rows if shape[0] == 256 else shape[0]))
         for ids in batches(3):
             model(input_ids=ids, labels=ids).loss.backward()
             method.step()
