@@ -3,11 +3,14 @@
 Model construction, the method's ``prepare``/``attach`` (quantization, adapters, per-layer hooks), and
 ``dryrun.steps`` full optimizer steps (forward, backward, update) run on shape-only fake tensors with the meter in
 ``fake`` mode, so a 7B/13B step is measured on a machine with no GPU and 24 GiB of RAM. Anything that cannot be
-traced (an op without a fake implementation) fails the run loudly; it never reports a partial number.
+traced (an op without a fake implementation) fails the run loudly; it never reports a partial number. With an
+activation policy, the activation probe that ``mode=train`` runs before step 0 (``metered_probe``) is traced too,
+in the same order (after ``attach``, before the policy is applied), under its own meter.
 
 The report adds, beside the usual summary: peak bytes by category at each phase's peak, the modules retaining the
 most forward bytes (what their forward left alive: saved activations and outputs), and a fits/does-not-fit
-verdict per GPU size counting ``dryrun.cuda_context_gib`` for the CUDA context and allocator slack.
+verdict per GPU size for the larger of the step's and the probe's peak, counting ``dryrun.cuda_context_gib`` for
+the CUDA context and allocator slack.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import RunConfig
@@ -29,7 +32,8 @@ from experiments.loop import autocast_context, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
 from experiments.results import RunDir
-from hmt_core.activations import apply_policy
+from hmt_core.activations import apply_policy, probe
+from hmt_core.activations.measure import PROBE_TOKENS, probe_batch
 from hmt_core.driver import iter_state_tensors
 from hmt_core.method import NotTraceableError
 
@@ -59,6 +63,39 @@ class AssumedScalars(TorchDispatchMode):
         self.sites[site] = self.sites.get(site, 0) + 1
         dtype = args[0].dtype
         return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+
+
+@contextlib.contextmanager
+def unpacked_sequences():
+    """Answer transformers' packed-sequence check on fake tensors as real tensors answer it: not packed.
+
+    ``masking_utils.find_packed_sequence_indices`` cannot read fake position ids, so it assumes a batch may hold
+    packed sequences and the model materializes a (batch, 1, seq, seq) causal mask, plus a copy that each attention
+    layer saves for backward; on real tensors it returns ``None`` and SDPA uses ``is_causal`` (no mask). The
+    harness never packs (it passes neither position ids nor an attention mask), so the dry run takes the real
+    answer: the same ops run (the check included), only the answer is supplied. A no-op if transformers lacks it."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids):
+        mask = original(position_ids)
+        if mask is None or not is_fake(mask):
+            return mask
+        (mask[:, -1] == 0).all()  # the check real tensors run (its value would say "not packed")
+        return None
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 class ModuleRetention:
@@ -102,17 +139,39 @@ def verdicts(peak_bytes: int, sizes_gib: tuple[int, ...], reserve_gib: float) ->
     return out
 
 
+def metered_probe(model: nn.Module, policy, ids: torch.Tensor, *, autocast, source: str,
+                  max_tokens: int = PROBE_TOKENS) -> dict:
+    """The activation probe (``hmt_core.activations.probe``) on ``probe_batch(ids, max_tokens)`` under its own
+    meter, which tracks the weights (and quantization state) as the step's meter does, so its peak is comparable
+    with the step's. ``autocast``: a callable returning the step's autocast context. Returns the probe's metrics,
+    its peak bytes and its token count; under FakeTensorMode the metrics are NaN and the peak is the dry run's."""
+    pids = probe_batch(ids, max_tokens)
+    meter = MemoryMeter(source=source)
+    meter.track(model.parameters(), "params")
+    meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
+    meter.track(model.buffers(), "other")
+    meter.track([pids], "other")
+
+    def loss_fn(m):
+        with autocast():
+            return m(input_ids=pids, labels=pids).loss
+
+    with meter:
+        metrics = probe(model, policy, loss_fn)
+    return {"metrics": metrics, "peak_bytes": meter.report().peak_bytes, "tokens": int(pids.numel())}
+
+
 def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
     """Build, prepare, attach and step under FakeTensorMode (``fake=False``: the same on real CPU tensors, which
     is how the fake figures are validated); returns the measured figures."""
     t = run.train
     assumed = AssumedScalars()
-    with FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext():
+    with FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext(), \
+            unpacked_sequences() if fake else contextlib.nullcontext():
         torch.manual_seed(run.seed)
         model = build_model(run.model, device="cpu")
         model = method.prepare(model)
         model.train()
-        act_handle = None if run.activation.is_identity() else apply_policy(model, run.activation)
         params_total, params_trainable = count_params(model)
         meter = MemoryMeter(source="fake" if fake else "tracker")
         meter.track(model.parameters(), "params")
@@ -123,18 +182,25 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
             method.attach(model, max_grad_norm=t.max_grad_norm or None)
         except ValueError as e:  # the method's settings do not fit this model (rank > dims, ...)
             raise UserError(str(e)) from None
-        retention = ModuleRetention(model, meter)
         vocab = model.get_input_embeddings().num_embeddings
+        autocast = lambda: autocast_context(torch.device("cpu"), t.autocast)  # noqa: E731
+        probed, act_handle = None, None
+        if not run.activation.is_identity():  # as in mode=train: the probe, then the policy
+            probed = metered_probe(model, run.activation, torch.randint(0, vocab, (t.batch_size, t.seq_len)),
+                                   autocast=autocast, source=meter.source)
+            act_handle = apply_policy(model, run.activation)
+        retention = ModuleRetention(model, meter)
         for step in range(run.dryrun.steps):
             method.set_lr_scale(1.0)
             micro = [torch.randint(0, vocab, (t.batch_size, t.seq_len)) for _ in range(t.grad_accum)]
             with meter:
-                train_step(model, method, micro, meter=meter,
-                           autocast=lambda: autocast_context(torch.device("cpu"), t.autocast))
+                train_step(model, method, micro, meter=meter, autocast=autocast)
         retention.remove()
         meter.remove_hooks()
         return {"report": meter.report(),
                 "activation_saved_bytes": act_handle.saved_bytes() if act_handle else None,
+                "probe_peak_bytes": probed["peak_bytes"] if probed else None,
+                "probe_tokens": probed["tokens"] if probed else None,
                 "assumed_scalars": dict(assumed.sites), "params_total": params_total, "params_trainable": params_trainable,
                 "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary()}
 
@@ -161,6 +227,8 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
     wall = time.perf_counter() - start
     rep = traced["report"]
     t = run.train
+    probe_peak = traced["probe_peak_bytes"] or 0
+    verdict_peak = max(rep.peak_bytes, probe_peak)
     summary = build_summary(
         run, run_dir.run_id, torch.device("cpu"), params_total=traced["params_total"],
         params_trainable=traced["params_trainable"], steps=run.dryrun.steps,
@@ -168,11 +236,13 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
         train_loss=None, val_loss=None, memory=rep.to_dict(), cpu_rss_peak_bytes=cpu_rss_peak_bytes(),
         host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
         activation_summary=None if run.activation.is_identity() else {
-            "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"]},
+            "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"],
+            "probe_peak_bytes": traced["probe_peak_bytes"], "probe_tokens": traced["probe_tokens"]},
         dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
                 "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
-                "cuda_context_gib": run.dryrun.cuda_context_gib,
-                "verdicts": verdicts(rep.peak_bytes, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
+                "cuda_context_gib": run.dryrun.cuda_context_gib, "verdict_peak_bytes": verdict_peak,
+                "verdict_peak_from": "probe" if probe_peak > rep.peak_bytes else "step",
+                "verdicts": verdicts(verdict_peak, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
     )
     summary["device"] = f"fake (target {device.type})"
     run_dir.start(config_dict)
@@ -188,6 +258,10 @@ def print_dryrun(summary: dict) -> None:
     for phase, cats in mem["peak_by_phase_category_bytes"].items():
         print(f"  peak in {phase:<14}: {mem['peak_by_phase_bytes'][phase] / GIB:.3f} GiB  ("
               + ", ".join(f"{k} {v / GIB:.3f}" for k, v in cats.items() if v) + ")")
+    act = summary.get("activation_summary") or {}
+    if act.get("probe_peak_bytes") is not None:
+        print(f"  activation probe peak : {act['probe_peak_bytes'] / GIB:.3f} GiB ({act['probe_tokens']} tokens, "
+              f"before step 0; the verdict counts the larger of it and the step's peak)")
     print("  fits (with {:.1f} GiB reserve): ".format(d["cuda_context_gib"])
           + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
     if d["assumed_scalars"]:

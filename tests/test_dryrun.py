@@ -1,4 +1,6 @@
-"""mode=dryrun: FakeTensorMode figures equal the real-tensor tracker's, exactly-known parts hold, runner output."""
+"""mode=dryrun: FakeTensorMode figures equal the real-tensor tracker's, exactly-known parts hold, runner output.
+
+Every method family and activation preset against real tensors: ``tests/test_dryrun_fidelity.py``."""
 
 from pathlib import Path
 
@@ -49,6 +51,19 @@ def test_dryrun_exactly_known_bytes_and_summary(tmp_path):
     assert summary["dryrun"]["verdicts"]["16GiB"]["fits"] is True
     assert summary["dryrun"]["top_modules"][0]["module"] == "model"
     assert (tmp_path / "d" / "status").read_text().strip() == "completed"
+
+
+def test_dryrun_traces_the_activation_probe_and_judges_by_the_larger_peak(tmp_path):
+    cfg, _ = _run_config("method=hmt", "model=tiny", "model.num_layers=2", "train.seq_len=64", "train.batch_size=2",
+                         "activation=hmt", "dryrun.gpu_sizes_gib=[1]", "dryrun.cuda_context_gib=0",
+                         f"results_dir={tmp_path}", "run_id=p")
+    summary = main_with_config(cfg)
+    act, d, step_peak = summary["activation_summary"], summary["dryrun"], summary["memory"]["peak_bytes"]
+    assert act["probe_tokens"] == 64 and 0 < act["probe_peak_bytes"]
+    assert d["verdict_peak_bytes"] == max(step_peak, act["probe_peak_bytes"])
+    assert d["verdict_peak_from"] == ("probe" if act["probe_peak_bytes"] > step_peak else "step")
+    assert d["verdicts"]["1GiB"]["headroom_bytes"] == 2**30 - d["verdict_peak_bytes"]
+    assert "probe" not in act  # a dry run has no values: no rel_err / grad_cos
 
 
 def test_verdicts_count_the_reserve():
