@@ -103,6 +103,8 @@ def test_train_reports_the_metered_probe(tmp_path):
     act = summary["activation_summary"]
     assert act["probe_tokens"] == SEQ and 0 < act["probe_peak_bytes"] <= summary["memory"]["peak_bytes"]
     assert act["probe"]["act/grad_cos"] > 0.99 and 0 < act["probe"]["act/mlp_intermediate/rel_err"] < 0.05
+    # the run ends with an evaluation (a no-grad forward): the saved bytes are still the last training forward's
+    assert sum(act["saved_bytes"].values()) > 0, act["saved_bytes"]
 
 
 @pytest.mark.parametrize("sides", [(True, False), (False, True), (True, True)], ids=["left", "right", "two"])

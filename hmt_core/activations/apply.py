@@ -348,8 +348,8 @@ def apply_policy(
     root_pack = state.pack_fn(OTHER, "keep")
 
     def root_forward(*args: Any, **kwargs: Any) -> Any:
-        if state.region_depth == 0:
-            state.start_forward()
+        if state.region_depth == 0 and torch.is_grad_enabled():  # a no-grad (eval) forward saves nothing: keep
+            state.start_forward()  # the last training forward's counts for saved_bytes()
         if not state.active():
             return root_orig(*args, **kwargs)
         try:
