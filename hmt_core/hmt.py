@@ -4,8 +4,11 @@ Mode B (APOLLO-style gradient scaling), updated per layer inside backward.
 HMT design (shared/seeds/000_hmt_design.txt), "Dynamic Low-Rank Gradient Projection": ``Ĝ_l = P_lᵀ G_l Q_l``
 (two-sided) or GaLore's one-sided rule (Zhao et al., 2024, Alg. 2), bases from exact SVD, randomized SVD or
 a seeded Gaussian (APOLLO, Zhu et al., 2024), refreshed every ``update_interval`` steps; rank by spectral
-energy ``E(r) ≥ τ`` (``hmt_core.rank``). Update math: ``hmt_core.optim.update``; per-layer hooks, gradient
-accumulation and the clipping rule: ``hmt_core.optim.hooks``.
+energy ``E(r) ≥ τ`` (``hmt_core.rank``; random bases by the energy they capture). Update math:
+``hmt_core.optim.update`` (with per-coordinate bias-correction clocks after a rank increase); per-layer hooks,
+gradient accumulation and the clipping rule: ``hmt_core.optim.hooks``. Update precision (``master_weights``:
+fp32 master copies, counted as optimizer state; ``stochastic_rounding``: BF16 writes rounded stochastically from a
+generator saved in the state dict): ``hmt_core.precision``.
 
 Which parameters are projected (``projected_weight_names``, shared with the galore and apollo baselines): 2-D
 weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` (GPT-2's layers, weight stored (in, out)) modules
@@ -78,6 +81,9 @@ class Config:
     offload_bases: bool = False  # park bases in host memory between uses (hmt_core.basis_cache; per_layer only)
     basis_cache_mib: int = 4096  # host budget for parked (current + previous) bases
     kernels: str = "auto"  # "auto" (Triton on CUDA when installed, else PyTorch) | "triton" | "torch"
+    master_weights: bool = False  # fp32 copy of each low-precision weight takes the updates (hmt_core.precision)
+    stochastic_rounding: bool = False  # BF16 weights written by stochastic rounding of the fp32 result
+    random_rank: str = "captured"  # basis=random, dynamic rank: "captured" (by the bases) | "spectrum" (legacy)
 
     def __post_init__(self) -> None:
         for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
@@ -98,6 +104,7 @@ class Config:
         choice("state_dtype", ("fp32", "bf16"))
         choice("kernels", KERNEL_BACKENDS)
         choice("scaling", ("channel", "tensor"))
+        choice("random_rank", ("captured", "spectrum"))
         if not self.lr > 0:
             raise ValueError(f"method.lr must be > 0, got {self.lr}")
         for key in ("beta1", "beta2"):
@@ -126,6 +133,11 @@ class Config:
             raise ValueError(f"method.limiter_gamma must be >= 1, got {self.limiter_gamma}")
         if self.mode == "B" and self.sides == "two_sided" and self.scaling == "channel":
             raise ValueError("method.scaling='channel' needs one-sided projection in mode B; use 'tensor'")
+        if self.master_weights and self.stochastic_rounding:
+            raise ValueError("method.master_weights and method.stochastic_rounding are alternatives: choose one")
+        if self.dense_8bit and (self.master_weights or self.stochastic_rounding):
+            raise ValueError("method.dense_8bit=true (bitsandbytes AdamW8bit writes the weights itself) cannot be "
+                             "combined with method.master_weights or method.stochastic_rounding")
         if self.offload_bases and not self.per_layer:
             raise ValueError("method.offload_bases=true needs method.per_layer=true")
         if self.basis_cache_mib <= 0:
@@ -266,6 +278,8 @@ class HMTMethod:
         out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)  # tensors
         out["projected_params"] = projected_elements(s.param for s in self.opt.slots if s.projected)  # elements
         out["optim/basis_fallbacks"] = self.opt.fallbacks
+        if self.config.master_weights:
+            out["optim/master_bytes"] = sum(s.master.numel() * 4 for s in self.opt.slots if s.master is not None)
         out.update(self.cache_stats())
         return out
 

@@ -5,6 +5,16 @@ HMT design, "Dynamic rank": with singular values σ of a layer's gradient G,
 ``E(r) ≥ τ``, else a fallback (largest candidate, or full rank min(out, in)). The denominator is the exact
 ‖G‖_F², so a truncated (randomized) spectrum gives a conservative E(r). A zero gradient has E ≡ 1 (nothing to
 capture) and gets the smallest candidate.
+
+Random (Gaussian, APOLLO-style) bases do not follow the spectrum: a random r-dimensional subspace captures
+E[‖Π G‖²]/‖G‖² = r/n of *any* G (n = the projected side; rotation invariance), so a rank read off G's spectrum
+(τ of the energy in 32 singular directions) says nothing about what a random basis of that rank captures. For them
+(``random_rank="captured"``) the rank is chosen from the bases themselves: ``captured_energy`` of each candidate's
+actual basis, and ``choose_rank_by_capture`` takes the smallest candidate capturing ≥ τ × what the largest one
+considered captures (the largest candidate; with ``rank_fallback="full"`` full rank, which captures everything,
+so the rule becomes E(r) ≥ τ as for SVD bases). Since the expectation is r/R, with τ = 0.95 this is nearly always
+the largest candidate: a smaller rank is chosen only when its basis happens to capture almost as much (G nearly
+inside that basis's span) or τ ≤ r/R. That is the honest answer: a Gaussian basis gives no spectral saving.
 """
 
 from __future__ import annotations
@@ -52,6 +62,31 @@ def choose_rank(s: Tensor, total_energy: float, *, candidates: tuple[int, ...], 
         if r <= energy.numel() and float(energy[r - 1]) >= tau:
             return r
     return max_rank if fallback == "full" else valid[-1]
+
+
+def captured_energy(grad: Tensor, left: Tensor | None, right: Tensor | None) -> float:
+    """‖Π_L G Π_R‖²_F / ‖G‖²_F for grad (out, in), Π_L the orthogonal projector onto the span of ``left``'s
+    columns (out, r) and Π_R onto the span of ``right``'s rows (r, in) (QR first: random bases are not orthonormal;
+    a missing side is the identity). 1.0 for a zero gradient (nothing to capture)."""
+    g = grad.float()  # fp32 matrices (as the factorizations); the sums of squares in fp64
+    total = float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+    if total == 0:
+        return 1.0
+    low = g
+    if left is not None:
+        low = torch.linalg.qr(left.float()).Q.t() @ low
+    if right is not None:
+        low = low @ torch.linalg.qr(right.float().t()).Q
+    return float(torch.linalg.vector_norm(low, dtype=torch.float64)) ** 2 / total
+
+
+def choose_rank_by_capture(captured: list[float], ranks: tuple[int, ...], tau: float) -> int:
+    """Smallest of ``ranks`` (ascending) whose basis captured ≥ tau × the last (largest) one's energy."""
+    top = captured[-1]
+    for r, e in zip(ranks, captured):
+        if e >= tau * top:
+            return r
+    return ranks[-1]
 
 
 class RankHistory:

@@ -70,8 +70,9 @@ def test_method_refresh_records_per_layer_ranks_and_priors():
     grads = {"attn.weight": with_spectrum(step_spectrum(12, 96, 1e-3), 128, 96, 1),
              "mlp.weight": with_spectrum(step_spectrum(40, 96, 1e-3), 128, 96, 2)}
     for basis in ("svd", "rsvd", "random"):
+        # random bases: the legacy spectral rule (the default rule, by captured energy: test_rank_change.py)
         cfg = hmt.Config(rank=None, rank_candidates=CANDS, tau=0.95, basis=basis, update_interval=2,
-                         per_layer=False, mlp_candidates=(48, 96))
+                         per_layer=False, mlp_candidates=(48, 96), random_rank="spectrum")
         method = hmt.make(cfg)
         method.attach(model, max_grad_norm=None)
         for _ in range(3):

@@ -27,6 +27,10 @@ Global gradient clipping (design decision). The global norm is only known after 
    uses) to the global norm instead of ‖Σ_i G_i‖, which is never materialized.
 Without clipping, every update happens inside backward.
 
+Update precision: every write, in a hook or in ``finish_step``, goes through the optimizer's ``UpdateWriter``
+(``hmt_core.precision``), so fp32 master weights and stochastic rounding apply to in-backward updates as well; the
+generator of stochastic rounding is drawn in hook order, which is deterministic for a given model and step.
+
 Non-finite gradients (the loop skips such steps): a gradient that is not finite is never used for a basis
 refresh (checked only when a refresh is due, where the SVD synchronizes anyway) nor for an update applied inside
 backward (one check per in-hook update: Mode B, or no clipping); ``finish_step`` then discards every deferred

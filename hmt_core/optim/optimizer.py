@@ -7,7 +7,14 @@ plain AdamW (the same update functions with no projection) or to bitsandbytes' `
 
 A basis is refreshed before the update whose index ``step`` satisfies ``step % update_interval == 0``
 (galore-torch's schedule: steps 0, T, 2T, ...). ``step`` counts updates; ``adam_t`` counts bias-correction
-steps (equal, except after a ``reset`` of the moments).
+steps (equal, except after a ``reset`` of the moments); ``born`` gives rank indices added by a rank increase
+their own bias-correction clock (``hmt_core.optim.update``, "Per-coordinate bias-correction clocks").
+
+With ``basis="random"`` and a dynamic rank, the rank is chosen from what the Gaussian bases themselves capture
+(``random_rank="captured"``, ``hmt_core.rank.choose_rank_by_capture``), not from the gradient's spectrum.
+
+Every weight write goes through ``hmt_core.precision.UpdateWriter``: in place (default), into the slot's fp32
+``master`` copy, or through fp32 row chunks rounded stochastically into the BF16 weight.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
-from hmt_core.rank import RankHistory, choose_rank, sketch_size, valid_candidates
+from hmt_core.precision import UpdateWriter
+from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
+                           valid_candidates)
 
 
 def global_norm(norms: list[Tensor]) -> Tensor:
@@ -54,6 +64,8 @@ class Slot:
     rank: int = 0
     limiter_prev: Tensor | None = None  # () Mode B norm-growth limiter memory
     pending: Tensor | None = None  # low-rank gradient accumulated over micro-batches / awaiting clipping
+    master: Tensor | None = None  # fp32 master copy of a low-precision weight (master_weights)
+    born: tuple[int, ...] | None = None  # (r,) adam step at which each rank index started; None: all at 0
 
 
 class LowRankOptimizer:
@@ -66,8 +78,12 @@ class LowRankOptimizer:
         self.fallbacks = 0
         self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32
         self.kernels = getattr(cfg, "kernels", None)  # "auto" | "triton" | "torch"; None: hmt_core.kernels' global
+        self.writer = UpdateWriter(master_weights=getattr(cfg, "master_weights", False),
+                                   stochastic_rounding=getattr(cfg, "stochastic_rounding", False), seed=cfg.seed)
         for s in slots:
             s.seed = cfg.seed + s.index
+            self.writer.check(s.name, s.param)
+            s.master = self.writer.make_master(s.param)
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         if cfg.dense_8bit:
             import bitsandbytes as bnb  # optional dependency: only when asked for
@@ -97,13 +113,15 @@ class LowRankOptimizer:
             k = c.rank if c.rank is not None else sketch_size(s.candidates, c.rank_fallback, max_rank)
             if c.basis == "svd":
                 factors = proj.exact_svd(grad, k)
-            elif c.basis == "rsvd" or c.rank is None:  # random bases estimate the spectrum by a sketch
+            elif c.basis == "rsvd" or (c.rank is None and c.random_rank == "spectrum"):  # legacy: a sketch
                 gen = torch.Generator().manual_seed(c.seed * 1_000_003 + s.index * 7919 + s.step)
                 warm = s.basis if c.basis == "rsvd" else None
                 factors = proj.randomized_svd(grad, k, power_iters=c.power_iters, oversample=c.oversample,
                                               warm=warm, generator=gen)
             if c.rank is not None:
                 rank = c.rank
+            elif c.basis == "random" and c.random_rank == "captured":
+                rank = self._random_rank(s, grad, use_left, use_right)
             elif factors is not None:
                 rank = choose_rank(factors.s, factors.total_energy, candidates=s.candidates, tau=c.tau,
                                    fallback=c.rank_fallback, max_rank=max_rank)
@@ -126,12 +144,30 @@ class LowRankOptimizer:
             s.m = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
             s.v = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
         elif s.basis is not None and basis is not s.basis:
+            s.born = upd.transfer_born(s.born, s.basis, basis, c.moment_policy, s.adam_t)
             s.m, s.v = upd.transfer_moments(s.m, s.v, s.basis, basis, c.moment_policy, low_shape)
             if c.moment_policy == "reset":
                 s.adam_t = 0
         s.basis, s.rank = basis, rank
         self.refreshes += 1
         self.history.record(s.name, s.step, rank, proj.relative_projection_error(grad, basis, orthonormal))
+
+    def _random_rank(self, s: Slot, grad: Tensor, use_left: bool, use_right: bool) -> int:  # grad: (out, in)
+        """Smallest rank whose seeded Gaussian basis (the one ``random_basis`` would draw now) captures
+        ≥ τ × what the largest considered rank's basis captures (the largest candidate, or full rank with
+        ``rank_fallback="full"``). Dry run: the largest (no values to measure)."""
+        c, shape = self.cfg, tuple(grad.shape)
+        max_rank = min(shape)
+        ranks = valid_candidates(s.candidates, max_rank)
+        if c.rank_fallback == "full" or not ranks:
+            ranks = tuple(sorted(set(ranks) | {max_rank}))
+        if is_fake(grad):
+            return ranks[-1]
+        captured = []
+        for r in ranks:
+            b, _ = proj.random_basis(shape, r, use_left, use_right, s.seed, grad.device, grad.dtype)
+            captured.append(captured_energy(grad, b.left, b.right))
+        return choose_rank_by_capture(captured, ranks, c.tau)
 
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
@@ -153,11 +189,19 @@ class LowRankOptimizer:
         c = self.cfg
         self._begin_adam_step(s, g)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
-            return kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                                  style=c.adam_style, backend=self.kernels)
-        m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style)
-        return upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                                  style=c.adam_style)
+            d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
+                                          eps=c.eps, style=c.adam_style, backend=self.kernels)
+        else:
+            m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style)
+            d, step_size = upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                                              style=c.adam_style)
+        s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
+        if s.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
+            left, right = proj.which_sides(tuple(s.param.shape), c.sides)
+            groups = upd.clock_groups(s.born, s.adam_t, left=left, right=right, device=d.device)
+            upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
+                             eps=c.eps, style=c.adam_style, direction=for_scaling)
+        return d, step_size
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
@@ -169,12 +213,15 @@ class LowRankOptimizer:
             d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
                                           beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
                                           backend=self.kernels)
-            upd.apply_update_(s.param.data[a:b], d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
-                              style=c.adam_style)
+            with self.writer.rows(s.param.data, s.master, slice(a, b)) as w:
+                upd.apply_update_(w, d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
+                                  style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
-        upd.apply_update_(s.param.data, full_update, step_size=step_size, lr=self.lr,
-                          weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
+        for index in self.writer.spans(s.param, s.master):
+            with self.writer.rows(s.param.data, s.master, index) as w:
+                upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
+                                  weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
 
     @torch.no_grad()
     def update_low_rank(self, s: Slot, low: Tensor, coef: Tensor | None = None) -> None:  # low: Ĝ, (out, r) | (r, in)
@@ -187,8 +234,14 @@ class LowRankOptimizer:
             self._apply(s, direction, step_size)
             return
         # fused reconstruction + decay + update (Triton), or its row-chunked fallback: no full-size P U Qᵀ
-        kops.lowrank_update(s.param.data, direction, s.basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
-                            weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style, backend=self.kernels)
+        for index in self.writer.spans(s.param, s.master):
+            d, basis = direction, s.basis
+            if index is not Ellipsis:  # rows of W come from rows of the left factor (P, or D when right-sided)
+                d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
+            with self.writer.rows(s.param.data, s.master, index) as w:
+                kops.lowrank_update(w, d, basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
+                                    weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style,
+                                    backend=self.kernels)
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None) -> None:  # grad: (out, in) full gradient
@@ -217,10 +270,14 @@ class LowRankOptimizer:
                                     kind=c.scaling)
         rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32)
         if rows < grad.shape[0]:  # a large weight: row-chunked, at most one chunk of the fp32 update alive
-            s.limiter_prev = upd.scaled_update_rows_(
-                s.param.data, grad, factor, prev_norm=s.limiter_prev,
-                gamma=c.limiter_gamma if c.norm_limiter else None, sqrt_scale=math.sqrt(c.scale),
-                step_size=step_size, lr=self.lr, weight_decay=c.weight_decay, style=c.adam_style, rows=rows)
+            limiter, s.limiter_prev = upd.limiter_for_rows(grad, factor, prev_norm=s.limiter_prev, rows=rows,
+                                                           gamma=c.limiter_gamma if c.norm_limiter else None)
+            for a in range(0, grad.shape[0], rows):  # the ops of upd.scaled_update_rows_, through the writer
+                index = slice(a, min(a + rows, grad.shape[0]))
+                with self.writer.rows(s.param.data, s.master, index) as w:
+                    upd.apply_update_(w, upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)),
+                                      step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
+                                      style=c.adam_style)
             return
         scaled = grad * factor
         if c.norm_limiter:
@@ -251,7 +308,7 @@ class LowRankOptimizer:
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> Iterator[Tensor]:
         for s in self.slots:
-            for t in (s.m, s.v, s.limiter_prev):
+            for t in (s.m, s.v, s.limiter_prev, s.master):
                 if t is not None:
                     yield t
             if s.basis is not None:
@@ -265,13 +322,14 @@ class LowRankOptimizer:
         for s in self.slots:
             slots[s.name] = {
                 "m": s.m, "v": s.v, "step": s.step, "adam_t": s.adam_t, "seed": s.seed, "rank": s.rank,
-                "limiter_prev": s.limiter_prev,
+                "limiter_prev": s.limiter_prev, "master": s.master,
+                "born": list(s.born) if s.born is not None else None,
                 "basis_left": s.basis.left if s.basis is not None else None,
                 "basis_right": s.basis.right if s.basis is not None else None,
                 "has_basis": s.basis is not None,
             }
         return {"slots": slots, "history": self.history.state_dict(), "refreshes": self.refreshes,
-                "fallbacks": self.fallbacks, "lr": self.lr,
+                "fallbacks": self.fallbacks, "lr": self.lr, "precision": self.writer.state_dict(),
                 "dense8": {name: opt.state_dict() for name, opt in self.dense8.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -290,8 +348,12 @@ class LowRankOptimizer:
             s.step, s.adam_t, s.seed, s.rank = int(st["step"]), int(st["adam_t"]), int(st["seed"]), int(st["rank"])
             s.basis = proj.Basis(to(st["basis_left"]), to(st["basis_right"])) if st["has_basis"] else None
             s.pending = None
+            s.born = tuple(int(b) for b in st["born"]) if st.get("born") is not None else None
+            if st.get("master") is not None:
+                s.master = to(st["master"])
         self.history.load_state_dict(state["history"])
         self.refreshes, self.fallbacks = int(state["refreshes"]), int(state["fallbacks"])
         self.set_lr(float(state["lr"]))
+        self.writer.load_state_dict(state.get("precision"))
         for name, opt_state in state["dense8"].items():
             self.dense8[name].load_state_dict(opt_state)

@@ -10,6 +10,15 @@ passed through Fira's norm-growth limiter (Chen et al., 2024, Eq. 9, γ = 1.01) 
 apollo-torch 1.0.3 multiplies by ``np.sqrt(group["scale"])`` (paper: α), so Mini's ``scale=128`` means an
 effective factor √128 ≈ 11.3. HMT matches the reference code, not the paper's text.
 
+Per-coordinate bias-correction clocks (``born``; HMT's rule for dynamic rank). Adam divides the zero-initialized
+EMAs by their weight mass 1 − βᵗ (Kingma & Ba, 2015, §3). When a basis refresh raises the rank, the new low-rank
+coordinates start with m = v = 0 while the global clock t is large, so their first step would be
+m̂/√v̂ = (1−β₁)g / √((1−β₂)g²) = 0.1/0.0316 ≈ 3.16·sign(g) instead of Adam's first step ≈ 1·sign(g), decaying to
+the right size only over ~1/(1−β₁) steps. So each rank index i carries the step ``born[i]`` at which its moments
+started from zero, and a coordinate's bias correction uses its own age t − born (two-sided: the younger index of
+the two). Coordinates that existed before the change keep the global clock and are computed exactly as before
+(bit for bit); ``born`` is ``None`` until a rank increase happens, so a run whose rank never grows is unchanged.
+
 Two AdamW formula styles (``style``):
 - ``"torch"``: ``torch.optim.AdamW`` — ``m ← lerp(m, g, 1−β₁)``, denominator ``√v/√(1−β₂ᵗ) + ε``, step
   ``η/(1−β₁ᵗ)``, weight decay ``W ← W(1 − ηλ)`` *before* the update.
@@ -151,6 +160,35 @@ def _basis_dtype(b: Basis) -> torch.dtype:
     return (b.left if b.left is not None else b.right).dtype
 
 
+def limiter_for_rows(grad: Tensor, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
+                     gamma: float | None, rows: int) -> tuple[Tensor | None, Tensor | None]:
+    """Mode B's norm-growth limiter for ``u = G ⊙ s`` with ‖u‖ summed over row chunks of ``rows`` (no full-size
+    temporary): (divisor to apply to u or None, norm to remember for the next step). ``gamma`` None: no limiter."""
+    if gamma is None:
+        return None, prev_norm
+    spans = [(i, min(i + rows, grad.shape[0])) for i in range(0, grad.shape[0], rows)]
+    sq = sum(torch.linalg.vector_norm(grad[a:b] * _rows_of(factor, a, b)).square() for a, b in spans)
+    norm = sq.sqrt()
+    if prev_norm is None:
+        return None, norm
+    limiter = torch.clamp(norm / (prev_norm + 1e-8), min=gamma) / gamma
+    return limiter, norm / limiter
+
+
+def scaled_rows(grad: Tensor, factor: Tensor, index, limiter: Tensor | None,  # grad: (out, in) -> (rows, in)
+                sqrt_scale: float) -> Tensor:
+    """Rows ``index`` (a slice or ``...``) of Mode B's update ``limit(G ⊙ s) · √scale``."""
+    a, b = (index.start, index.stop) if isinstance(index, slice) else (0, grad.shape[0])
+    u = grad[index] * _rows_of(factor, a, b)
+    if limiter is not None:
+        u = u / limiter
+    return u * sqrt_scale
+
+
+def _rows_of(factor: Tensor, start: int, stop: int) -> Tensor:  # factor: () | (out, 1) | (in,)
+    return factor[start:stop] if factor.dim() == 2 else factor
+
+
 def scaled_update_rows_(param: Tensor, grad: Tensor, factor: Tensor, *,  # param, grad: (out, in)
                         prev_norm: Tensor | None, gamma: float | None, sqrt_scale: float, step_size: float,
                         lr: float, weight_decay: float, style: str, rows: int) -> Tensor:
@@ -159,20 +197,96 @@ def scaled_update_rows_(param: Tensor, grad: Tensor, factor: Tensor, *,  # param
     (out, 1) or (in,). Each element sees the same operations as ``grad * factor`` → ``norm_growth_limit`` →
     ``apply_update_``; only the limiter's norm is summed chunk by chunk. ``gamma`` None: no limiter.
     Returns the norm to remember for the next step's limiter (``‖u‖`` after limiting)."""
-    def chunk_factor(start: int, stop: int) -> Tensor:
-        return factor[start:stop] if factor.dim() == 2 else factor
+    limiter, norm = limiter_for_rows(grad, factor, prev_norm=prev_norm, gamma=gamma, rows=rows)
+    for a in range(0, grad.shape[0], rows):
+        index = slice(a, min(a + rows, grad.shape[0]))
+        apply_update_(param[index], scaled_rows(grad, factor, index, limiter, sqrt_scale), step_size=step_size,
+                      lr=lr, weight_decay=weight_decay, style=style)
+    return norm
 
-    spans = [(i, min(i + rows, grad.shape[0])) for i in range(0, grad.shape[0], rows)]
-    limiter = None
-    if gamma is not None:
-        sq = sum(torch.linalg.vector_norm(grad[a:b] * chunk_factor(a, b)).square() for a, b in spans)
-        norm = sq.sqrt()
-        if prev_norm is not None:
-            limiter = torch.clamp(norm / (prev_norm + 1e-8), min=gamma) / gamma
-            norm = norm / limiter
-    for a, b in spans:
-        u = grad[a:b] * chunk_factor(a, b)
-        if limiter is not None:
-            u = u / limiter
-        apply_update_(param[a:b], u * sqrt_scale, step_size=step_size, lr=lr, weight_decay=weight_decay, style=style)
-    return norm if gamma is not None else prev_norm
+
+# ----------------------------------------------------------------------------- per-coordinate bias-correction clocks
+Born = tuple[int, ...]  # (r,) the adam step at which each rank index's moments started from zero (0: the first)
+
+
+def transfer_born(born: Born | None, old: Basis, new: Basis, policy: str, t: int) -> Born | None:
+    """``born`` for the new basis after a refresh at clock ``t`` (moments moved by ``transfer_moments``).
+
+    - ``reset``: None (every coordinate restarts with the global clock, which the caller resets).
+    - ``keep``: indices < old rank keep their clock; on a rank increase the zero-filled indices are born at ``t``.
+    - ``project``: each new basis vector j is covered by the old subspace with weights w_ij = cos²(old_i, new_j)
+      (exact coverage Σ_i w_ij of a unit vector by an orthonormal old basis). On a rank increase r₀ → r₁ the
+      r₁ − r₀ least-covered vectors (they hold at most a projection residue of the old moments) are born at ``t``;
+      every other vector takes the w-weighted mean of the old births (exact when the new vector is an old one).
+      With no rank increase and no earlier young index: None (the trajectory is unchanged).
+    """
+    old_rank, new_rank = old.rank, new.rank
+    if policy == "reset" or (born is None and new_rank <= old_rank):
+        return None
+    old_born = born if born is not None else (0,) * old_rank
+    if policy == "keep":
+        merged = old_born[:new_rank] + (t,) * max(0, new_rank - old_rank)
+        return merged if any(merged) else None
+    w = _coverage_weights(old, new)  # (r_old, r_new)
+    cover = w.sum(0)
+    merged = (w * torch.tensor(old_born, dtype=w.dtype).unsqueeze(1)).sum(0) / cover.clamp(min=1e-30)
+    out = [int(round(float(b))) if float(c) > 0 else t for b, c in zip(merged, cover)]
+    if new_rank > old_rank:
+        for j in torch.argsort(cover, stable=True)[:new_rank - old_rank].tolist():
+            out[j] = t
+    return tuple(out) if any(out) else None
+
+
+def _coverage_weights(old: Basis, new: Basis) -> Tensor:
+    """(r_old, r_new) cos² between old and new basis vectors (mean of both sides for two-sided bases)."""
+    terms = []
+    for o, n, rows in ((old.left, new.left, False), (old.right, new.right, True)):
+        if o is None or n is None:
+            continue
+        o32, n32 = o.double().cpu(), n.double().cpu()
+        if rows:  # right bases store Qᵀ (r, in): the vectors are rows
+            o32, n32 = o32.t(), n32.t()
+        o32 = o32 / o32.norm(dim=0).clamp(min=1e-30)
+        n32 = n32 / n32.norm(dim=0).clamp(min=1e-30)
+        terms.append((o32.t() @ n32).square())
+    return sum(terms) / len(terms)
+
+
+def retire_born(born: Born | None, t: int, beta1: float, beta2: float) -> Born | None:
+    """Forget clocks old enough that both bias corrections are 1 to fp32 precision (β^age < 2⁻²⁴, e.g. age ≥ 16,626
+    for β₂ = 0.999): those coordinates then follow the global clock, as before within fp32 rounding."""
+    if born is None:
+        return None
+    kept = tuple(b if (beta1 ** (t - b) >= 2.0 ** -24 or beta2 ** (t - b) >= 2.0 ** -24) else 0 for b in born)
+    return kept if any(kept) else None
+
+
+def clock_groups(born: Born, t: int, *, left: bool, right: bool, device: torch.device) -> list[tuple[object, int]]:
+    """(index into the low-rank tensor, age) for every group of coordinates younger than the global clock ``t``.
+    Low-rank layout: left-only (r, in): rank = rows; right-only (out, r): rank = columns; two-sided (r, r): a
+    coordinate (i, j) is as young as the younger of i and j."""
+    groups = []
+    for b in sorted({x for x in born if x > 0}):
+        if left and right:
+            bt = torch.tensor(born, device=device)
+            index: object = torch.maximum(bt[:, None], bt[None, :]) == b  # (r, r) mask
+        else:
+            idx = torch.tensor([i for i, x in enumerate(born) if x == b], device=device)
+            index = (idx,) if left else (slice(None), idx)
+        groups.append((index, t - b))
+    return groups
+
+
+def fresh_clock_(d: Tensor, m: Tensor, v: Tensor, groups: list[tuple[object, int]], *,  # d, m, v: (a, b)
+                 step_size: float, lr: float, beta1: float, beta2: float, eps: float, style: str,
+                 direction: bool) -> Tensor:
+    """Recompute ``d`` (in place) on each group's coordinates with the group's own age in the bias correction; the
+    rest of ``d`` is untouched. ``d`` is ``adam_step``'s D (``direction`` False) or ``adam_direction``'s N, both
+    paired with the global scalar ``step_size``; a group's own step size is folded into its values."""
+    fn = adam_direction if direction else adam_step
+    for index, age in groups:
+        dy, sy = fn(m[index].float(), v[index].float(), age, lr=lr, beta1=beta1, beta2=beta2, eps=eps, style=style)
+        if sy != step_size:
+            dy = dy * (sy / step_size)
+        d[index] = dy.to(d.dtype)
+    return d
