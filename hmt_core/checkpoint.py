@@ -191,9 +191,13 @@ def save_checkpoint(root: Path, step: int, payload: dict[str, Any], *, meta: dic
 
 
 def _remove_leftovers(root: Path) -> None:
+    """Temp directories of killed writers and a killed writability probe's file."""
     for p in root.iterdir():
         if p.name.startswith((".tmp-", ".trash-")):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 def _discard(root: Path, path: Path) -> None:

@@ -73,7 +73,7 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted_run(tmp_path
         if trial == "mid-checkpoint":  # the writer pauses after its first file; kill it inside that window
             proc = launch(tmp_path, "victim", *common, env={**ENV, "HMT_CHECKPOINT_PAUSE_S": "30"})
             done_before = {p.name for _, p in ck.list_checkpoints(ckdir)}
-            wait_for(lambda: any(p.name.startswith(".tmp-") for p in ckdir.glob(".tmp-*")), proc)
+            wait_for(lambda: any(ckdir.glob(".tmp-step-*")), proc)  # a checkpoint's temp dir, not the probe file
         else:
             target = rng.randint(0, 7)
             wait_for(lambda target=target: last_step(victim) >= target, proc := launch(tmp_path, "victim", *common))
@@ -84,7 +84,7 @@ def test_sigkill_at_random_points_then_resume_matches_uninterrupted_run(tmp_path
         assert (victim / "status").read_text().strip() == "running"
         kills.append((trial, last_step(victim), [p.name for _, p in ck.list_checkpoints(ckdir)]))
         if trial == "mid-checkpoint":
-            assert list(ckdir.glob(".tmp-*")), "the half-written checkpoint should be left behind"
+            assert list(ckdir.glob(".tmp-step-*")), "the half-written checkpoint should be left behind"
             assert {p.name for _, p in ck.list_checkpoints(ckdir)} == done_before  # never renamed into place
             path, _, problems = ck.find_latest_good(ckdir)
             assert problems == [] and (path is None or path.name in done_before)
