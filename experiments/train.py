@@ -12,13 +12,14 @@ import torch
 from experiments import gpu_stats
 from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
-from experiments.data import build_corpus
+from experiments.data import build_corpus, has_tokenizer
+from experiments.dryrun import metered_probe
 from experiments.loop import autocast_context, cpu_rss_peak_bytes, run_training
 from experiments.meter import MemoryMeter
 from experiments.errors import UserError
-from experiments.models import build_model, count_params, model_vocab_size
+from experiments.models import build_model, count_params, has_weights, model_vocab_size
 from experiments.results import RunDir, read_status
-from hmt_core.activations import apply_policy, probe
+from hmt_core.activations import apply_policy
 from hmt_core.driver import iter_state_tensors
 
 
@@ -77,11 +78,12 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
                           seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
                           max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path),
                           chunk_chars=run.data.chunk_chars)
-    model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
-    rows = model.get_input_embeddings().num_embeddings
+    rows = model_vocab_size(run.model) if run.model.path else corpus.vocab_size  # before any weight is read
     if corpus.vocab_size > rows:
-        raise UserError(f"the tokenizer has {corpus.vocab_size} tokens but the model's embedding has {rows} rows "
-                        f"(model.path={run.model.path}): token ids beyond {rows - 1} would index out of range")
+        raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
+                        f"{corpus.vocab_size} tokens but the model's embedding has {rows} rows (config.json "
+                        f"vocab_size): token ids beyond {rows - 1} would index out of range")
+    model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
     model = method.prepare(model)
     model.train()
     meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
@@ -100,15 +102,16 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     wandb_run = None
     try:
         activation_summary, act_handle = None, None
-        if not run.activation.is_identity():  # the probe takes gradients with autograd.grad: no update hooks fire
-            probe_ids = corpus.train.batch(0).to(device)
-
-            def probe_loss(m):
-                with autocast_context(device, t.autocast):
-                    return m(input_ids=probe_ids, labels=probe_ids).loss
-
-            activation_summary = {"policy": run.activation.to_dict(),
-                                  "probe": probe(model, run.activation, probe_loss)}
+        if not run.activation.is_identity():
+            # bounded probe (one short sequence, one layer's gradients, taken with autograd.grad so no update hook
+            # fires), under its own meter; a dry run traces the same call
+            gpu_stats.reset_peaks(device)
+            probed = metered_probe(model, run.activation, corpus.train.batch(0).to(device), source=meter.source,
+                                   autocast=lambda: autocast_context(device, t.autocast))
+            activation_summary = {"policy": run.activation.to_dict(), "probe": probed["metrics"],
+                                  "probe_peak_bytes": probed["peak_bytes"], "probe_tokens": probed["tokens"],
+                                  **{f"probe_{k}": v for k, v in gpu_stats.summary(device).items()
+                                     if k == "cuda_max_allocated_bytes"}}
             act_handle = apply_policy(model, run.activation)
         params_total, params_trainable = count_params(model)
         state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
@@ -190,19 +193,30 @@ def _with_saved(activation_summary: dict | None, handle) -> dict | None:
 
 
 def model_tokenizer(model_path: str | None) -> Path | None:
-    """A model saved by this harness carries the tokenizer it was trained with; reuse it (fine-tuning)."""
-    path = Path(model_path).expanduser() / "tokenizer.json" if model_path else None
-    return path if path is not None and path.exists() else None
+    """The model directory whose own tokenizer the corpus is encoded with, or None to train a BPE (no
+    ``model.path``, or one holding only ``config.json``: random init at the config's vocab_size). A directory with
+    weights but no tokenizer is a ``UserError``: a new tokenizer's ids would not match the trained embeddings. A
+    model saved by this harness (``save_model``) carries its tokenizer, so fine-tuning reuses it."""
+    if not model_path:
+        return None
+    path = Path(model_path).expanduser()
+    if has_tokenizer(path):
+        return path
+    if has_weights(path):
+        raise UserError(f"model.path={model_path} has weights but no tokenizer (tokenizer.json, tokenizer.model or "
+                        "tokenizer_config.json); a new tokenizer would not match the embeddings")
+    return None
 
 
 def save_model(model, tokenizer, path: Path) -> None:
-    """Hugging Face ``save_pretrained`` + ``tokenizer.json`` into ``path``, atomically (temp dir, then rename)."""
+    """Hugging Face ``save_pretrained`` of the model and of its tokenizer (tokenizer.json + tokenizer_config.json,
+    which names EOS) into ``path``, atomically (temp dir, then rename); ``model.path=<path>`` fine-tunes it."""
     import shutil
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    tokenizer.save(str(tmp / "tokenizer.json"))
+    tokenizer.save_pretrained(str(tmp))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
 
