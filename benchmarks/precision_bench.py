@@ -38,6 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baselines import adamw  # noqa: E402
+from benchmarks.optimizer_bench import bigram_data  # noqa: E402
 from hmt_core import hmt  # noqa: E402
 
 MODES = {"bf16": {}, "master fp32": {"master_weights": True}, "stochastic rounding": {"stochastic_rounding": True}}
@@ -48,20 +49,6 @@ def build_model(a, seed: int = 0) -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.inter, num_hidden_layers=a.layers,
                       num_attention_heads=a.heads, num_key_value_heads=a.heads, max_position_embeddings=a.seq)
     return LlamaForCausalLM(cfg).float()
-
-
-def bigram_data(vocab: int, n: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
-    """Random sparse bigram chain: each token has 4 possible successors (ideal loss ln 4)."""
-    gen = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=gen)
-    out = []
-    for _ in range(n):
-        x = torch.empty(batch, seq, dtype=torch.long)
-        x[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
-        for t in range(1, seq):
-            x[:, t] = nxt[x[:, t - 1], torch.randint(0, 4, (batch,), generator=gen)]
-        out.append(x)
-    return out
 
 
 def pretrain(a) -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ exits 1 only if a check crashed (a MISS is a finding, reported in the table and 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +17,6 @@ from pathlib import Path
 from benchmarks.gpu_validate.plan import METHOD_LABELS, Options
 
 NO_GPU_LINE = "gpu_validate: no CUDA device (torch.cuda.is_available() is False); nothing to validate here"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -55,11 +53,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 
 def git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    from experiments.run import git_sha as runner_git_sha  # lazy: the no-GPU path stays a one-liner
+
+    return runner_git_sha()
 
 
 def run_validation(backend, opts: Options, *, clock: Callable[[], float] = time.monotonic, day: date | None = None,
