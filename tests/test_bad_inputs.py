@@ -59,7 +59,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
             and ".cache" not in p.parts}
 
 
-def expect_error(capsys, results: Path, overrides: list[str], *fragments: str) -> str:
+def assert_one_line_error(capsys, results: Path, overrides: list[str], *fragments: str) -> str:
     """Run; assert a non-zero exit, one ``error:`` line containing every fragment, nothing earlier changed."""
     before = snapshot(results)
     with pytest.raises(SystemExit) as exc:
@@ -119,38 +119,38 @@ def test_bad_corpus_files(capsys, results, tmp_path, name, content, fragments):
     path = tmp_path / "corpus" / name
     path.parent.mkdir()
     path.write_bytes(content)
-    expect_error(capsys, results, [f"data.path={path}", "train.steps=2"], *fragments)
+    assert_one_line_error(capsys, results, [f"data.path={path}", "train.steps=2"], *fragments)
 
 
 def test_corpus_too_short_for_one_sequence(capsys, results, tmp_path):
     path = tmp_path / "small.txt"
     path.write_text(book(6))
-    expect_error(capsys, results, [f"data.path={path}", "train.seq_len=2048", "data.chunk_chars=300"],
+    assert_one_line_error(capsys, results, [f"data.path={path}", "train.seq_len=2048", "data.chunk_chars=300"],
                  "train.seq_len=2048", "tokens")
 
 
 def test_years_outside_the_builtin_corpus(capsys, results):
-    expect_error(capsys, results, ["data.min_year=3000"], "data.min_year", "1790")
+    assert_one_line_error(capsys, results, ["data.min_year=3000"], "data.min_year", "1790")
 
 
 # ------------------------------------------------------------------------------------------ run ids and keys
 @pytest.mark.parametrize("run_id", ["../../x", "a/b/c", "..", ".hidden"])
 def test_run_id_must_be_one_folder(capsys, results, run_id):
-    expect_error(capsys, results, [f"run_id={run_id}"], f"run_id={run_id!r}")
+    assert_one_line_error(capsys, results, [f"run_id={run_id}"], f"run_id={run_id!r}")
     assert not (results.parent / "x").exists() and not (results / "a").exists()
 
 
 def test_seq_len_beyond_the_models_positions(capsys, results):
-    expect_error(capsys, results, ["train.seq_len=8192"], "train.seq_len=8192", "max_position_embeddings=4096")
+    assert_one_line_error(capsys, results, ["train.seq_len=8192"], "train.seq_len=8192", "max_position_embeddings=4096")
 
 
 def test_rank_larger_than_the_weights(capsys, results):
-    expect_error(capsys, results, ["method=galore", "method.rank=128"], "method.rank=128", "min(out, in)=64")
-    expect_error(capsys, results, ["method.rank=128"], "method.rank=128")
+    assert_one_line_error(capsys, results, ["method=galore", "method.rank=128"], "method.rank=128", "min(out, in)=64")
+    assert_one_line_error(capsys, results, ["method.rank=128"], "method.rank=128")
 
 
 def test_target_patterns_matching_no_weight(capsys, results):
-    expect_error(capsys, results, ["method.target_patterns=[nosuchlayer]"], "method.target_patterns", "nosuchlayer")
+    assert_one_line_error(capsys, results, ["method.target_patterns=[nosuchlayer]"], "method.target_patterns", "nosuchlayer")
 
 
 def test_warmup_longer_than_the_run_is_a_loud_warning(capsys, results):
@@ -163,26 +163,26 @@ def test_wandb_online_without_a_key(capsys, results, monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
-    expect_error(capsys, results, ["wandb.mode=online"], "wandb.mode=online", "WANDB_API_KEY")
+    assert_one_line_error(capsys, results, ["wandb.mode=online"], "wandb.mode=online", "WANDB_API_KEY")
 
 
 def test_model_config_that_is_not_json(capsys, results, tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')
-    expect_error(capsys, results, [f"model.path={model_dir}"], str(model_dir / "config.json"))
+    assert_one_line_error(capsys, results, [f"model.path={model_dir}"], str(model_dir / "config.json"))
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 def test_resuming_with_another_method_names_the_differences(capsys, results):
     compose_run(results, "train.steps=2", "train.warmup_steps=1", "train.checkpoint_every=1", "run_id=r")
     (results / "r" / "status").write_text("failed\n")  # as if it had died: a rerun would resume
-    expect_error(capsys, results, ["train.steps=2", "train.warmup_steps=1", "method=adamw", "run_id=r"],
+    assert_one_line_error(capsys, results, ["train.steps=2", "train.warmup_steps=1", "method=adamw", "run_id=r"],
                  "different configuration", "method: 'hmt' -> 'adamw'", "force=true")
 
 
 def test_resume_from_a_missing_path(capsys, results, tmp_path):
-    expect_error(capsys, results, [f"train.resume={tmp_path}/nope"], "train.resume=", "nope")
+    assert_one_line_error(capsys, results, [f"train.resume={tmp_path}/nope"], "train.resume=", "nope")
 
 
 # --------------------------------------------------------------------------------------- the real command line
