@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from experiments import methods
 from experiments.checkpointing import INTERRUPTED_EXIT_CODE
 from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config
-from experiments.errors import UserError, exit_with_error
+from experiments.errors import UserError, exit_with_error, one_line_errors
 from experiments.models import load_hf_config, max_positions, model_source
 from experiments.results import RunDir, check_writable, dumps, read_status
 from hmt_core.checkpoint import CheckpointError
@@ -157,22 +157,12 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
 def main_with_config(cfg: DictConfig) -> dict | None:
     """Validate, then execute; bad input and Ctrl-C end in one ``error:`` line (no traceback unless
     ``HYDRA_FULL_ERROR=1``) and a non-zero exit."""
-    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    run = one_line_errors(lambda: to_run_config(cfg), ValueError, TypeError, FileNotFoundError)
     try:
-        run = to_run_config(cfg)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        if full_error:
-            raise
-        exit_with_error(str(e))
-    config_dict = to_plain_dict(run)
-    try:
-        return execute(run, config_dict)
-    except (UserError, PermissionError, FileNotFoundError, CheckpointError) as e:
-        if full_error:
-            raise
-        exit_with_error(str(e))
+        return one_line_errors(lambda: execute(run, to_plain_dict(run)), PermissionError, FileNotFoundError,
+                               CheckpointError)
     except KeyboardInterrupt:
-        if full_error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         exit_with_error("interrupted (Ctrl-C); checkpoints already written are kept", INTERRUPTED_EXIT_CODE)
 
