@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import yaml
 
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
+from experiments.tuning import RunLookup
 from experiments.sweep_files import (  # noqa: F401  (the sweep-file API stays importable from here)
     SWEEPS_DIR,
     expand_sweep,
@@ -182,11 +183,22 @@ def split_completed(jobs: Sequence[Sequence[str]], refs: Sequence[RunRef]) -> tu
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
+def run_lookup(run_ref: Callable[[list[str]], RunRef] | None = None) -> RunLookup:
+    """How a tuned sweep finds its finished runs: each run's folder by the runner's own identity rules."""
+    import dataclasses
+
+    from experiments.config import RunConfig
+
+    make_ref = run_ref or run_ref_for
+    default_dir = next(f.default for f in dataclasses.fields(RunConfig) if f.name == "results_dir")
+    return RunLookup(run_path=lambda job: make_ref(job).path, default_results_dir=default_dir)
+
+
 def _jobs(args: argparse.Namespace) -> list[list[str]]:
     extra = list(args.overrides)
     if getattr(args, "results_dir", None):
         extra.append(f"results_dir={args.results_dir}")
-    return sweep_jobs(args.sweep, extra)
+    return sweep_jobs(args.sweep, extra, lookup=run_lookup())
 
 
 def checked_run_refs(jobs: Sequence[Sequence[str]], label: str) -> list[RunRef]:

@@ -10,6 +10,13 @@ A sweep file (``experiments/sweeps/<name>.yaml``) lists override sets for ``pyth
       seed: [0, 1, 2]
     runs:                               # explicit override sets, after the grid's
       - [method=hmt, model=1b, seed=0]
+    tune:                               # optional: search method.lr per run, rerun the best with seeds
+      lrs: [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2]
+      seeds: [1, 2, 3]
+
+With ``tune`` (``experiments.tuning``) each run above is a row of the comparison, expanded into its learning-rate
+search and, once every search has finished, its final seeded runs; expanding it reads finished runs' results,
+so callers pass how to find a run's folder (``lookup``).
 
 Precedence, lowest first: ``common``, the grid point / run, overrides given on the command line.
 
@@ -22,14 +29,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from experiments.errors import UserError
 
+if TYPE_CHECKING:
+    from experiments.tuning import RunLookup, TuneSpec
+
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
-SWEEP_FILE_KEYS = ("description", "common", "grid", "runs")
+SWEEP_FILE_KEYS = ("description", "common", "grid", "runs", "tune")
 
 
 def first_line(error: BaseException) -> str:
@@ -102,6 +112,12 @@ def expand_sweep(spec: dict) -> list[list[str]]:
 
 
 def load_sweep(sweep: str | Path) -> list[list[str]]:
+    """The override sets (rows) a sweep file lists; a ``tune`` block is validated but not applied here."""
+    return read_sweep_spec(sweep)[0]
+
+
+def read_sweep_spec(sweep: str | Path) -> tuple[list[list[str]], TuneSpec | None]:
+    """(rows, tune spec or None) of a sweep file, validated."""
     path = resolve_sweep_path(sweep)
     try:
         spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -114,8 +130,10 @@ def load_sweep(sweep: str | Path) -> list[list[str]]:
     if not isinstance(spec, dict):
         raise UserError(f"{path}: a sweep file is a mapping with grid/runs/common/description, "
                         f"not a {type(spec).__name__}")
+    from experiments.tuning import parse_tune  # tuning builds on this module's override helpers
+
     try:
-        return expand_sweep(spec)
+        return expand_sweep(spec), (parse_tune(spec["tune"]) if "tune" in spec else None)
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
 
@@ -144,12 +162,24 @@ def expand_command_line(overrides: Sequence[str], config_loader: Any = None) -> 
     return BasicSweeper.split_arguments(parsed, None)[0]
 
 
-def sweep_jobs(sweep: str | Path | None, overrides: Sequence[str], config_loader: Any = None) -> list[list[str]]:
+def sweep_jobs(sweep: str | Path | None, overrides: Sequence[str], config_loader: Any = None,
+               lookup: RunLookup | None = None) -> list[list[str]]:
     """The runs of a multirun: each run of the sweep file (none: one empty run) x the command-line grid, a later
-    override of a key replacing an earlier one. The sweeper and the CLI both use this, so they agree."""
-    from_file = load_sweep(sweep) if sweep not in (None, "", "-") else [[]]
+    override of a key replacing an earlier one; a tuned sweep expands each of them into its learning-rate search
+    and final runs (``lookup`` finds finished runs). The sweeper and the CLI both use this, so they agree."""
+    from_file, tune = read_sweep_spec(sweep) if sweep not in (None, "", "-") else ([[]], None)
     command_line = expand_command_line(overrides, config_loader)
-    return [merge_overrides(f, c) for f in from_file for c in command_line]
+    rows = [merge_overrides(f, c) for f in from_file for c in command_line]
+    if tune is None:
+        return rows
+    if lookup is None:
+        raise UserError("a tuned sweep's runs depend on finished runs; no way to find them was given")
+    from experiments.tuning import tuned_jobs
+
+    try:
+        return tuned_jobs(rows, tune, lookup)
+    except UserError as e:
+        raise UserError(f"{sweep_label(sweep)}: {e}") from None
 
 
 def override_key(override: str) -> str:

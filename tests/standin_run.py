@@ -1,7 +1,9 @@
 """A stand-in for ``python -m experiments.run`` in the sweep tests: the same Hydra config (``experiments/conf/run.yaml``
 with its cluster group and sweeper), the same run ids and the same results layout (``experiments.results.RunDir``),
 but no training, so a sweep of it takes seconds. ``seed=666`` makes a run fail (recording it itself);
-``seed=667`` makes it exit before writing anything. Every run that starts appends its
+``seed=667`` makes it exit before writing anything. Its ``val_loss`` is a parabola in log10(``method.lr``) with its
+minimum at ``STANDIN_BEST_LR`` (a learning-rate search has a known answer), and a rate ≥ ``STANDIN_DIVERGES_LR``
+fails like a diverged run. Every run that starts appends its
 run id to ``<results_dir>/launched.txt``, so a test can count what was (re)launched.
 
     python tests/standin_run.py -m hydra.sweeper.file=<sweep> results_dir=<dir> [cluster=slurm ...]
@@ -9,6 +11,7 @@ run id to ``<results_dir>/launched.txt``, so a test can count what was (re)launc
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from experiments.results import RunDir, read_status  # noqa: E402
 
 FAILING_SEED = 666  # fails like a crash during training: the run writes status failed itself
 DIES_BEFORE_START_SEED = 667  # exits before writing anything, like the runner's config/device errors
+STANDIN_BEST_LR, STANDIN_DIVERGES_LR = 3e-3, 0.1
 
 
 @hydra.main(version_base=None, config_path=str(REPO / "experiments" / "conf"), config_name="run")
@@ -41,9 +45,13 @@ def main(cfg: DictConfig) -> None:
     if run.seed == FAILING_SEED:
         run_dir.fail("RuntimeError: stand-in run made to fail\n")
         raise RuntimeError("stand-in run made to fail")
+    if run.method.lr >= STANDIN_DIVERGES_LR:
+        run_dir.fail("stand-in run diverged\n")
+        raise RuntimeError("stand-in run diverged")
+    val_loss = 1.0 + (math.log10(run.method.lr) - math.log10(STANDIN_BEST_LR)) ** 2 + 1e-3 * run.seed
     run_dir.log({"step": 0, "loss/train": 1.0})
     run_dir.finish({"run_id": run_id, "method": run.method.name, "model": run.model.name, "mode": run.mode,
-                    "seed": run.seed, "steps": 1, "val_loss": 1.0, "memory": {"peak_bytes": 1, "source": "fake"}})
+                    "seed": run.seed, "steps": 1, "val_loss": val_loss, "memory": {"peak_bytes": 1, "source": "fake"}})
 
 
 if __name__ == "__main__":

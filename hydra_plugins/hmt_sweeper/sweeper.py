@@ -26,7 +26,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.errors import one_line_errors
-from experiments.sweep import checked, run_ref_from_config, split_completed, sweep_jobs, sweep_label
+from experiments.tuning import is_search_run
+from experiments.sweep import checked, run_lookup, run_ref_from_config, split_completed, sweep_jobs, sweep_label
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +48,58 @@ class HMTSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         return one_line_errors(lambda: self._sweep(arguments))
 
-    def _sweep(self, arguments: List[str]) -> Any:
-        assert self.config is not None and self.hydra_context is not None and self.launcher is not None
+    def _plan(self, arguments: List[str]) -> tuple[list, list]:
+        """(jobs, their runs): every job of the sweep, composed and validated, duplicates dropped."""
         loader, label = self.hydra_context.config_loader, sweep_label(self.file)
+
+        def ref_of(job: list) -> Any:
+            return run_ref_from_config(loader.load_sweep_config(self.config, job))
+
         jobs, refs, seen = [], [], set()
-        for index, job in enumerate(sweep_jobs(self.file, arguments, loader)):
-            ref = checked(f"run {index} of {label}: {' '.join(job)}",  # validates before launching
-                          lambda job=job: run_ref_from_config(loader.load_sweep_config(self.config, job)))
+        for index, job in enumerate(sweep_jobs(self.file, arguments, loader, lookup=run_lookup(ref_of))):
+            ref = checked(f"run {index} of {label}: {' '.join(job)}", lambda job=job: ref_of(job))
             if ref.path in seen:
                 log.warning(f"duplicate run {ref.run_id} ({' '.join(job)}): launched once")
                 continue
             seen.add(ref.path)
             jobs.append(job)
             refs.append(ref)
-        launch, skipped = split_completed(jobs, refs)
-        for job in skipped:
-            log.info(f"skip (completed; force=true re-runs it): {' '.join(job)}")
+        return jobs, refs
 
+    def _sweep(self, arguments: List[str]) -> Any:
+        """Launch what is not completed; then, for a tuned sweep whose learning-rate search has just finished
+        (the local launcher waits for its jobs), plan again and launch the final runs it now lists. With an
+        asynchronous launcher (Slurm) the search is still queued, so the final runs are launched by running the
+        sweep again once it has finished."""
+        assert self.config is not None and self.hydra_context is not None and self.launcher is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        log.info(f"{len(jobs)} runs: {len(launch)} to launch, {len(skipped)} completed and skipped")
-        if not launch:
-            return []
-        results = self.launcher.launch(launch, initial_job_idx=0)
-        failed = [r for r in results if r.status == JobStatus.FAILED]
-        if failed:
-            log.error(f"{len(failed)} of {len(results)} runs failed")
-        for r in results:
-            _ = r.return_value  # re-raises the first failure, as Hydra's basic sweeper does
-        return [results]
+        launched: set = set()
+        batches: list = []
+        while True:
+            jobs, refs = self._plan(arguments)
+            launch, skipped = split_completed(jobs, refs)
+            paths = {ref.path for ref in refs}
+            launch = [job for job, ref in zip(jobs, refs) if job in launch and ref.path not in launched]
+            if not batches:
+                for job in skipped:
+                    log.info(f"skip (completed; force=true re-runs it): {' '.join(job)}")
+                log.info(f"{len(jobs)} runs: {len(launch)} to launch, {len(skipped)} completed and skipped")
+            elif launch:
+                log.info(f"{len(launch)} more runs now that the learning-rate search has finished")
+            if not launch:
+                break
+            launched |= {ref.path for job, ref in zip(jobs, refs) if job in launch} & paths
+            results = self.launcher.launch(launch, initial_job_idx=sum(len(b) for b in batches))
+            batches.append(results)
+            failed = [r for r in results if r.status == JobStatus.FAILED]
+            if failed:
+                log.error(f"{len(failed)} of {len(results)} runs failed")
+        for results in batches:
+            for r in results:
+                if r.status == JobStatus.FAILED and is_search_run(r.overrides or []):
+                    log.warning(f"learning-rate search run failed (counted as +inf): {' '.join(r.overrides)}")
+                    continue
+                _ = r.return_value  # re-raises the first failure, as Hydra's basic sweeper does
+        return batches

@@ -1,0 +1,98 @@
+"""Tuned sweeps: the learning-rate search, the selection rule, the seeded final runs, and the local multirun that
+runs both stages in one command (through ``tests/standin_run.py``, whose validation loss is a known parabola in
+log10(lr) with its minimum at 3e-3 and which fails like a diverged run at lr ≥ 0.1)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments import sweep, tuning
+from experiments.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+STANDIN = REPO / "tests" / "standin_run.py"
+GRID = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"lrs": [1e-3, 1e-2]}, "at least 5 distinct"),
+    ({"lrs": GRID, "seeds": [0, 1, 2]}, "must not contain the search seed 0"),
+    ({"lrs": GRID, "seeds": [1, 2]}, "at least 3 distinct seeds"),
+    ({"lrs": GRID, "metric": ""}, "tune.metric"),
+    ({"lrs": GRID, "lr": 1}, "unknown `tune` keys ['lr']"),
+    ({"seeds": [1, 2, 3]}, "needs `lrs`"),
+    ({"lrs": ["fast", 1, 2, 3, 4]}, "list of numbers"),
+])
+def test_bad_tune_blocks_are_rejected(block: dict, message: str) -> None:
+    with pytest.raises(UserError) as e:
+        tuning.parse_tune(block)
+    assert message in str(e.value), str(e.value)
+
+
+def test_selection_rule_lowest_then_smaller_rate_and_bracketing() -> None:
+    assert tuning.select_lr({1e-3: 2.0, 3e-3: 1.5, 1e-2: 1.7}) == (3e-3, True)
+    assert tuning.select_lr({1e-3: 1.5, 3e-3: 1.5, 1e-2: 1.7}) == (1e-3, False)  # tie -> smaller; at the edge
+    assert tuning.select_lr({1e-3: 2.0, 3e-3: float("nan"), 1e-2: 1.0}) == (1e-2, False)
+    assert tuning.select_lr({1e-3: None, 3e-3: math.inf}) == (1e-3, False)  # nothing finished: not bracketed
+
+
+def _finished(run_dir: Path, state: str, val_loss: float | None = None) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "status").write_text(state + "\n")
+    if val_loss is not None:
+        (run_dir / "summary.json").write_text(json.dumps({"val_loss": val_loss}))
+
+
+def test_final_runs_appear_only_when_every_search_has_finished(tmp_path: Path) -> None:
+    spec = tuning.parse_tune({"lrs": GRID[:5], "lrs_by_method": {"qlora": GRID[2:]}, "seeds": [4, 5, 6]})
+    rows = [["method=adamw", f"results_dir={tmp_path / 'r'}"], ["method=qlora"]]
+    lookup = tuning.RunLookup(run_path=lambda job: tmp_path / "runs" / "_".join(job).replace("/", "|"),
+                              default_results_dir=str(tmp_path / "default"))
+    jobs = tuning.tuned_jobs(rows, spec, lookup)
+    assert len(jobs) == 10 and all("seed=0" in job for job in jobs)
+    assert jobs[0] == ["method=adamw", "method.lr=0.0001", "seed=0", f"results_dir={tmp_path / 'r'}-lr-search"]
+    assert jobs[5][-3:] == ["method.lr=0.001", "seed=0", f"results_dir={tmp_path / 'default'}-lr-search"]
+    losses = {0: [3.0, 2.0, 1.5, 1.6, None], 1: [1.4, 1.2, 1.3, 9.0, None]}  # None: diverged (failed)
+    for i, job in enumerate(jobs[:-1]):
+        loss = losses[i // 5][i % 5]
+        _finished(lookup.run_path(job), "failed" if loss is None else "completed", loss)
+    assert tuning.tuned_jobs(rows, spec, lookup) == jobs, "one search run still pending: no final runs yet"
+    _finished(lookup.run_path(jobs[-1]), "failed")
+    final = tuning.tuned_jobs(rows, spec, lookup)[10:]
+    assert final == [["method=adamw", f"results_dir={tmp_path / 'r'}", "method.lr=0.001", f"seed={s}"]
+                     for s in (4, 5, 6)] + [["method=qlora", "method.lr=0.003", f"seed={s}"] for s in (4, 5, 6)]
+
+
+def test_rows_must_leave_lr_and_seed_to_the_search(tmp_path: Path) -> None:
+    spec = tuning.parse_tune({"lrs": GRID})
+    lookup = tuning.RunLookup(run_path=lambda job: tmp_path, default_results_dir="results")
+    for row, key in ((["method=hmt", "method.lr=0.01"], "method.lr"), (["seed=3"], "sets seed")):
+        with pytest.raises(UserError, match=key):
+            tuning.tuned_jobs([row], spec, lookup)
+
+
+def test_tuned_local_multirun_searches_then_reruns_the_winner_with_seeds(tmp_path: Path, capsys) -> None:
+    sweep_file = tmp_path / "tuned.yaml"
+    sweep_file.write_text("runs:\n  - [method=adamw]\n  - [method=hmt]\n"
+                          f"tune:\n  lrs: {GRID}\n  seeds: [1, 2, 3]\n")
+    results = tmp_path / "results"
+    done = subprocess.run([sys.executable, str(STANDIN), "-m", f"hydra.sweeper.file={sweep_file}",
+                           f"results_dir={results}", "cluster=local"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log  # the diverged search runs (lr 0.1) are results, not a failed sweep
+    assert "14 runs: 14 to launch" in log and "6 more runs now that the learning-rate search has finished" in log
+    search = sorted((results.parent / "results-lr-search").glob("*/summary.json"))
+    assert len(search) == 12, "12 of the 14 search runs complete; both lr=0.1 runs fail"
+    finals = [json.loads(p.read_text()) for p in results.glob("*/summary.json")]
+    assert sorted((f["method"], f["seed"]) for f in finals) == [(m, s) for m in ("adamw", "hmt") for s in (1, 2, 3)]
+    for f in finals:  # the stand-in's loss is lowest at 3e-3: the winner, run with each final seed
+        assert f["val_loss"] == pytest.approx(1.0 + 1e-3 * f["seed"]), f
+    code = sweep.main(["status", str(sweep_file), f"results_dir={results}"])
+    assert code == 0 and "0 pending, 0 running, 18 completed, 2 failed of 20" in capsys.readouterr().out
