@@ -10,7 +10,9 @@ Tables (every row keyed by ``run_id``; rows sorted so the same results give the 
   scalars, memory flattened to ``peak_bytes``, ``avg_bytes``, ``peak_<category>_bytes``,
   ``avg_<category>_bytes``, ``peak_phase_<phase>_bytes``, ``memory_source``; ``setting`` (the id of the run's
   configuration less its seed, ``analysis.settings``) and ``variant`` (the label telling apart the settings of
-  one method, model and mode; empty when there is only one). Absent keys are NaN/None.
+  one method, model and mode; empty when there is only one); ``lr`` (``method.lr``), ``setting_sans_lr`` and
+  ``variant_sans_lr`` (the same, ignoring the learning rate: a learning-rate search's groups). Absent keys are
+  NaN/None.
 * ``metrics``: one row per logged step, one column per key of ``metrics.jsonl``.
 * ``ranks``: ``run_id, layer, step, rank`` from ``method_summary`` ``rank/history`` (or ``rank_history``).
 * ``rank_hist``: ``run_id, rank, count`` from ``rank/histogram_all_refreshes`` (or ``rank_histogram``).
@@ -139,8 +141,16 @@ def _add_settings(runs: list[dict], configs: dict[str, dict]) -> None:
     completed = {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
                  for row in runs if row["status"] == "completed"}
     labels = variant_labels({r: settings[r] for r in completed}, completed)
+    # A learning-rate search (experiments.tuning) groups runs whose settings differ only in the learning rate;
+    # failed runs belong to it too (a diverged rate is a result).
+    sans_lr = {r: {k: v for k, v in s.items() if k != "method.lr"} for r, s in settings.items()}
+    search_labels = variant_labels(sans_lr, {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
+                                             for row in runs})
     for row in runs:
         row["setting"], row["variant"] = setting_id(settings[row["run_id"]]), labels.get(row["run_id"], "")
+        row["lr"] = settings[row["run_id"]].get("method.lr")
+        row["setting_sans_lr"] = setting_id(sans_lr[row["run_id"]])
+        row["variant_sans_lr"] = search_labels[row["run_id"]]
 
 
 def load_results(results_dir: str | Path, warn: Callable[[str], None] | None = None) -> Results:

@@ -20,6 +20,14 @@ IGNORED_TOP_KEYS = ("seed", "run_id", "results_dir", "force", "wandb", "profile"
 # Train keys that never change a run's trajectory; the same list as experiments.config.RUN_ID_IGNORED_TRAIN_KEYS
 # (a test keeps them equal; importing it here would load torch into the report).
 IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume", "max_bad_steps")
+# Method keys added after results were written, with the default that runs written before them computed with (by
+# method name): at its default such a key is left out of a setting, so a run that predates it and one that has it
+# are one setting (same id), and a label shows the default where a run lacks the key (``method.eight_bit=false``,
+# never ``(unset)``).
+ADDED_METHOD_KEY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"method.master_weights": False, "method.stochastic_rounding": False, "method.seed": 0,
+              "method.eight_bit": False, "method.paged": False},
+}
 
 
 def _flatten(mapping: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -34,9 +42,12 @@ def _flatten(mapping: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def setting_of(config: Mapping) -> dict[str, Any]:
-    """The run's ``config.yaml`` flattened to dotted keys, less ``IGNORED_TOP_KEYS`` and ``IGNORED_TRAIN_KEYS``."""
+    """The run's ``config.yaml`` flattened to dotted keys, less ``IGNORED_TOP_KEYS``, ``IGNORED_TRAIN_KEYS`` and
+    ``ADDED_METHOD_KEY_DEFAULTS`` at their defaults."""
     flat = _flatten({k: v for k, v in config.items() if k not in IGNORED_TOP_KEYS})
-    return {k: v for k, v in flat.items() if not (k.startswith("train.") and k[len("train."):] in IGNORED_TRAIN_KEYS)}
+    added = ADDED_METHOD_KEY_DEFAULTS.get(flat.get("method.name"), {})
+    return {k: v for k, v in flat.items() if not (k.startswith("train.") and k[len("train."):] in IGNORED_TRAIN_KEYS)
+            and not (k in added and v == added[k])}
 
 
 def setting_id(setting: Mapping[str, Any]) -> str:
@@ -67,6 +78,11 @@ def natural_key(text: str) -> tuple:
                  for part in re.split(r"(\d+(?:\.\d+)?)", text))
 
 
+def _value(setting: Mapping[str, Any], key: str) -> Any:
+    """``setting[key]``; when absent, the default of a key added later (``ADDED_METHOD_KEY_DEFAULTS``), else unset."""
+    return setting.get(key, ADDED_METHOD_KEY_DEFAULTS.get(setting.get("method.name"), {}).get(key, _ABSENT))
+
+
 def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable]) -> dict[str, str]:
     """``{run_id: label}``: ``""`` when the run's group (e.g. method, model, mode) holds a single setting, else
     ``key=value, ...`` over the keys whose values differ among that group's settings (sorted). Distinct settings
@@ -81,8 +97,8 @@ def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[
             labels.update({r: "" for r in run_ids})
             continue
         keys = sorted({k for s in distinct.values() for k in s})
-        differing = [k for k in keys if len({render_value(s.get(k, _ABSENT)) for s in distinct.values()}) > 1]
-        by_id = {sid: ", ".join(f"{k}={render_value(s.get(k, _ABSENT))}" for k in differing)
+        differing = [k for k in keys if len({render_value(_value(s, k)) for s in distinct.values()}) > 1]
+        by_id = {sid: ", ".join(f"{k}={render_value(_value(s, k))}" for k in differing)
                  for sid, s in distinct.items()}
         repeated = {label for label in by_id.values() if list(by_id.values()).count(label) > 1}
         by_id = {sid: f"{label} [{sid}]".lstrip() if label in repeated else label for sid, label in by_id.items()}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from analysis import stats
 from analysis.load import CATEGORIES, Results
 from analysis.settings import natural_key
 
@@ -127,6 +128,73 @@ def main_table(results: Results) -> Table:
     return Table("main", "Training runs per method, model and setting (mean over seeds)", columns, rows, align)
 
 
+def _reference_adamw(runs: pd.DataFrame) -> pd.DataFrame | None:
+    """The AdamW runs a model's rows are compared with: its one AdamW setting (8-bit AdamW, when present, is a
+    row like the others); None when there is none or several remain."""
+    adamw = runs[runs["method"] == "adamw"]
+    if "variant" in adamw:
+        adamw = adamw[~adamw["variant"].fillna("").str.contains("eight_bit=true", regex=False)]
+    return adamw if len(adamw) and adamw["setting"].nunique() == 1 else None
+
+
+def _ratio(value, reference) -> str:
+    return DASH if _missing(value) or _missing(reference) or not reference else f"{value / reference:.2f}×"
+
+
+def versus_adamw_table(results: Results) -> Table:
+    """Each setting against AdamW on the same model: validation-loss difference, whether it exceeds the seed
+    spread (``analysis.stats``: Welch's t-test, p < 0.05), and memory and speed as ratios measured in the same
+    results. Rows only for models with exactly one plain AdamW setting."""
+    runs = results.completed()
+    runs = runs[runs["mode"] == "train"]
+    with_variant, found = _by_setting(runs, ("method", "model"))
+    rows = []
+    for lead, g in found:
+        model_runs = runs[runs["model"].astype(str) == lead[1]]
+        ref = _reference_adamw(model_runs)
+        if ref is None or g["setting"].iloc[0] == ref["setting"].iloc[0]:
+            continue
+        mine, theirs = pd.to_numeric(g["val_loss"], errors="coerce"), pd.to_numeric(ref["val_loss"], errors="coerce")
+        delta = _mean(mine) - _mean(theirs) if _mean(mine) is not None and _mean(theirs) is not None else None
+        p = stats.welch_p(list(mine), list(theirs))
+        rows.append([*lead, str(g["seed"].nunique(dropna=False)), fmt_mean_std(g["val_loss"], ".3f"),
+                     fmt(delta, "+.3f"), fmt(None if math.isnan(p) else p, ".3f"),
+                     stats.verdict(list(mine), list(theirs)),
+                     _ratio(_mean(g["peak_optimizer_bytes"]), _mean(ref["peak_optimizer_bytes"])),
+                     _ratio(_mean(g["peak_bytes"]), _mean(ref["peak_bytes"])),
+                     _ratio(_mean(g["tokens_per_s"]), _mean(ref["tokens_per_s"])),
+                     _ratio(_mean(g["step_time_s"]), _mean(ref["step_time_s"]))])
+    columns, align = _columns(["Method", "Model"], with_variant, [
+        "Seeds", "Val loss", "Δ vs AdamW", "p (Welch)", "Differs?", "Optimizer state ×AdamW", "Peak memory ×AdamW",
+        "Tokens/s ×AdamW", "Step time ×AdamW"])
+    return Table("versus_adamw", "Against AdamW on the same model (ratios of means; a difference counts only when "
+                 "Welch's t-test over seeds gives p < 0.05)", columns, rows, align)
+
+
+def lr_search_table(results: Results) -> Table:
+    """A learning-rate search (``experiments.tuning``): the metric at every rate searched, the rate chosen (the
+    tuner's own rule, ``select_lr``) and whether the grid brackets it. Failed (diverged) runs read "failed"."""
+    from experiments.tuning import metric_or_inf, select_lr
+
+    runs = results.runs[results.runs["mode"] == "train"].copy()
+    runs = runs[runs["status"].isin(["completed", "failed"]) & runs["lr"].notna()]
+    rates = sorted({float(v) for v in runs["lr"]})
+    with_variant = bool((runs["variant_sans_lr"].fillna("") != "").any())
+    keys = ("method", "model") + (("variant_sans_lr",) if with_variant else ())
+    rows = []
+    for key, g in groups(runs.assign(variant_sans_lr=runs["variant_sans_lr"].fillna("")), keys):
+        losses = {float(r["lr"]): (r["val_loss"] if r["status"] == "completed" else None) for _, r in g.iterrows()}
+        best, bracketed = select_lr(losses)
+        cells = [DASH if lr not in losses else ("failed" if losses[lr] is None else
+                 ("diverged" if metric_or_inf(losses[lr]) == math.inf else format(float(losses[lr]), ".3f")))
+                 for lr in rates]
+        rows.append([str(v) for v in key] + cells + [format(best, "g"), "yes" if bracketed else "no"])
+    columns, align = _columns(["Method", "Model"], with_variant,
+                              [f"lr={lr:g}" for lr in rates] + ["Best lr", "Bracketed"])
+    return Table("lr_search", "Learning-rate search: validation loss per rate (seed of the search)", columns, rows,
+                 align)
+
+
 MODE_KEYS = ("method", "model", "mode")
 
 
@@ -183,7 +251,7 @@ def runs_table(results: Results) -> Table:
                  ["l"] * 7)
 
 
-ALL_TABLES = (main_table, memory_category_table, memory_phase_table, transfer_table, activation_table, runs_table)
+ALL_TABLES = (main_table, versus_adamw_table, memory_category_table, memory_phase_table, transfer_table, activation_table, runs_table)
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------

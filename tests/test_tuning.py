@@ -96,3 +96,27 @@ def test_tuned_local_multirun_searches_then_reruns_the_winner_with_seeds(tmp_pat
         assert f["val_loss"] == pytest.approx(1.0 + 1e-3 * f["seed"]), f
     code = sweep.main(["status", str(sweep_file), f"results_dir={results}"])
     assert code == 0 and "0 pending, 0 running, 18 completed, 2 failed of 20" in capsys.readouterr().out
+    from analysis import report  # the report renders the search with the tuner's own selection rule
+
+    out = tmp_path / "report"
+    assert report.main([str(results), "--out", str(out), "--no-figures"]) == 0
+    search_table = (out / "tables" / "lr_search.md").read_text()
+    for method in ("adamw", "hmt"):
+        row = next(line for line in search_table.splitlines() if line.startswith(f"| {method} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-2:] == ["0.003", "yes"] and cells[-3] == "failed" and cells[5] == "1.000", row
+    versus = (out / "tables" / "versus_adamw.md").read_text()
+    row = next(line for line in versus.splitlines() if line.startswith("| hmt |"))
+    assert "| 3 | 1.002 ± 0.001 | +0.000 | 1.000 | no |" in row, versus
+
+
+def test_seed_spread_verdict() -> None:
+    """Welch's t-test at p < 0.05: separated seeds differ, overlapping ones do not, one seed cannot tell."""
+    from analysis import stats
+
+    assert stats.verdict([3.00, 3.01, 3.02], [3.10, 3.11, 3.12]) == "lower"
+    assert stats.verdict([3.10, 3.11, 3.12], [3.00, 3.01, 3.02]) == "higher"
+    assert stats.verdict([3.00, 3.10, 3.05], [3.02, 3.12, 3.01]) == "no"
+    assert stats.verdict([3.0], [3.1, 3.2]) == "—" and stats.verdict([3.0, float("nan")], [3.1, 3.2]) == "—"
+    # two samples without spread: different means are different (p = 0), equal ones are not (p = 1)
+    assert stats.welch_p([1.0, 1.0], [2.0, 2.0]) == 0.0 and stats.welch_p([1.0, 1.0], [1.0, 1.0]) == 1.0
