@@ -10,6 +10,18 @@ mixed-precision AdamW, Micikevicius et al., 2018) and refreshes the BF16 weight 
 stochastic rounding of the fp32 result (Gupta et al., 2015), from a seeded generator saved in the state dict. Both
 run ``PrecisionAdamW``: torch.optim.AdamW's formula and rounding order (``hmt_core.optim.update``, style
 ``"torch"``) computed in fp32, in row chunks of at most 16 MiB of fp32 temporaries.
+
+8-bit states (``eight_bit=true``): bitsandbytes' ``AdamW8bit`` (Dettmers et al., 2022, "8-bit Optimizers via
+Block-wise Quantization", Sec. 2: each moment stored as uint8 codes of the signed / unsigned dynamic tree map,
+normalized by the fp32 absmax of its block of 256 elements; dequantized to fp32, updated by AdamW, and
+re-quantized inside one kernel). State per parameter of at least ``min_8bit_size`` elements (4096, bitsandbytes'
+default): ``state1``/``state2`` uint8 (1 byte per element each), ``absmax1``/``absmax2`` fp32 (4 bytes per
+256-element block each), ``qmap1``/``qmap2`` (256 fp32 each, shared by every parameter); smaller parameters
+(norms, biases) keep fp32 ``state1``/``state2`` (8 bytes per element), bitsandbytes' rule. ``paged=true`` is
+``PagedAdamW8bit`` (state of tensors of at least 10^5 elements in CUDA unified memory, evicted to host under
+memory pressure): CUDA only; on a CPU device it is refused (bitsandbytes would silently fall back to
+``AdamW8bit``), except in a dry run, which traces ``AdamW8bit``: the same state bytes, counted as resident on
+the device (paging moves them to host under pressure, it does not shrink them).
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.driver import Built, OptimizerMethod
 from hmt_core.method import named_trainable_parameters, trainable_parameters
@@ -38,6 +51,8 @@ class Config:
     master_weights: bool = False  # fp32 master copies (+ fp32 moments) take the updates
     stochastic_rounding: bool = False  # BF16 weights written by stochastic rounding of the fp32 result
     seed: int = 0  # stochastic rounding's generator
+    eight_bit: bool = False  # bitsandbytes AdamW8bit: block-wise 8-bit moments
+    paged: bool = False  # with eight_bit: PagedAdamW8bit (CUDA unified memory for the state)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -49,6 +64,11 @@ class Config:
                 raise ValueError(f"method.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.master_weights and self.stochastic_rounding:
             raise ValueError("method.master_weights and method.stochastic_rounding are alternatives: choose one")
+        if self.eight_bit and (self.master_weights or self.stochastic_rounding):
+            raise ValueError("method.eight_bit=true (bitsandbytes AdamW8bit writes the weights itself) cannot be "
+                             "combined with method.master_weights or method.stochastic_rounding")
+        if self.paged and not self.eight_bit:
+            raise ValueError("method.paged=true pages bitsandbytes' 8-bit state: it needs method.eight_bit=true")
 
 
 class PrecisionAdamW(torch.optim.Optimizer):
@@ -114,8 +134,47 @@ class PrecisionAdamW(torch.optim.Optimizer):
         self.writer.load_state_dict(precision)
 
 
+def _adamw8bit_class(paged: bool) -> type:
+    import bitsandbytes as bnb  # optional dependency: only when asked for
+
+    base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+
+    class SharedQmapAdamW8bit(base):
+        """bitsandbytes' optimizer, unchanged, but for ``load_state_dict``: bitsandbytes deep-copies the state, so
+        each parameter would get its own copy of the two 256-entry quantization maps; they are pointed back at the
+        optimizer's shared maps (after checking they hold the same values), so a resumed run holds exactly the
+        state a fresh one does."""
+
+        def load_state_dict(self, state_dict, move_to_device=True):
+            super().load_state_dict(state_dict, move_to_device=move_to_device)
+            for st in self.state.values():
+                for key, name in (("qmap1", "dynamic"), ("qmap2", "udynamic")):
+                    if key in st and name in self.name2qmap:
+                        shared = self.name2qmap[name].to(st[key].device)
+                        if not is_fake(shared) and not torch.equal(shared, st[key]):
+                            raise ValueError(f"checkpoint {key} differs from bitsandbytes' {name!r} map")
+                        self.name2qmap[name] = st[key] = shared
+
+    return SharedQmapAdamW8bit
+
+
+def build_adamw8bit(params: list[nn.Parameter], c: Config) -> torch.optim.Optimizer:
+    """bitsandbytes (Paged)AdamW8bit over ``params`` with ``c``'s hyperparameters (its defaults otherwise:
+    ``min_8bit_size=4096``, block size 256). ``paged`` on real CPU tensors is a ``ValueError``."""
+    cuda, fake = any(p.is_cuda for p in params), any(is_fake(p) for p in params)
+    if c.paged and not (cuda or fake):
+        raise ValueError("method.paged=true needs a CUDA device: paged optimizers keep their state in CUDA "
+                         "unified memory (on CPU bitsandbytes falls back to AdamW8bit); use method.paged=false")
+    # a dry run traces the paged optimizer as AdamW8bit: the same state tensors, which paging moves, not shrinks
+    return _adamw8bit_class(c.paged and cuda)(params, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+                                              weight_decay=c.weight_decay)
+
+
 def build(model: nn.Module, config: Config) -> Built:
     c = config
+    if c.eight_bit:
+        return Built(build_adamw8bit(trainable_parameters(model), c), summary={"optim/eight_bit": True,
+                                                                                "optim/paged": c.paged})
     if c.master_weights or c.stochastic_rounding:
         writer = UpdateWriter(master_weights=c.master_weights, stochastic_rounding=c.stochastic_rounding,
                               seed=c.seed)

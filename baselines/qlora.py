@@ -7,21 +7,26 @@ model is written to disk and a model of any size can be prepared; everything els
 Target modules: ``target_modules`` are leaf module names (Llama's projections by default); for a model that has
 none of the defaults (GPT-2: ``c_attn``, ``c_proj``, ``c_fc`` are ``Conv1D``) peft's per-model-type default
 is used, and a configured list matching nothing is an error naming the module names the model has.
+
+Memory: the quantized layers are ``baselines.nf4.Linear4bit`` (bitsandbytes' layer, its 4-bit matmul's dequantized
+weight visible to the meter), and a dry run (fake tensors) builds bitsandbytes' NF4 storage with
+``baselines.nf4.fake_params4bit``; everything else runs the libraries' own code on fake tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch import nn
 
 from experiments.errors import UserError
 from hmt_core.driver import Built, OptimizerMethod
-from hmt_core.method import NotTraceableError, trainable_parameters
+from hmt_core.method import trainable_parameters
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -94,6 +99,8 @@ def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_d
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
+    from baselines.nf4 import Linear4bit, fake_params4bit
+
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -101,14 +108,19 @@ def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_d
                 continue
             weight = child.weight.data.t() if isinstance(child, Conv1D) else child.weight.data  # (out, in)
             out_features, in_features = weight.shape
-            q = bnb.nn.Linear4bit(in_features, out_features, bias=child.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=double_quant,
-                                  quant_type="nf4", device="meta")
-            q.weight = bnb.nn.Params4bit(weight.to(compute_dtype).contiguous(), requires_grad=False,
-                                         compress_statistics=double_quant, quant_type="nf4")
+            fake = is_fake(weight)
+            with unset_fake_temporarily() if fake else contextlib.nullcontext():  # an empty meta-device shell
+                q = Linear4bit(in_features, out_features, bias=child.bias is not None, compute_dtype=compute_dtype,
+                               compress_statistics=double_quant, quant_type="nf4", device="meta")
+            if fake:  # a dry run: the same storage, built by bitsandbytes' fake-tensor ops (baselines/nf4.py)
+                q.weight = fake_params4bit(weight.to(compute_dtype), double_quant=double_quant)
+            else:
+                q.weight = bnb.nn.Params4bit(weight.to(compute_dtype).contiguous(), requires_grad=False,
+                                             compress_statistics=double_quant, quant_type="nf4")
             if child.bias is not None:
                 q.bias = nn.Parameter(child.bias.data, requires_grad=False)
-            q = q.to(child.weight.device)  # .to() quantizes
+            if not fake:
+                q = q.to(child.weight.device)  # .to() quantizes
             # bitsandbytes repacks NF4 weights in place for its AVX512-BF16 CPU inference kernel the first time an
             # eval-mode forward runs (and requires out_features % 32 == 0 for it); keep one layout for train and eval
             q.support_avx512bf16_for_cpu = False
@@ -123,10 +135,6 @@ def prepare(model: nn.Module, config: Config) -> nn.Module:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     c = config
-    if any(is_fake(p) for p in model.parameters()):
-        raise NotTraceableError(
-            "method=qlora cannot be traced under FakeTensorMode: bitsandbytes' Params4bit is a Tensor subclass "
-            "that cannot wrap a fake tensor, so no dry-run memory figure is reported for it")
     targets = resolve_target_modules(model, c.target_modules)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -134,19 +142,51 @@ def prepare(model: nn.Module, config: Config) -> nn.Module:
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                       target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, lora)
+    fake = any(is_fake(p) for p in model.parameters())
+    with _module_to_by_data() if fake else contextlib.nullcontext():
+        return get_peft_model(model, lora)
+
+
+@contextlib.contextmanager
+def _module_to_by_data():
+    """A dry run's ``get_peft_model``. peft moves each new adapter (and the wrapped layer) to its base layer's device
+    and compute dtype with ``nn.Module.to()``, which swaps fake parameters (``torch.utils.swap_tensors``) and fails:
+    torch keeps a weak reference to every fake tensor it made. While peft runs, ``Module.to`` converts the way torch
+    converts real parameters instead: ``param.data = param.data.to(device, dtype)`` (floating-point dtypes only)."""
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+
+        def convert(t):
+            return t.to(device, dtype if t.is_floating_point() or t.is_complex() else None, non_blocking)
+
+        for module in self.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = convert(p.data)
+            for key, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[key] = convert(b)
+        return self
+
+    original = nn.Module.to
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
 
 
 def build(model: nn.Module, config: Config) -> Built:
+    import bitsandbytes as bnb
+
     c = config
     params = trainable_parameters(model)
     if c.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-
         opt = bnb.optim.AdamW8bit(params, lr=c.lr, weight_decay=c.weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
-    quantized = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit")
+    quantized = sum(1 for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
     return Built(opt, summary={"quantized_linear_layers": quantized, "lora_r": c.lora_r})
 
 

@@ -79,26 +79,32 @@ def write_configs(out: Path, archs: list[str]) -> dict[str, Path]:
     return dirs
 
 
-def run_one(arch: str, method: str, model_dir: Path, args) -> dict:
-    """Dry-run one (architecture, method) in its own process; returns the row for the table."""
-    run_id = f"{arch}-{method}"
-    summary_path = args.out / run_id / "summary.json"
-    cmd = [sys.executable, "-m", "experiments.run", "mode=dryrun", f"model.path={model_dir.resolve()}",
-           *METHODS[method], *OVERRIDES.get((arch, method), ([], ""))[0], f"train.seq_len={args.seq_len}",
-           f"train.batch_size={args.batch}", f"results_dir={args.out.resolve()}", f"run_id={run_id}",
-           *(["force=true"] if args.force else [])]
+def run_dryrun(overrides: list[str], out: Path, run_id: str, *, timeout: int, force: bool) -> dict:
+    """``python -m experiments.run mode=dryrun <overrides>`` in its own process, writing ``<out>/<run_id>``; the
+    summary's peak and categories at it, or ``error`` (the last line it printed)."""
+    summary_path = out / run_id / "summary.json"
+    cmd = [sys.executable, "-m", "experiments.run", "mode=dryrun", *overrides, f"results_dir={out.resolve()}",
+           f"run_id={run_id}", *(["force=true"] if force else [])]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     if proc.returncode != 0 or not summary_path.exists():
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"arch": arch, "method": method, "error": last, "wall_s": wall}
+        return {"error": last, "wall_s": wall}
     summary = json.loads(summary_path.read_text())
     mem = summary["memory"]
-    return {"arch": arch, "method": method, "peak_bytes": mem["peak_bytes"],
-            "by_category": mem["peak_by_category_bytes"], "params_total": summary["params_total"],
+    return {"peak_bytes": mem["peak_bytes"], "by_category": mem["peak_by_category_bytes"],
+            "params_total": summary["params_total"],
             "projected_params": (summary.get("method_summary") or {}).get("projected_params"),
             "trace_s": summary["dryrun"]["wall_s"], "wall_s": wall}
+
+
+def run_one(arch: str, method: str, model_dir: Path, args) -> dict:
+    """Dry-run one (architecture, method) in its own process; returns the row for the table."""
+    overrides = [f"model.path={model_dir.resolve()}", *METHODS[method], *OVERRIDES.get((arch, method), ([], ""))[0],
+                 f"train.seq_len={args.seq_len}", f"train.batch_size={args.batch}"]
+    row = run_dryrun(overrides, args.out, f"{arch}-{method}", timeout=args.timeout, force=args.force)
+    return {"arch": arch, "method": method, **row}
 
 
 def gib(n: int | None) -> str:

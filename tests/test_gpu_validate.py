@@ -232,15 +232,15 @@ def test_full_validation_records_misses_and_the_crash_and_writes_everything(tmp_
     assert code == 1  # one run crashed; the misses alone would exit 0
     labels = [m.label for m in METHODS]
     expected = [call for label in labels for call in
-                ([("run", label)] + ([] if label in ("qlora", "galore-8bit", "hmt-min") else [("dryrun", label)]))]
+                ([("run", label)] + ([] if label in ("galore-8bit", "hmt-min") else [("dryrun", label)]))]
     expected += [("kernels", ""), ("run", "hmt-full-ckpt"), ("run", "hmt-offload"), ("rsvd", "")]
     assert backend.calls == expected  # hmt-act's run is reused by the activation check, never repeated
     checks = {c["name"]: c for c in doc["checks"]}
     assert checks["tracker_vs_allocated/galore/125m"]["verdict"] == "MISS"
     assert checks["tracker_vs_allocated/galore/125m"]["measured"]["ratio"] == pytest.approx(0.875)
     assert checks["dryrun_vs_allocated/apollo/125m"]["verdict"] == "MISS"
-    assert checks["dryrun_vs_allocated/qlora/125m"]["verdict"] == "N/A"
-    assert "Params4bit" in checks["dryrun_vs_allocated/qlora/125m"]["note"]
+    assert checks["dryrun_vs_allocated/galore-8bit/125m"]["verdict"] == "N/A"
+    assert "GaLoreAdamW8bit" in checks["dryrun_vs_allocated/galore-8bit/125m"]["note"]
     assert checks["run/hmt-min/125m"]["verdict"] == "ERROR" and "out of memory" in checks["run/hmt-min/125m"]["note"]
     assert checks["dryrun_vs_allocated/hmt-min/125m"]["verdict"] == "SKIPPED"
     assert checks["kernel/fused_update/bf16"]["verdict"] == "MISS" and checks["kernel/codec/int8"]["verdict"] == "PASS"

@@ -70,7 +70,7 @@ def test_committed_sweep_files_expand(path: Path) -> None:
         keys = {sweep.override_key(o) for o in run}
         assert {"method"} <= keys and ("model" in keys or path.stem == "smoke"), run
     if path.stem == "paper_main":
-        assert len(runs) == 5 * 2 * 3
+        assert len(runs) == 5 * 2 * 3 + 2 * 3  # every method x 2 models x 3 seeds, + 8-bit AdamW's runs
 
 
 def test_run_identity_is_the_runners_and_ignores_cluster_options(tmp_path: Path) -> None:

@@ -4,10 +4,11 @@ Nothing in the harness is exercised on CPU that only a GPU has: the CUDA allocat
 counters, compiled Triton kernels, BF16 tensor-core paths, GaLore's 8-bit optimizer, every tokens/s figure. This
 command measures each of them once, on whatever GPU a session is lent, and writes the evidence:
 
-- **memory**: every method (adamw, qlora, galore, galore 8-bit, apollo, hmt, hmt + ``activation=hmt``, and the
-  memory-minimal HMT setting) at 125M, seq 1024, through the normal runner (``experiments.run device=cuda``, results
-  in the normal results store): the meter's peak (``summary.memory.tracker_peak_bytes``) against
-  ``torch.cuda.max_memory_allocated`` (within 3 %: the meter is what every CPU and dry-run number rests on), and the
+- **memory**: every method (adamw, adamw 8-bit, qlora, galore, galore 8-bit, apollo, hmt, hmt +
+  ``activation=hmt``, and the memory-minimal HMT setting) at 125M, seq 1024, through the normal runner
+  (``experiments.run device=cuda``, results in the normal results store): the meter's peak
+  (``summary.memory.tracker_peak_bytes``) against ``torch.cuda.max_memory_allocated`` (within 3 %: the meter is
+  what every CPU and dry-run number rests on), and the
   dry run of the same settings (``mode=dryrun``) against the allocator (within 5 %: the dry run is how memory is
   predicted for 7B/13B without a GPU); reserved bytes and NVML's device "used" beside them;
 - **kernels**: every Triton kernel compiled on CUDA against its PyTorch reference (codecs bit-identical, the fused

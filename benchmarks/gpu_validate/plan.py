@@ -36,8 +36,8 @@ class MethodSpec:
 
 METHODS: tuple[MethodSpec, ...] = (
     MethodSpec("adamw", ("method=adamw",)),
-    MethodSpec("qlora", ("method=qlora",),
-               dryrun_unavailable="bitsandbytes' Params4bit cannot wrap a fake tensor (QLoRA is not traceable)"),
+    MethodSpec("adamw-8bit", ("method=adamw", "method.eight_bit=true")),
+    MethodSpec("qlora", ("method=qlora",)),
     MethodSpec("galore", ("method=galore",)),
     MethodSpec("galore-8bit", ("method=galore", "method.eight_bit=true"),
                dryrun_unavailable="GaLoreAdamW8bit needs CUDA tensors; a dry run builds fake CPU tensors"),
