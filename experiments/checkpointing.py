@@ -248,6 +248,10 @@ class Checkpointer:
                   file=sys.stderr)
         self.signal_received = signum
 
+    def preempt_requested(self) -> bool:
+        """Whether a preemption signal arrived (checked between steps)."""
+        return self.signal_received is not None
+
     def preempt(self, state: LoopState) -> None:
         """Called between steps once a signal arrived: checkpoint, ask Slurm to requeue, raise ``Preempted``."""
         name = signal.Signals(self.signal_received).name

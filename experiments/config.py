@@ -25,6 +25,8 @@ RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory bel
 MODES = ("train", "dryrun")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
+DIST_MODES = ("none", "ddp", "fsdp2")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -127,10 +129,12 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # default <results_dir>/<run_id>/checkpoints
     resume: str = "auto"  # "auto" (newest good checkpoint, if any) | "never" | a checkpoint path
     max_bad_steps: int = 10  # consecutive steps with non-finite loss/gradient (each skipped) before the run fails
+    fused_ce: bool = True  # loss from hidden states + lm_head in token chunks, logits never whole (hmt_core.fused_ce)
+    ce_chunk_tokens: int = 1024  # tokens per chunk of the fused loss (logits held: ce_chunk_tokens x vocab)
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
-                  "log_every")
+                  "log_every", "ce_chunk_tokens")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -176,6 +180,20 @@ class WandbConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """Multi-process training launched by torchrun (``experiments.distributed``); ``train.batch_size`` is global."""
+
+    mode: str = "none"  # "none" | "ddp" (DistributedDataParallel) | "fsdp2" (fully_shard per decoder layer + root)
+    backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
+    timeout_s: int = 600  # collective timeout: a hung peer fails the job after this long
+
+    def __post_init__(self) -> None:
+        _one_of("dist", "mode", self.mode, DIST_MODES)
+        _one_of("dist", "backend", self.backend, DIST_BACKENDS)
+        _positive("dist", self, "timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     method: Any  # the selected method's own frozen Config
     model: ModelConfig
@@ -191,6 +209,7 @@ class RunConfig:
     run_id: str | None = None  # default: <method>-<model>-<mode>-<hash of the config>
     force: bool = False  # re-run even if results/<run_id> is completed
     profile: bool = False
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         _one_of("run", "mode", self.mode, MODES)
@@ -248,9 +267,10 @@ def register_configs() -> None:
         ("wandb", mutable_twin(WandbConfig), field(default_factory=mutable_twin(WandbConfig))),
         ("dryrun", mutable_twin(DryrunConfig), field(default_factory=mutable_twin(DryrunConfig))),
         ("activation", Any, field(default="???")),
+        ("dist", mutable_twin(DistConfig), field(default_factory=mutable_twin(DistConfig))),
         *[(f.name, _optional(typing.get_type_hints(RunConfig)[f.name]), field(default=f.default))
           for f in dataclasses.fields(RunConfig)
-          if f.name not in ("method", "model", "data", "train", "wandb", "dryrun", "activation")],
+          if f.name not in ("method", "model", "data", "train", "wandb", "dryrun", "activation", "dist")],
     ])
     cs.store(name="run_schema", node=schema)
     for name, config_cls in methods.CONFIGS.items():
@@ -260,6 +280,8 @@ def register_configs() -> None:
     cs.store(group="data", name="sotu", node=mutable_twin(DataConfig))
     for name, policy in PRESETS.items():  # every key present, so `activation.attn_out=fp8` overrides one action
         cs.store(group="activation", name=name, node={"preset": name, **policy.to_dict()})
+    for name in DIST_MODES:  # dist=ddp selects the mode; dist.backend=gloo overrides one key
+        cs.store(group="dist", name=name, node=_instance_twin(DistConfig(mode=name)))
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -272,7 +294,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     method_cfg = methods.make_config(method_raw)
     return RunConfig(method=method_cfg, model=ModelConfig(**raw.pop("model")), data=DataConfig(**raw.pop("data")),
                      train=TrainConfig(**raw.pop("train")), wandb=WandbConfig(**raw.pop("wandb")),
-                     dryrun=DryrunConfig(**raw.pop("dryrun")),
+                     dryrun=DryrunConfig(**raw.pop("dryrun")), dist=DistConfig(**raw.pop("dist", {})),
                      activation=ActivationPolicy.from_dict(raw.pop("activation")), **raw)
 
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.config import RunConfig
 from experiments.errors import UserError
-from experiments.loop import autocast_context, cpu_rss_peak_bytes, train_step
+from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
 from experiments.results import RunDir
@@ -182,6 +182,7 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
             method.attach(model, max_grad_norm=t.max_grad_norm or None)
         except ValueError as e:  # the method's settings do not fit this model (rank > dims, ...)
             raise UserError(str(e)) from None
+        check_lm_loss(model, t)
         vocab = model.get_input_embeddings().num_embeddings
         autocast = lambda: autocast_context(torch.device("cpu"), t.autocast)  # noqa: E731
         probed, act_handle = None, None
@@ -194,7 +195,8 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
             method.set_lr_scale(1.0)
             micro = [torch.randint(0, vocab, (t.batch_size, t.seq_len)) for _ in range(t.grad_accum)]
             with meter:
-                train_step(model, method, micro, meter=meter, autocast=autocast)
+                train_step(model, method, micro, meter=meter, autocast=autocast, fused_ce=t.fused_ce,
+                           ce_chunk_tokens=t.ce_chunk_tokens)
         retention.remove()
         meter.remove_hooks()
         return {"report": meter.report(),

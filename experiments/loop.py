@@ -24,6 +24,7 @@ from experiments import gpu_stats
 from experiments.checkpointing import Checkpointer, LoopState, TooManyBadSteps
 from experiments.config import TrainConfig
 from experiments.meter import MemoryMeter
+from hmt_core.fused_ce import causal_lm_loss, resolve_head
 from hmt_core.method import Method
 
 GIB = 2**30
@@ -49,16 +50,40 @@ def cpu_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def lm_loss(model: nn.Module, ids: torch.Tensor, *, fused_ce: bool = True,
+            ce_chunk_tokens: int = 1024) -> torch.Tensor:
+    """The next-token loss of ``ids`` (batch, seq_len): the model's own ``labels=`` loss, or with ``fused_ce`` the
+    same loss from the hidden states and the LM head in chunks of ``ce_chunk_tokens`` tokens (``hmt_core.fused_ce``:
+    the (tokens x vocab) logits are never materialized)."""
+    if fused_ce:
+        return causal_lm_loss(model, ids, chunk_tokens=ce_chunk_tokens)
+    return model(input_ids=ids, labels=ids).loss
+
+
+def check_lm_loss(model: nn.Module, cfg: TrainConfig) -> None:
+    """Before any compute: a ``UserError`` if ``train.fused_ce=true`` cannot stand in for this model's own loss."""
+    from experiments.errors import UserError
+
+    if cfg.fused_ce:
+        try:
+            resolve_head(model)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+
 def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tensor], *, meter: MemoryMeter | None,
                autocast: Callable[[], contextlib.AbstractContextManager],
-               skip_nonfinite: bool = False) -> tuple[torch.Tensor, float | None]:
+               skip_nonfinite: bool = False, fused_ce: bool = True, ce_chunk_tokens: int = 1024,
+               all_finite: Callable[[torch.Tensor], bool] | None = None) -> tuple[torch.Tensor, float | None]:
     """One optimizer step over ``micro_batches`` (each (batch, seq_len) token ids).
 
     Returns (mean loss as a 0-dim tensor, global grad norm or None); the caller converts, so the same function
     runs under FakeTensorMode, where tensors have no values. ``skip_nonfinite`` (real tensors only): a
     micro-batch loss that is not finite ends the step before its backward, and non-finite gradients left for
     ``method.step`` skip it; both discard the gradients and return a NaN grad norm (and a NaN loss in the first
-    case). HMT checks the gradients it consumes inside backward itself and returns a NaN norm.
+    case). HMT checks the gradients it consumes inside backward itself and returns a NaN norm. ``fused_ce``,
+    ``ce_chunk_tokens``: how the loss is computed (``lm_loss``). ``all_finite`` (multi-process: agreed across
+    ranks, so all skip or none) replaces the local finiteness check of the loss.
     """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     if meter is not None:
@@ -68,8 +93,8 @@ def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tenso
     for i, ids in enumerate(micro_batches):
         method.start_micro_batch(i, count)
         with phase("forward"), autocast():
-            loss = model(input_ids=ids, labels=ids).loss / count
-        if skip_nonfinite and not bool(torch.isfinite(loss)):
+            loss = lm_loss(model, ids, fused_ce=fused_ce, ce_chunk_tokens=ce_chunk_tokens) / count
+        if skip_nonfinite and not (all_finite(loss) if all_finite else bool(torch.isfinite(loss))):
             return _discard_step(method, torch.tensor(float("nan")))
         with phase("backward"):
             loss.backward()
@@ -98,14 +123,15 @@ def _grads_finite(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[torch.Tensor], device: torch.device,
-             autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+             autocast: Callable[[], contextlib.AbstractContextManager], *, fused_ce: bool = True,
+             ce_chunk_tokens: int = 1024) -> float:
     was_training = model.training
     model.eval()
     losses = []
     for ids in batches:
         ids = ids.to(device)
         with autocast():
-            losses.append(float(model(input_ids=ids, labels=ids).loss))
+            losses.append(float(lm_loss(model, ids, fused_ce=fused_ce, ce_chunk_tokens=ce_chunk_tokens)))
     model.train(was_training)
     return sum(losses) / len(losses)
 
@@ -129,13 +155,16 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                  log: Callable[[dict], None], meter: MemoryMeter, wandb_run=None,
                  profiler: contextlib.AbstractContextManager | None = None,
                  extra_metrics: Callable[[], dict] | None = None, checkpointer: Checkpointer | None = None,
-                 state: LoopState | None = None) -> LoopResult:
-    """Train from ``state.next_step`` (0 for a fresh run) to ``cfg.steps``."""
+                 state: LoopState | None = None, sync=None) -> LoopResult:
+    """Train from ``state.next_step`` (0 for a fresh run) to ``cfg.steps``. ``sync`` (multi-process:
+    ``experiments.distributed.DistContext``): the logged loss is the mean over ranks, a step is skipped on every
+    rank or none, and per-rank peak memory is reduced to ``memory/peak_max(GiB)``/``memory/peak_mean(GiB)``."""
     from tqdm.auto import tqdm
 
     def autocast() -> contextlib.AbstractContextManager:
         return autocast_context(device, cfg.autocast)
 
+    check_lm_loss(model, cfg)
     state = state or LoopState()
     start = state.next_step
     val_batches = corpus.val.fixed_batches(cfg.eval_batches)
@@ -152,8 +181,10 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
             t0 = time.perf_counter()
             with meter if metered else contextlib.nullcontext():
                 loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
-                                               autocast=autocast, skip_nonfinite=True)
-            loss = float(loss_t)
+                                               autocast=autocast, skip_nonfinite=True, fused_ce=cfg.fused_ce,
+                                               ce_chunk_tokens=cfg.ce_chunk_tokens,
+                                               all_finite=sync.all_finite if sync is not None else None)
+            loss = float(loss_t) if sync is None else sync.mean(loss_t)
             gpu_stats.synchronize(device)
             dt = time.perf_counter() - t0
             if not metered:
@@ -176,10 +207,13 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                 record["skipped"] = True
             record["skipped_steps"] = state.skipped_steps
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                state.val_loss = evaluate(model, val_batches, device, autocast)
+                state.val_loss = evaluate(model, val_batches, device, autocast, fused_ce=cfg.fused_ce,
+                                          ce_chunk_tokens=cfg.ce_chunk_tokens)
                 record["loss/val"] = state.val_loss
             if step % cfg.log_every == 0 or "loss/val" in record or step + 1 == cfg.steps or skipped:
                 record["memory/peak(GiB)"] = peak_mib / 1024
+                if sync is not None:
+                    record.update(sync.memory_metrics(peak_mib * 2**20))
                 record.update(gpu_stats.step_metrics(device))
                 record.update(method.metrics())
                 if extra_metrics is not None:
@@ -193,7 +227,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                                       f"(steps {step + 1 - state.bad_in_row}..{step}, each skipped; "
                                       f"train.max_bad_steps={cfg.max_bad_steps}); last checkpoint: {last}")
             if checkpointer is not None:
-                if checkpointer.signal_received is not None:
+                if checkpointer.preempt_requested():
                     checkpointer.preempt(state)
                 if checkpointer.due(step + 1) and step + 1 < cfg.steps:
                     checkpointer.save(state)

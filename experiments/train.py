@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from experiments import gpu_stats
+from experiments import distributed, gpu_stats
 from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
 from experiments.data import build_corpus, has_tokenizer
 from experiments.dryrun import metered_probe
-from experiments.loop import autocast_context, cpu_rss_peak_bytes, run_training
+from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
 from experiments.meter import MemoryMeter
-from experiments.errors import UserError
+from experiments.errors import UserError, exit_with_error
 from experiments.models import build_model, count_params, has_weights, model_vocab_size
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
@@ -67,24 +67,31 @@ def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
 def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                   build_summary, print_summary) -> dict:
     """Set up (data, model, method: every check that needs them fails here, before any compute and before
-    anything is written), then train and write ``run_dir``."""
+    anything is written), then train and write ``run_dir``. Under torchrun (``dist=ddp|fsdp2``) every rank runs
+    this; rank 0 alone writes (``experiments.distributed``)."""
+    ctx = distributed.setup(run, device)  # None for dist=none; validates the launch before anything else
+    device = ctx.device if ctx is not None else device
+    main = ctx is None or ctx.is_main
+    run_dir = distributed.rank_run_dir(run_dir, ctx)
     ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
     resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
     seed_everything(run.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     t = run.train
-    corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
-                          vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
-                          seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
-                          max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path),
-                          chunk_chars=run.data.chunk_chars)
+    with distributed.rank_zero_first(ctx):  # rank 0 fills the token cache, the others read it
+        corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
+                              vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
+                              seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
+                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path),
+                              chunk_chars=run.data.chunk_chars)
+    corpus = distributed.shard_corpus(corpus, ctx)  # this rank's rows of each global batch
     rows = model_vocab_size(run.model) if run.model.path else corpus.vocab_size  # before any weight is read
     if corpus.vocab_size > rows:
         raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
                         f"{corpus.vocab_size} tokens but the model's embedding has {rows} rows (config.json "
                         f"vocab_size): token ids beyond {rows - 1} would index out of range")
     model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
-    model = method.prepare(model)
+    model = distributed.shard_model(method.prepare(model), ctx)  # fsdp2: fully_shard per layer + root
     model.train()
     meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
     meter.track(model.parameters(), "params")
@@ -95,9 +102,13 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         method.attach(model, max_grad_norm=t.max_grad_norm or None)
     except ValueError as e:  # the method's settings do not fit this model (rank > dims, no weight matched, ...)
         raise UserError(str(e)) from None
-    checkpointer = Checkpointer(ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model,
-                                method=method, meta={"run_id": run_dir.run_id, "config": config_dict})
-    announce_start(run, run_dir, ckpt_root, resume_point)
+    check_lm_loss(model, t)  # an architecture the fused loss cannot stand in for: refused before any write
+    forward_model = distributed.wrap_for_forward(model, method, ctx)  # ddp: the DDP wrapper (or hmt's own reduce)
+    checkpointer = distributed.checkpointer_class(ctx, Checkpointer)(  # DCP under torchrun
+        ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model, method=method,
+        meta={"run_id": run_dir.run_id, "config": config_dict})
+    if main:
+        announce_start(run, run_dir, ckpt_root, resume_point)
     run_dir.start(config_dict, keep_metrics_before=resume_point.step if resume_point else None)
     wandb_run = None
     try:
@@ -116,10 +127,11 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         params_total, params_trainable = count_params(model)
         state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
         checkpointer.install_signal_handlers()
-        wandb_run = open_wandb(run, run_dir, config_dict)
+        wandb_run = open_wandb(run, run_dir, config_dict) if main else None
         gpu_stats.reset_peaks(device)
-        profiler = make_profiler(run_dir, device) if run.profile else None
-        result = run_training(model, method, corpus, t, device, log=_logger(run_dir), meter=meter,
+        profiler = make_profiler(run_dir, device) if run.profile and main else None
+        result = run_training(forward_model, method, corpus, distributed.for_rank(t, ctx), device,
+                              log=_logger(run_dir), meter=meter, sync=ctx,
                               wandb_run=wandb_run, profiler=profiler,
                               extra_metrics=act_handle.metrics if act_handle else None, checkpointer=checkpointer,
                               state=state)
@@ -130,6 +142,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         if device.type == "cuda":  # the allocator's peak is the authoritative total on a GPU
             memory["tracker_peak_bytes"] = memory["peak_bytes"]
             memory["peak_bytes"] = memory["cuda_max_allocated_bytes"]
+        dist_summary = {} if ctx is None else {"dist": {**ctx.summary(), **ctx.memory_summary(memory["peak_bytes"])}}
         summary = build_summary(
             run, run_dir.run_id, device, params_total=params_total, params_trainable=params_trainable,
             steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
@@ -137,13 +150,14 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
             data=corpus.stats, method_summary=method.summary(),
             activation_summary=_with_saved(activation_summary, act_handle), skipped_steps=result.skipped_steps,
-            resume=_resume_summary(resume_point), checkpoints=checkpointer.summary())
-        if t.save_model:
+            resume=_resume_summary(resume_point), checkpoints=checkpointer.summary(), **dist_summary)
+        if t.save_model and main:
             save_model(model, corpus.tokenizer, run_dir.path / "model")
         run_dir.finish(summary)
         if wandb_run is not None:
             wandb_run.summary.update({"memory/peak(GiB)": memory["peak_bytes"] / 2**30, "loss/val": result.val_loss})
-        print_summary(summary, run_dir.path)
+        if main:
+            print_summary(summary, run_dir.path)
         return summary
     except Preempted as e:
         run_dir.fail(str(e) + "\n")
@@ -154,6 +168,9 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         raise
     except BaseException as e:
         run_dir.fail("".join(traceback.format_exception(e)))
+        if distributed.is_peer_failure(e, ctx):  # another rank died: one line, not this rank's traceback
+            last = checkpointer.saved[-1]["path"] if checkpointer.saved else None
+            exit_with_error(distributed.peer_failure_message(e, ctx, last), code=1)
         raise
     finally:
         if checkpointer is not None:
@@ -161,6 +178,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         if wandb_run is not None:
             with contextlib.suppress(Exception):
                 wandb_run.finish()
+        distributed.teardown(ctx)
 
 
 def announce_start(run: RunConfig, run_dir: RunDir, ckpt_root: Path, point) -> None:

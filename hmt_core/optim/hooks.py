@@ -36,9 +36,16 @@ refresh (checked only when a refresh is due, where the SVD synchronizes anyway) 
 backward (one check per in-hook update: Mode B, or no clipping); ``finish_step`` then discards every deferred
 update and returns a NaN norm. With Mode A + clipping (the default) a skipped step therefore changes nothing;
 when updates happen inside backward, layers updated before the bad gradient appeared keep their update.
+
+Multi-process (``experiments.distributed``): ``reduce_grad`` (set by the harness, None otherwise) averages a
+gradient across ranks in place before the hook uses it — each micro-batch's gradient of a Mode A weight (it is
+freed in the hook), the accumulated gradient of every other parameter on the last micro-batch — so refreshes,
+norms and updates see the global gradient, identically on every rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -64,6 +71,7 @@ class PerLayerEngine:
         self.deferred_dense: list[Slot] = []
         self.lagged_coef: Tensor | None = None
         self.nonfinite = False  # a non-finite gradient was seen in this step
+        self.reduce_grad: Callable[[Tensor], None] | None = None  # in place, across ranks (multi-process)
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in opt.slots]
 
     def remove(self) -> None:
@@ -111,6 +119,7 @@ class PerLayerEngine:
             param.grad = None
             return
         if s.projected and opt.cfg.mode == "A":
+            self._reduce(g)
             if (self.index == 0 or s.basis is None) and opt.refresh_due(s):
                 if not self._finite(g):
                     param.grad = None
@@ -133,6 +142,7 @@ class PerLayerEngine:
             return
         if not last:
             return  # p.grad keeps accumulating
+        self._reduce(g)
         self.norms[s.index] = torch.linalg.vector_norm(g)
         if (s.projected or not self.clipping) and not self._finite(self.norms[s.index]):
             param.grad = None
@@ -147,6 +157,10 @@ class PerLayerEngine:
         else:
             opt.update_full(s, g)
             param.grad = None
+
+    def _reduce(self, g: Tensor) -> None:
+        if self.reduce_grad is not None:
+            self.reduce_grad(g)
 
     def _finite(self, t: Tensor) -> bool:
         """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass."""

@@ -1,0 +1,167 @@
+"""Checkpoints of multi-process runs through ``torch.distributed.checkpoint`` (DCP), in the single-process layout.
+
+A checkpoint is ``<root>/step-NNNNNNNN/`` holding DCP's files (``.metadata`` and one ``__<rank>_0.distcp`` per
+writing rank) plus ``manifest.json`` (the step, the run's config, each file's size and SHA-256), so
+``hmt_core.checkpoint.verify``/``find_latest_good`` and ``experiments.checkpointing.find_resume`` (config check,
+damaged-checkpoint fallback) work unchanged. Atomicity: every rank writes into ``<root>/.tmp-step-NNNNNNNN``
+(``dcp.save`` is collective and returns once ``.metadata`` is written); rank 0 then hashes the files, writes the
+manifest and renames the directory to ``step-...``; a job killed before that leaves only a temp directory, which
+the next save removes.
+
+What is saved (one state dict, each entry through DCP):
+- ``model``: ``get_model_state_dict`` (plain tensors under DDP, DTensor shards under FSDP2: each rank writes its
+  shard; replicated tensors are written once);
+- ``optim``: ``get_optimizer_state_dict`` for torch's AdamW (sharded with the weights under FSDP2);
+- ``method``: every other method's own ``state_dict()`` (hmt bases and low-rank moments, galore-torch/apollo-torch
+  optimizer state with their projector objects), one serialized entry: it is identical on every rank (each rank
+  computes the same update from the all-reduced gradient), so DCP writes it once;
+- ``loop``: the loop state, the driver's base learning rates and the random generators (also identical on every
+  rank: all draw the same numbers; data batches come from their own generator).
+Loading reads them back into this process's model/optimizer with ``set_model_state_dict`` /
+``set_optimizer_state_dict``; resuming with another world size works (DCP reshards), the global batch being the
+same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from experiments.checkpointing import Checkpointer, LoopState, ResumePoint
+from hmt_core import checkpoint as ck
+
+
+PAUSE_SEALED_ENV = "HMT_DIST_CHECKPOINT_PAUSE_S"
+
+
+def torch_optimizer(method) -> torch.optim.Optimizer | None:
+    """The method's optimizer when it is torch's own AdamW (saved through ``get_optimizer_state_dict``)."""
+    opt = getattr(getattr(method, "driver", None), "optimizer", None)
+    return opt if type(opt) is torch.optim.AdamW else None
+
+
+def _blob(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unblob(buf: io.BytesIO, device: torch.device):
+    buf.seek(0)
+    return torch.load(buf, map_location=device, weights_only=False)
+
+
+class DistCheckpointer(Checkpointer):
+    """``Checkpointer`` whose save/restore are collective DCP calls; preemption flags are agreed across ranks."""
+
+    def __init__(self, root: Path, *, every: int, keep: int, model, method, meta: dict, ctx) -> None:
+        self.ctx = ctx
+        if not ctx.is_main:
+            ctx.barrier()  # rank 0 creates the directory and probes it first
+        super().__init__(root, every=every, keep=keep, model=model, method=method, meta=meta)
+        # test hook: every rank sleeps this long after each complete checkpoint (to kill a rank in between)
+        self.pause_sealed_s = float(os.environ.get(PAUSE_SEALED_ENV, "0") or 0)
+        if ctx.is_main:
+            ctx.barrier()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def _state_dict(self, state: LoopState | None) -> dict:
+        opt = torch_optimizer(self.method)
+        driver = getattr(self.method, "driver", None)
+        loop = None if state is None else {"state": dataclasses.asdict(state), "rng": ck.rng_state(),
+                                           "base_lrs": list(driver.base_lrs) if driver is not None else None}
+        sd = {"model": get_model_state_dict(self.model), "loop": _blob(loop) if loop is not None else io.BytesIO()}
+        if opt is not None:
+            sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        else:
+            sd["method"] = _blob(self.method.state_dict()) if state is not None else io.BytesIO()
+        return sd
+
+    def restore(self, point: ResumePoint, device: torch.device) -> LoopState:
+        expected = point.manifest["meta"].get("frozen_fingerprint")
+        if expected is not None and expected != self.fingerprint():
+            raise ck.CheckpointError(f"{point.path}: the frozen (not checkpointed) weights differ from the ones "
+                                     "this checkpoint was trained on (different seed, model.path or model?)")
+        sd = self._state_dict(None)
+        dcp.load(sd, checkpoint_id=str(point.path))
+        set_model_state_dict(self.model, sd["model"])
+        loop = _unblob(sd["loop"], device)
+        opt = torch_optimizer(self.method)
+        if opt is not None:
+            set_optimizer_state_dict(self.model, opt, sd["optim"])
+        else:
+            self.method.load_state_dict(_unblob(sd["method"], device))
+        if loop["base_lrs"] is not None:
+            self.method.driver.base_lrs = list(loop["base_lrs"])
+        ck.set_rng_state(loop["rng"])
+        return LoopState(**loop["state"])
+
+    # ---- save -----------------------------------------------------------------------------------------------
+    def save(self, state: LoopState) -> ck.SavedCheckpoint:
+        t0 = time.perf_counter()
+        step = state.next_step
+        tmp = self.root / f".tmp-{ck.step_dir_name(step)}"
+        if self.ctx.is_main:
+            ck._remove_leftovers(self.root)
+            tmp.mkdir()
+        self.ctx.barrier()
+        dcp.save(self._state_dict(state), checkpoint_id=str(tmp))
+        final = self.root / ck.step_dir_name(step)
+        sizes: dict[str, int] = {}
+        if self.ctx.is_main:
+            sizes = self._seal(tmp, final, step)
+        self.ctx.barrier()
+        if self.pause_sealed_s > 0:
+            time.sleep(self.pause_sealed_s)
+        saved = ck.SavedCheckpoint(final, int(step), sizes, time.perf_counter() - t0)
+        record = {"step": saved.step, "path": str(saved.path), "bytes": saved.total_bytes,
+                  "bytes_by_file": saved.bytes_by_file, "seconds": round(saved.seconds, 4)}
+        self.saved.append(record)
+        if self.ctx.is_main:
+            print(f"checkpoint step {step} (DCP, {self.ctx.world_size} ranks): {saved.total_bytes / 2**20:.2f} MiB "
+                  f"in {saved.seconds:.2f} s -> {final}", file=sys.stderr)
+        return saved
+
+    def _seal(self, tmp: Path, final: Path, step: int) -> dict[str, int]:
+        """Rank 0: manifest (sizes + SHA-256 of every DCP file), fsync, rename into place, prune."""
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": ck.sha256_file(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        meta = {**self.meta, "frozen_fingerprint": self.fingerprint(), "next_step": step,
+                "dist": {"format": "torch.distributed.checkpoint", "world_size": self.ctx.world_size,
+                         "mode": self.ctx.mode}}
+        manifest = {"format": ck.FORMAT, "step": int(step), "files": files, "meta": meta}
+        text = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
+        with open(tmp / ck.MANIFEST, "wb") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        for p in tmp.iterdir():  # DCP's writer does not fsync
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():
+            ck._discard(self.root, final)
+        os.rename(tmp, final)
+        if self.keep > 0:
+            ck.prune(self.root, self.keep)
+        return {**{name: info["bytes"] for name, info in files.items()}, ck.MANIFEST: len(text)}
+
+    # ---- preemption -----------------------------------------------------------------------------------------
+    def preempt_requested(self) -> bool:
+        """True on every rank once any rank received a preemption signal (all checkpoint together)."""
+        if self.ctx.any_rank(self.signal_received is not None):
+            if self.signal_received is None:  # another rank got it: act as if this one had
+                self.signal_received = signal.SIGTERM
+            return True
+        return False

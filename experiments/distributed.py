@@ -1,0 +1,329 @@
+"""Multi-process training on PyTorch's own engine, launched by ``torchrun``: ``dist=ddp`` (``torch.nn.parallel.
+DistributedDataParallel``) or ``dist=fsdp2`` (``torch.distributed.fsdp.fully_shard`` per decoder layer + root).
+
+``torchrun --nproc_per_node N -m experiments.run dist=ddp ...`` starts N processes; each reads torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and joins the default
+process group (gloo on CPU, nccl on CUDA; each rank on ``cuda:LOCAL_RANK``).
+
+Semantics:
+- ``train.batch_size`` is the **global** batch: rank r of W trains on rows ``[r·B/W, (r+1)·B/W)`` of every global
+  batch (B must be divisible by W), so a run with any W sees the same global batches — and, the loss being a mean
+  over equal-sized shards, the same mean-loss gradient — as the single-process run with the same config.
+- Rank 0 alone writes ``results/<run_id>/`` (other ranks get a ``NullRunDir``) and W&B; every rank evaluates the
+  same validation batches (identical weights give identical values). Logged metrics are reduced across ranks:
+  ``loss/train`` is the mean of the ranks' losses (the global-batch loss), memory is per rank:
+  ``memory/peak_max(GiB)`` and ``memory/peak_mean(GiB)`` beside rank 0's ``memory/peak(GiB)``.
+- Checkpoints go through ``torch.distributed.checkpoint`` (``experiments.dist_checkpoint``).
+
+Which collective each step issues (besides one all-reduce of the loss and of the preemption flag per step, and an
+all-gather of the peak memory on logged steps):
+- ``ddp``, every method but per-layer hmt: DDP's bucketed all-reduce of the gradients during backward (grads
+  divided by W, then summed), once per micro-batch; the optimizer then steps on identical gradients.
+- ``ddp`` + hmt with ``per_layer=true``: HMT updates each weight inside backward from its
+  ``register_post_accumulate_grad_hook``, which would see the *local* gradient before DDP's bucket all-reduce. So
+  the model is not wrapped in DDP; HMT's engine averages each gradient itself in that hook (``reduce_grad``: divide
+  by W, all-reduce SUM — DDP's arithmetic) before using it: per micro-batch for Mode A weights (the full gradient
+  dies in the hook), on the last micro-batch for the others. Bases are refreshed from the all-reduced gradient
+  with generators seeded identically on every rank, so every rank computes the same basis and the same update;
+  no parameter is ever broadcast after the initial one.
+- ``fsdp2``: FSDP2's per-layer all-gather of the weights in forward and backward, reduce-scatter of the gradients
+  in backward; AdamW steps on each rank's shard (DTensors). Only ``method=adamw`` (torch AdamW) is supported:
+  projection (galore, apollo, hmt) needs whole weight matrices, not row shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from experiments.errors import UserError
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+GIB = 2**30
+LAUNCH = "torchrun --nproc_per_node N -m experiments.run dist=ddp ..."
+
+
+@dataclass
+class DistContext:
+    """This process's place in the job, and the reductions the loop needs."""
+
+    mode: str
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean over ranks of a scalar (each rank's loss: the global-batch loss)."""
+        t = value.detach().reshape(1).to(self.device, torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t) / self.world_size
+
+    def all_finite(self, value: torch.Tensor) -> bool:
+        """True when ``value`` is finite on every rank (a step is skipped on all ranks or on none)."""
+        flag = torch.tensor([float(bool(torch.isfinite(value).all()))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def any_rank(self, value: bool) -> bool:
+        flag = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def gather_floats(self, value: float) -> list[float]:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [float(x) for x in out]
+
+    def memory_metrics(self, peak_bytes: float) -> dict[str, float]:
+        peaks = self.gather_floats(peak_bytes)
+        return {"memory/peak_max(GiB)": max(peaks) / GIB, "memory/peak_mean(GiB)": sum(peaks) / len(peaks) / GIB}
+
+    def memory_summary(self, peak_bytes: int) -> dict:
+        peaks = [int(p) for p in self.gather_floats(peak_bytes)]
+        return {"peak_bytes_by_rank": peaks, "peak_max_bytes": max(peaks), "peak_mean_bytes": sum(peaks) // len(peaks)}
+
+    def summary(self) -> dict:
+        return {"mode": self.mode, "world_size": self.world_size, "backend": self.backend,
+                "batch_semantics": "global", "device": str(self.device)}
+
+
+# ---- launch ------------------------------------------------------------------------------------------------
+def torchrun_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
+
+
+def check_launch(run, device: torch.device) -> None:
+    """Bad combinations of ``dist``, the launcher and the rest of the config, as one-line ``UserError``s."""
+    mode, world = run.dist.mode, torchrun_world_size()
+    if mode == "none":
+        if world is not None and world > 1:
+            raise UserError(f"launched with WORLD_SIZE={world} (torchrun) but dist=none: every rank would train "
+                            "the same model alone and write the same results; add dist=ddp or dist=fsdp2")
+        return
+    missing = [k for k in TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise UserError(f"dist={mode} needs torchrun's environment ({', '.join(missing)} unset): launch with "
+                        f"`{LAUNCH.replace('ddp', mode)}`")
+    if run.mode != "train":
+        raise UserError(f"dist={mode} with mode={run.mode}: multi-process runs train only (mode=dryrun is "
+                        "per process; run it without torchrun)")
+    if run.train.batch_size % world:
+        raise UserError(f"train.batch_size={run.train.batch_size} (the global batch) is not divisible by "
+                        f"WORLD_SIZE={world}: every rank takes an equal share")
+    backend = resolve_backend(run.dist.backend, device)
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError(f"dist.backend=nccl needs CUDA (device={device.type}); use dist.backend=gloo or auto")
+    name = run.method.name
+    if mode == "fsdp2":
+        if name != "adamw" or run.method.master_weights or run.method.stochastic_rounding:
+            raise UserError(f"dist=fsdp2 supports method=adamw (torch AdamW) only, got method={name}"
+                            + (" with master_weights/stochastic_rounding" if name == "adamw" else "")
+                            + ": projected methods need whole weight matrices; use dist=ddp")
+        if run.train.save_model:
+            raise UserError("dist=fsdp2 with train.save_model=true is not supported (the weights are sharded); "
+                            "use dist=ddp")
+    if name == "qlora":
+        raise UserError("method=qlora under dist=ddp is not supported (bitsandbytes' 4-bit weights are not "
+                        "broadcast by DDP); run it single-process")
+    if not run.activation.is_identity():
+        raise UserError(f"activation={run.activation.to_dict().get('preset', 'custom')} under dist={mode} is not "
+                        "supported yet (its probe is single-process); use activation=none")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def setup(run, device: torch.device) -> DistContext | None:
+    """Validate the launch, then join the process group (None for ``dist=none``)."""
+    check_launch(run, device)
+    if run.dist.mode == "none":
+        return None
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    backend = resolve_backend(run.dist.backend, device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=run.dist.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=local, backend=backend,
+                       device=device)
+
+
+def teardown(ctx: DistContext | None) -> None:
+    if ctx is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_zero_first(ctx: DistContext | None):
+    """Rank 0 runs the body first (it builds the token cache and tokenizer), the others after it (cache hits)."""
+    if ctx is None:
+        yield
+        return
+    if not ctx.is_main:
+        ctx.barrier()
+    yield
+    if ctx.is_main:
+        ctx.barrier()
+
+
+def for_rank(train_cfg, ctx: DistContext | None):
+    """The loop's train config on this rank: progress bar on rank 0 only."""
+    return train_cfg if ctx is None or ctx.is_main else replace(train_cfg, progress=False)
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+class RankShard:
+    """This rank's rows of every global batch of a ``PackedTokens`` stream (validation batches are whole)."""
+
+    def __init__(self, tokens, rank: int, world_size: int) -> None:
+        if tokens.batch_size % world_size:
+            raise ValueError(f"batch size {tokens.batch_size} not divisible by world size {world_size}")
+        self.tokens, self.rank, self.world_size = tokens, rank, world_size
+        self.rows = tokens.batch_size // world_size
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, step: int) -> torch.Tensor:  # -> (batch_size / world_size, seq_len) int64
+        return self.tokens.batch(step)[self.rank * self.rows:(self.rank + 1) * self.rows]
+
+    def fixed_batches(self, count: int) -> list[torch.Tensor]:
+        return self.tokens.fixed_batches(count)
+
+
+def shard_corpus(corpus, ctx: DistContext | None):
+    if ctx is None:
+        return corpus
+    return replace(corpus, train=RankShard(corpus.train, ctx.rank, ctx.world_size))
+
+
+# ---- model -------------------------------------------------------------------------------------------------
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the longest ``nn.ModuleList`` in the model."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def shard_model(model: nn.Module, ctx: DistContext | None) -> nn.Module:
+    """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head)."""
+    if ctx is None or ctx.mode != "fsdp2":
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None) -> nn.Module:
+    """The module the loop calls forward on. ``ddp``: a ``DistributedDataParallel`` wrapper, except for per-layer
+    HMT, whose engine all-reduces each gradient in its own hook (see the module docstring)."""
+    if ctx is None or ctx.mode != "ddp":
+        return model
+    engine = getattr(method, "engine", None)  # hmt with per_layer=true
+    if engine is not None:
+        broadcast_module(model)
+        engine.reduce_grad = gradient_averager(ctx.world_size)
+        return model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return _DDP(model, device_ids=ids, forward_sync_buffers=False)  # buffers are identical: no per-forward sync
+
+
+class _DDP(DistributedDataParallel):
+    """DDP that hands out the wrapped model the way PEFT does (``get_base_model``), so the fused loss
+    (``hmt_core.fused_ce.resolve_head``) finds the LM head while forward still goes through DDP."""
+
+    def get_base_model(self) -> nn.Module:
+        return self.module
+
+
+def gradient_averager(world_size: int):
+    def reduce(grad: torch.Tensor) -> None:  # in place; DDP's order: divide by W, then all-reduce SUM
+        grad.div_(world_size)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+
+    return reduce
+
+
+@torch.no_grad()
+def broadcast_module(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (what DDP does at construction)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(t.data, src=0)
+
+
+def checkpointer_class(ctx: DistContext | None, single):
+    """``single`` (``experiments.checkpointing.Checkpointer``) or, under torchrun, the DCP one."""
+    if ctx is None:
+        return single
+    import functools
+
+    from experiments.dist_checkpoint import DistCheckpointer
+
+    return functools.partial(DistCheckpointer, ctx=ctx)
+
+
+# ---- results -----------------------------------------------------------------------------------------------
+class NullRunDir:
+    """Ranks other than 0 write nothing: the same interface as ``experiments.results.RunDir``, doing nothing."""
+
+    def __init__(self, run_dir) -> None:
+        self.path, self.run_id = run_dir.path, run_dir.run_id
+
+    def start(self, config: dict, *, keep_metrics_before: int | None = None) -> None: ...
+
+    def set_status(self, status: str) -> None: ...
+
+    def log(self, metrics: dict) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def finish(self, summary: dict) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+
+def rank_run_dir(run_dir, ctx: DistContext | None):
+    return run_dir if ctx is None or ctx.is_main else NullRunDir(run_dir)
+
+
+def is_peer_failure(error: BaseException, ctx: DistContext | None) -> bool:
+    """A collective failed because another rank died or hung (gloo: connection closed; nccl: DistBackendError)."""
+    if ctx is None:
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Timed out", "timed out",
+        "Broken pipe", "ProcessGroup"))
+
+
+def peer_failure_message(error: BaseException, ctx: DistContext, last_checkpoint: str | None) -> str:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return (f"rank {ctx.rank} of {ctx.world_size}: a collective failed, another rank died or hung ({first}); "
+            f"last checkpoint: {last_checkpoint or 'none written'}; the same torchrun command resumes from it")

@@ -1,0 +1,238 @@
+"""Fused linear + cross-entropy: the causal-LM loss and its gradients from the final hidden states and the LM
+head's weight, without ever materializing the (tokens x vocab) logits.
+
+The idea is Liger-Kernel's fused linear cross entropy (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for
+LLM Training", Sec. 3.2: chunk the tokens, compute each chunk's logits, loss and gradients in turn) and Apple's Cut
+Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models", Sec. 4: keep only the
+per-token log-sum-exp from the forward pass, recompute logit blocks in backward). With T the tokens whose shifted
+label is not ``ignore_index``, z = φ(h Wᵀ + b) the logits after the architecture's final map φ (identity; a scale
+z·s for Cohere and Granite; a soft-cap c·tanh(z/c) for Gemma 2) and g the incoming gradient of the loss:
+
+    loss      = (1/|T|) Σ_{i∈T} (lse_i − z_{i,y_i}),          lse_i = log Σ_v exp z_{iv}
+    ∂loss/∂z  = g·[i∈T]/|T| · (exp(z_{iv} − lse_i) − [v = y_i])    (softmax minus one-hot)
+    δ         = ∂loss/∂z ⊙ φ'                                 (φ' = s, or 1 − (z/c)² for the soft-cap)
+    ∂/∂h = δ W,    ∂/∂W = δᵀ h,    ∂/∂b = Σ_i δ_i
+
+which is transformers' ``ForCausalLMLoss`` for ``labels=``: labels shifted left by one, the last position
+``ignore_index``, mean over the non-ignored tokens. The matmuls run in the dtype autocast gives the head (the input
+dtype without autocast), the softmax and everything after in fp32, as the plain path does.
+
+Memory, and why backward recomputes: forward walks token chunks of ``chunk_tokens`` rows; a chunk's logits (chunk x
+V, fp32) live only inside the loop, and what is saved for backward is the per-token lse (N fp32) and the shifted
+labels, beside the hidden states that the plain path's ``lm_head`` saves as well. Computing the gradients in
+forward (Liger's choice) would keep a (V x H) weight gradient and an (N x H) hidden gradient alive from the end of
+forward through the whole backward of the decoder; recomputing costs one extra N·H·V matmul (the head is ~2% of a
+7B model's FLOPs). Backward walks vocabulary blocks holding as many logits as a token chunk (N x Vb with
+N·Vb ≤ chunk_tokens·V): each block's rows of the weight gradient are final after one matmul, written once in the
+compute dtype as the plain path's single matmul writes them (no (V x H) accumulator, no extra rounding), and the
+hidden gradient accumulates over blocks in fp32 (N x H x 4 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default
+
+# model_type -> (scale s, soft-cap c or None) of the map φ its *ForCausalLM applies to lm_head's output before the
+# loss. Each entry is checked against the model's own ``labels=`` loss in tests/test_fused_ce.py.
+FINAL_LOGIT_MAPS: dict[str, Callable[[object], tuple[float, float | None]]] = {
+    "llama": lambda c: (1.0, None),
+    "mistral": lambda c: (1.0, None),
+    "qwen2": lambda c: (1.0, None),
+    "gpt2": lambda c: (1.0, None),
+    "gemma2": lambda c: (1.0, c.final_logit_softcapping),  # logits / c; tanh; * c
+    "cohere": lambda c: (float(c.logit_scale), None),  # logits * logit_scale
+    "granite": lambda c: (1.0 / float(c.logits_scaling), None),  # logits / logits_scaling
+}
+
+
+def shift_labels(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """labels: (B, T) -> (B, T): position t predicts labels[t + 1]; the last position is ``ignore_index``."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def compute_dtype(hidden: Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's on this device when it is on, else the input's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def head_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, *, dtype: torch.dtype, scale: float,
+                softcap: float | None) -> Tensor:
+    """hidden: (n, H), weight: (v, H), bias: (v,) | None -> φ(h Wᵀ + b): (n, v) fp32, a fresh tensor (the
+    matmul in ``dtype``, its output upcast, then φ in place)."""
+    z = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)).float()
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def chunk_loss_sum(z: Tensor, labels: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """z: (n, V) fp32 logits (overwritten), labels: (n,), valid: (n,) bool -> (Σ_valid (lse − z_y): 0-dim fp32,
+    lse: (n,) fp32)."""
+    target = z.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    peak = z.amax(dim=1)
+    lse = z.sub_(peak.unsqueeze(1)).exp_().sum(dim=1).log_().add_(peak)
+    return torch.where(valid, lse - target, 0.0).sum(), lse
+
+
+def block_grad_logits(z: Tensor, labels: Tensor, lse: Tensor, row_scale: Tensor, *, start: int, scale: float,
+                      softcap: float | None) -> Tensor:
+    """z: (N, Vb) fp32 logits φ(·) of vocabulary ids [start, start + Vb) (overwritten), labels, lse, row_scale:
+    (N,) -> δ: (N, Vb) fp32 = row_scale · (softmax − one-hot) ⊙ φ'; ``row_scale`` is g/|T| on valid rows, else 0."""
+    width = z.shape[1]
+    deriv = (z / softcap).square_().neg_().add_(1.0) if softcap is not None else None  # 1 − tanh²
+    d = z.sub_(lse.unsqueeze(1)).exp_()
+    in_block = (labels >= start) & (labels < start + width)  # ignore_index (< 0) is never in a block
+    d.scatter_add_(1, (labels - start).clamp(0, width - 1).unsqueeze(1), -in_block.to(d.dtype).unsqueeze(1))
+    d.mul_(row_scale.unsqueeze(1))
+    if deriv is not None:
+        d.mul_(deriv)
+    if scale != 1.0:
+        d.mul_(scale)
+    return d
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean next-token cross-entropy of φ(hidden Wᵀ + b) against already-shifted labels; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_tokens: int,
+                scale: float, softcap: float | None) -> Tensor:
+        # hidden: (N, H), weight: (V, H), bias: (V,) | None, labels: (N,) int64 (shifted) -> loss: () fp32
+        dtype = compute_dtype(hidden)
+        n = hidden.shape[0]
+        valid = labels != IGNORE_INDEX
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
+            for s in range(0, n, chunk_tokens):
+                e = min(n, s + chunk_tokens)
+                z = head_logits(hidden[s:e], weight, bias, dtype=dtype, scale=scale, softcap=softcap)
+                part, lse[s:e] = chunk_loss_sum(z, labels[s:e], valid[s:e])
+                del z
+                total += part
+        count = valid.sum()
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, count)
+        ctx.meta = (chunk_tokens, dtype, scale, softcap)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):  # grad_loss: () -> grads of (hidden, weight, bias), None for the rest
+        hidden, weight, bias, labels, lse, count = ctx.saved_tensors
+        chunk_tokens, dtype, scale, softcap = ctx.meta
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, v = hidden.shape[0], weight.shape[0]
+        block = min(v, max(1, -(-chunk_tokens * v // n)))  # N·Vb ≤ chunk_tokens·V logits per block (≥ 1 column)
+        row_scale = torch.where(labels != IGNORE_INDEX, grad_loss.float() / count, 0.0)  # (N,)
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
+            h = hidden.to(dtype)
+            grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+            grad_w = torch.empty((v, hidden.shape[1]), dtype=dtype, device=weight.device) if need_w else None
+            grad_b = torch.empty(v, dtype=dtype, device=weight.device) if need_b else None
+            for s in range(0, v, block):
+                e = min(v, s + block)
+                w = weight[s:e].to(dtype)
+                z = head_logits(h, w, None if bias is None else bias[s:e], dtype=dtype, scale=scale, softcap=softcap)
+                d = block_grad_logits(z, labels, lse, row_scale, start=s, scale=scale, softcap=softcap)
+                del z
+                d = d.to(dtype)  # (N, Vb): the fp32 block is freed here (the plain path rounds δ to dtype too)
+                if need_h:
+                    grad_h += d @ w  # (N, Vb) @ (Vb, H)
+                if need_w:
+                    torch.mm(d.t(), h, out=grad_w[s:e])  # (Vb, N) @ (N, H): these rows are final
+                if need_b:
+                    grad_b[s:e] = d.sum(dim=0)
+                del d, w
+        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, *,
+                         chunk_tokens: int = 1024, scale: float = 1.0, softcap: float | None = None) -> Tensor:
+    """hidden: (B, T, H), weight: (V, H), bias: (V,) | None, labels: (B, T) unshifted (``ignore_index`` = -100
+    where no loss) -> the mean next-token cross-entropy (0-dim fp32) of φ(hidden Wᵀ + b), as
+    ``ForCausalLMLoss(lm_head(hidden), labels)``, in chunks of ``chunk_tokens`` tokens."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return LinearCrossEntropy.apply(flat, weight, bias, shift_labels(labels).reshape(-1), chunk_tokens, scale,
+                                    softcap)
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """The output embedding of a causal LM and the final map φ its forward applies to the head's output."""
+
+    module: nn.Linear
+    scale: float
+    softcap: float | None
+
+
+def resolve_head(model: nn.Module) -> LMHead:
+    """The LM head of ``model`` (through a DDP or PEFT wrapper: ``.module``, ``get_base_model()``), or ValueError
+    naming why the fused loss cannot stand in for the model's own: an architecture whose final logit map is unknown
+    here, or a head that is not a plain ``nn.Linear`` (an adapter or a quantized layer on it)."""
+    base = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    get_base = getattr(base, "get_base_model", None)  # peft's PeftModel
+    base = get_base() if callable(get_base) else base
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    rule = FINAL_LOGIT_MAPS.get(model_type)
+    if rule is None:
+        raise ValueError(f"train.fused_ce=true: model type {model_type!r} ({type(base).__name__}) is not one whose "
+                         f"final logit map (scale, soft-cap) is known to the fused loss ({sorted(FINAL_LOGIT_MAPS)}); "
+                         "set train.fused_ce=false to use the model's own loss")
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        raise ValueError(f"train.fused_ce=true: the output embedding of {type(base).__name__} is "
+                         f"{type(head).__name__}, not a plain nn.Linear (an adapter or quantization on lm_head?); "
+                         "set train.fused_ce=false to use the model's own loss")
+    scale, softcap = rule(config)
+    return LMHead(module=head, scale=float(scale), softcap=None if softcap is None else float(softcap))
+
+
+def causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor | None = None, *,
+                   chunk_tokens: int = 1024) -> Tensor:
+    """``model(input_ids=input_ids, labels=labels).loss`` (labels default to the inputs) with the fused loss.
+
+    The model's own forward runs (wrappers, activation-policy scopes and hooks included); a forward pre-hook on the
+    LM head computes the loss from the hidden states it is given (what the plain path's head multiplies) and hands
+    the head an empty (B, 0, H) slice, so the model's logits are (B, 0, V) and never materialized."""
+    head = resolve_head(model)
+    labels = input_ids if labels is None else labels
+    box: dict[str, Tensor] = {}
+
+    def hook(module: nn.Linear, args: tuple, kwargs: dict):
+        if "loss" in box:
+            raise RuntimeError("fused cross-entropy: the LM head ran twice in one forward")
+        hidden = args[0] if args else kwargs["input"]
+        if hidden.shape[:-1] != labels.shape:
+            raise RuntimeError(f"fused cross-entropy: the LM head's input {tuple(hidden.shape)} does not match the "
+                               f"labels {tuple(labels.shape)} (hidden states sliced before the head?)")
+        box["loss"] = linear_cross_entropy(hidden, module.weight, module.bias, labels, chunk_tokens=chunk_tokens,
+                                           scale=head.scale, softcap=head.softcap)
+        empty = hidden[..., :0, :]
+        return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
+
+    handle = head.module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(input_ids=input_ids)
+    finally:
+        handle.remove()
+    if "loss" not in box:
+        raise RuntimeError(f"fused cross-entropy: {type(model).__name__}'s forward never called its LM head")
+    return box["loss"]
+
+
+__all__ = ["FINAL_LOGIT_MAPS", "IGNORE_INDEX", "LMHead", "LinearCrossEntropy", "causal_lm_loss",
+           "linear_cross_entropy", "resolve_head", "shift_labels"]
