@@ -186,11 +186,14 @@ class DistConfig:
     mode: str = "none"  # "none" | "ddp" (DistributedDataParallel) | "fsdp2" (fully_shard per decoder layer + root)
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     timeout_s: int = 600  # collective timeout: a hung peer fails the job after this long
+    lowrank_comm: bool = False  # per-layer hmt Mode A under ddp: all-reduce Ĝ = Pᵀ G between refreshes, not G
 
     def __post_init__(self) -> None:
         _one_of("dist", "mode", self.mode, DIST_MODES)
         _one_of("dist", "backend", self.backend, DIST_BACKENDS)
         _positive("dist", self, "timeout_s")
+        if self.lowrank_comm and self.mode != "ddp":
+            raise ValueError(f"dist.lowrank_comm=true needs dist=ddp (got dist={self.mode})")
 
 
 @dataclass(frozen=True, kw_only=True)

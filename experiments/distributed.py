@@ -25,7 +25,12 @@ all-gather of the peak memory on logged steps):
   by W, all-reduce SUM — DDP's arithmetic) before using it: per micro-batch for Mode A weights (the full gradient
   dies in the hook), on the last micro-batch for the others. Bases are refreshed from the all-reduced gradient
   with generators seeded identically on every rank, so every rank computes the same basis and the same update;
-  no parameter is ever broadcast after the initial one.
+  no parameter is ever broadcast after the initial one. With ``dist.lowrank_comm=true`` a Mode A weight between
+  refreshes all-reduces its projection ``Ĝ = project(G_local)`` (r × n) instead (``experiments.dist_comm``).
+
+Bytes handed to collectives are counted (``experiments.dist_comm.CommCounter``: the ``torch.distributed``
+functions wrapped, plus a counting DDP comm hook) and logged as ``comm/grad_bytes_per_step``/``comm/grad(MiB)``,
+with totals in ``summary.dist.comm``.
 - ``fsdp2``: FSDP2's per-layer all-gather of the weights in forward and backward, reduce-scatter of the gradients
   in backward; AdamW steps on each rank's shard (DTensors). Only ``method=adamw`` (torch AdamW) is supported:
   projection (galore, apollo, hmt) needs whole weight matrices, not row shards.
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from experiments.dist_comm import CommCounter, GradAverager, StepBytes
 from experiments.errors import UserError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -60,48 +66,72 @@ class DistContext:
     local_rank: int
     backend: str
     device: torch.device
+    lowrank_comm: bool = False  # dist.lowrank_comm: per-layer hmt reduces Ĝ between refreshes
+    comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist_comm), installed by setup
+
+    def __post_init__(self) -> None:
+        self.step_bytes = StepBytes(self.comm) if self.comm is not None else None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def _control(self):
+        """The loop's own collectives are counted apart from gradient traffic."""
+        return self.comm.scope("control") if self.comm is not None else contextlib.nullcontext()
+
     def barrier(self) -> None:
         dist.barrier()
 
     def mean(self, value: torch.Tensor) -> float:
-        """The mean over ranks of a scalar (each rank's loss: the global-batch loss)."""
+        """The mean over ranks of a scalar (each rank's loss: the global-batch loss). The loop calls it once per
+        step, which is how ``comm/grad_bytes_per_step`` counts steps."""
+        if self.step_bytes is not None:
+            self.step_bytes.step()
         t = value.detach().reshape(1).to(self.device, torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with self._control():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t) / self.world_size
 
     def all_finite(self, value: torch.Tensor) -> bool:
         """True when ``value`` is finite on every rank (a step is skipped on all ranks or on none)."""
         flag = torch.tensor([float(bool(torch.isfinite(value).all()))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        with self._control():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def any_rank(self, value: bool) -> bool:
         flag = torch.tensor([float(value)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with self._control():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def gather_floats(self, value: float) -> list[float]:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
-        dist.all_gather(out, t)
+        with self._control():
+            dist.all_gather(out, t)
         return [float(x) for x in out]
 
     def memory_metrics(self, peak_bytes: float) -> dict[str, float]:
+        """The per-rank figures of a logged step: peak memory over ranks, and (counted) gradient bytes per step
+        since the previous logged step (``comm/grad_bytes_per_step``, ``comm/grad(MiB)``)."""
         peaks = self.gather_floats(peak_bytes)
-        return {"memory/peak_max(GiB)": max(peaks) / GIB, "memory/peak_mean(GiB)": sum(peaks) / len(peaks) / GIB}
+        out = {"memory/peak_max(GiB)": max(peaks) / GIB, "memory/peak_mean(GiB)": sum(peaks) / len(peaks) / GIB}
+        if self.step_bytes is not None:
+            out.update(self.step_bytes.metrics())
+        return out
 
     def memory_summary(self, peak_bytes: int) -> dict:
         peaks = [int(p) for p in self.gather_floats(peak_bytes)]
         return {"peak_bytes_by_rank": peaks, "peak_max_bytes": max(peaks), "peak_mean_bytes": sum(peaks) // len(peaks)}
 
     def summary(self) -> dict:
-        return {"mode": self.mode, "world_size": self.world_size, "backend": self.backend,
-                "batch_semantics": "global", "device": str(self.device)}
+        out = {"mode": self.mode, "world_size": self.world_size, "backend": self.backend,
+               "batch_semantics": "global", "device": str(self.device), "lowrank_comm": self.lowrank_comm}
+        if self.step_bytes is not None:
+            out["comm"] = self.step_bytes.summary()
+        return out
 
 
 # ---- launch ------------------------------------------------------------------------------------------------
@@ -146,6 +176,17 @@ def check_launch(run, device: torch.device) -> None:
     if not run.activation.is_identity():
         raise UserError(f"activation={run.activation.to_dict().get('preset', 'custom')} under dist={mode} is not "
                         "supported yet (its probe is single-process); use activation=none")
+    if run.dist.lowrank_comm:
+        check_lowrank_comm(run.method)
+
+
+def check_lowrank_comm(method_cfg) -> None:
+    """``dist.lowrank_comm`` needs per-layer HMT in Mode A (the only path that projects before reducing)."""
+    name = method_cfg.name
+    if name != "hmt" or not getattr(method_cfg, "per_layer", False) or getattr(method_cfg, "mode", "A") != "A":
+        got = name if name != "hmt" else f"hmt with per_layer={method_cfg.per_layer}, mode={method_cfg.mode}"
+        raise UserError(f"dist.lowrank_comm=true needs method=hmt with per_layer=true and mode=A (got {got}): "
+                        "only per-layer Mode A projects a gradient before it is reduced")
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -168,10 +209,12 @@ def setup(run, device: torch.device) -> DistContext | None:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=run.dist.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=local, backend=backend,
-                       device=device)
+                       device=device, lowrank_comm=run.dist.lowrank_comm, comm=CommCounter().install())
 
 
 def teardown(ctx: DistContext | None) -> None:
+    if ctx is not None and ctx.comm is not None:
+        ctx.comm.uninstall()
     if ctx is not None and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -245,12 +288,20 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None) -> nn.Mo
     if ctx is None or ctx.mode != "ddp":
         return model
     engine = getattr(method, "engine", None)  # hmt with per_layer=true
+    setup_scope = ctx.comm.scope("setup") if ctx.comm is not None else contextlib.nullcontext()
     if engine is not None:
-        broadcast_module(model)
-        engine.reduce_grad = gradient_averager(ctx.world_size)
+        with setup_scope:
+            broadcast_module(model)
+        engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm)
         return model
+    if ctx.lowrank_comm:  # check_launch refuses it first; a direct caller gets the same message
+        raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return _DDP(model, device_ids=ids, forward_sync_buffers=False)  # buffers are identical: no per-forward sync
+    with setup_scope:
+        wrapped = _DDP(model, device_ids=ids, forward_sync_buffers=False)  # identical buffers: no per-forward sync
+    if ctx.comm is not None:  # counts each bucket, then DDP's default all-reduce (same arithmetic)
+        wrapped.register_comm_hook(None, ctx.comm.ddp_hook)
+    return wrapped
 
 
 class _DDP(DistributedDataParallel):
@@ -259,14 +310,6 @@ class _DDP(DistributedDataParallel):
 
     def get_base_model(self) -> nn.Module:
         return self.module
-
-
-def gradient_averager(world_size: int):
-    def reduce(grad: torch.Tensor) -> None:  # in place; DDP's order: divide by W, then all-reduce SUM
-        grad.div_(world_size)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-
-    return reduce
 
 
 @torch.no_grad()

@@ -41,11 +41,21 @@ Multi-process (``experiments.distributed``): ``reduce_grad`` (set by the harness
 gradient across ranks in place before the hook uses it — each micro-batch's gradient of a Mode A weight (it is
 freed in the hook), the accumulated gradient of every other parameter on the last micro-batch — so refreshes,
 norms and updates see the global gradient, identically on every rank.
+
+Low-rank gradient communication (``reduce_grad.lowrank``, ``dist.lowrank_comm=true``): a Mode A weight whose
+basis is not refreshed in this hook projects its *local* gradient with the basis every rank holds identically,
+and only ``Ĝ = project(G_local)`` (r × n) is averaged across ranks (``reduce_grad.projected``): by linearity
+``mean_k Pᵀ G_k = Pᵀ mean_k G_k``, so the update equals the full all-reduce up to fp32 summation order. A refresh
+needs the global gradient itself (the basis, the rank and the projection-error diagnostic are computed from it),
+so refresh hooks all-reduce G in full as before; other parameters always do. The full global gradient then
+exists only at refreshes, so a Mode A weight contributes ‖Ĝ‖ (the averaged projected gradient, ≤ ‖G‖) to the
+global norm on every step — the same rule as with accumulation (4. above): clipping and ``optim/grad_norm`` use
+the projected norm for Mode A weights under low-rank communication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -55,6 +65,16 @@ from hmt_core.kernels import ops as kops
 from hmt_core.basis_cache import BasisCache
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
 from hmt_core.projection import scalar
+
+
+class GradReducer(Protocol):
+    """Averages gradients across ranks in place (set by ``experiments.distributed``; None single-process)."""
+
+    lowrank: bool  # Mode A weights between refreshes: reduce Ĝ = project(G_local) instead of G
+
+    def full(self, grad: Tensor) -> None: ...  # grad: (out, in), any parameter
+
+    def projected(self, low: Tensor) -> None: ...  # low: Ĝ, (out, r) | (r, in) | (r, r), fp32
 
 
 class PerLayerEngine:
@@ -71,7 +91,7 @@ class PerLayerEngine:
         self.deferred_dense: list[Slot] = []
         self.lagged_coef: Tensor | None = None
         self.nonfinite = False  # a non-finite gradient was seen in this step
-        self.reduce_grad: Callable[[Tensor], None] | None = None  # in place, across ranks (multi-process)
+        self.reduce_grad: GradReducer | None = None  # in place, across ranks (multi-process)
         self.handles = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in opt.slots]
 
     def remove(self) -> None:
@@ -119,16 +139,21 @@ class PerLayerEngine:
             param.grad = None
             return
         if s.projected and opt.cfg.mode == "A":
-            self._reduce(g)
-            if (self.index == 0 or s.basis is None) and opt.refresh_due(s):
+            refresh = (self.index == 0 or s.basis is None) and opt.refresh_due(s)
+            lowrank = self.lowrank_comm
+            if refresh or not lowrank:
+                self._reduce(g)
+            if refresh:
                 if not self._finite(g):
                     param.grad = None
                     return
                 opt.refresh(s, g)
             low = kops.project(g, s.basis, backend=opt.kernels).float()
+            if lowrank and not refresh:
+                self.reduce_grad.projected(low)  # Pᵀ G_local, then the mean over ranks: r × n, not m × n
             s.pending = low if s.pending is None else s.pending.add_(low)
             if self.count == 1:
-                self.norms[s.index] = torch.linalg.vector_norm(g)
+                self.norms[s.index] = torch.linalg.vector_norm(low if lowrank else g)
             param.grad = None  # the full gradient dies here
             if not last:
                 return
@@ -158,9 +183,13 @@ class PerLayerEngine:
             opt.update_full(s, g)
             param.grad = None
 
+    @property
+    def lowrank_comm(self) -> bool:
+        return self.reduce_grad is not None and bool(getattr(self.reduce_grad, "lowrank", False))
+
     def _reduce(self, g: Tensor) -> None:
         if self.reduce_grad is not None:
-            self.reduce_grad(g)
+            self.reduce_grad.full(g)
 
     def _finite(self, t: Tensor) -> bool:
         """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass."""
