@@ -207,9 +207,14 @@ def _in_dtype_on_device(make, dtype: torch.dtype, device: torch.device | str):
 
 
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) element counts; a 4-bit packed weight counts its logical elements."""
+    """(total, trainable) element counts; a 4-bit packed weight counts its logical elements, and so does an INT8
+    weight (``hmt_core.int8_weights``: its phantom ``weight``, trainable; its codes and scales are storage)."""
+    from hmt_core.int8_weights import trained_in_place
+
     total = trainable = 0
     for p in model.parameters():
+        if trained_in_place(p):
+            continue
         n = p.numel()
         shape = getattr(getattr(p, "quant_state", None), "shape", None)
         if shape is not None:

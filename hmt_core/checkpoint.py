@@ -20,7 +20,9 @@ only checkpoints you wrote — the checksums detect damage, not tampering.
 
 Model state (``model_state``): trainable parameters and buffers are stored whole; frozen parameters are not
 stored at all (their delta against the initial weights is zero: a resumed run rebuilds them from the same seed
-or ``model.path``) and are checked instead through a fingerprint (SHA-256 of their bytes).
+or ``model.path``) and are checked instead through a fingerprint (SHA-256 of their bytes). INT8 weights
+(``hmt_core.int8_weights``) count as trainable: their codes and scales are stored (updated in place though not
+``requires_grad``), their one-element phantom ``weight`` is not.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from hmt_core.int8_weights import is_phantom, trained_in_place
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -262,11 +266,16 @@ def load_checkpoint(path: Path, map_location: torch.device | str = "cpu") -> tup
 
 
 # --------------------------------------------------------------------------------------- state in, state out
+def _stored(p: torch.Tensor) -> bool:
+    """A parameter whose value training changes: trainable, or INT8 codes/scales (not a phantom weight)."""
+    return trained_in_place(p) or (p.requires_grad and not is_phantom(p))
+
+
 def frozen_fingerprint(model: nn.Module) -> str:
     """SHA-256 over the names, dtypes, shapes and bytes of the frozen parameters."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad or trained_in_place(p):
             continue
         t = p.detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -277,7 +286,7 @@ def frozen_fingerprint(model: nn.Module) -> str:
 def model_state(model: nn.Module) -> dict[str, Any]:
     """Trainable parameters and buffers (references: the caller writes them before the next update)."""
     return {
-        "params": {n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+        "params": {n: p.detach() for n, p in model.named_parameters() if _stored(p)},
         "buffers": {n: b.detach() for n, b in model.named_buffers()},
     }
 
@@ -286,7 +295,7 @@ def model_state(model: nn.Module) -> dict[str, Any]:
 def load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    trainable = {n for n, p in params.items() if p.requires_grad}
+    trainable = {n for n, p in params.items() if _stored(p)}
     if set(state["params"]) != trainable:
         diff = sorted(set(state["params"]) ^ trainable)
         raise CheckpointError(f"checkpoint's trainable parameters differ from the model's: {diff[:5]}")

@@ -4,11 +4,15 @@ Mode B (APOLLO-style gradient scaling), updated per layer inside backward.
 HMT design (shared/seeds/000_hmt_design.txt), "Dynamic Low-Rank Gradient Projection": ``Ĝ_l = P_lᵀ G_l Q_l``
 (two-sided) or GaLore's one-sided rule (Zhao et al., 2024, Alg. 2), bases from exact SVD, randomized SVD or
 a seeded Gaussian (APOLLO, Zhu et al., 2024), refreshed every ``update_interval`` steps; rank by spectral
-energy ``E(r) ≥ τ`` (``hmt_core.rank``; random bases by the energy they capture). Update math:
+energy ``E(r) ≥ τ`` (``hmt_core.rank``; random bases by the energy they capture), capped so the
+projected state fits ``state_budget`` (``hmt_core.rank_budget``; default: GaLore's at its default rank). Update math:
 ``hmt_core.optim.update`` (with per-coordinate bias-correction clocks after a rank increase); per-layer hooks,
 gradient accumulation and the clipping rule: ``hmt_core.optim.hooks``. Update precision (``master_weights``:
 fp32 master copies, counted as optimizer state; ``stochastic_rounding``: BF16 writes rounded stochastically from a
-generator saved in the state dict): ``hmt_core.precision``.
+generator saved in the state dict): ``hmt_core.precision``. ``weight_dtype="int8"`` (Q-GaLore, Zhang et al., 2024,
+§3.3): ``prepare`` stores every projected weight as INT8 codes with per-block scales, dequantized one layer at a
+time in forward and backward, and every update is requantized by stochastic rounding (``hmt_core.int8_weights``);
+the LM head (read directly by the fused cross-entropy) and the non-projected weights keep the model's dtype.
 
 Which parameters are projected (``projected_weight_names``, shared with the galore and apollo baselines): 2-D
 weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` (GPT-2's layers, weight stored (in, out)) modules
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hmt_core import int8_weights
 from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.basis_cache import BasisCache, basis_bytes
 from hmt_core.optim.hooks import PerLayerEngine
@@ -43,6 +48,7 @@ from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
 from hmt_core.projection import SIDES, SOURCES
 from hmt_core.rank import FALLBACKS
+from hmt_core.rank_budget import normalize_state_budget
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +90,10 @@ class Config:
     master_weights: bool = False  # fp32 copy of each low-precision weight takes the updates (hmt_core.precision)
     stochastic_rounding: bool = False  # BF16 weights written by stochastic rounding of the fp32 result
     random_rank: str = "captured"  # basis=random, dynamic rank: "captured" (by the bases) | "spectrum" (legacy)
+    weight_dtype: str = "bf16"  # "bf16": projected weights keep the model's dtype | "int8" (hmt_core.int8_weights)
+    # dynamic rank: cap on the projected optimizer state (hmt_core.rank_budget): "galore" (GaLore's state at its
+    # default rank), a fraction of AdamW's state ("0.25"), bytes ("3GiB", "500MB", "123456"), or None
+    state_budget: str | None = "galore"
 
     def __post_init__(self) -> None:
         for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
@@ -105,6 +115,8 @@ class Config:
         choice("kernels", KERNEL_BACKENDS)
         choice("scaling", ("channel", "tensor"))
         choice("random_rank", ("captured", "spectrum"))
+        choice("weight_dtype", ("bf16", "int8"))
+        object.__setattr__(self, "state_budget", normalize_state_budget(self.state_budget))
         if not self.lr > 0:
             raise ValueError(f"method.lr must be > 0, got {self.lr}")
         for key in ("beta1", "beta2"):
@@ -138,6 +150,9 @@ class Config:
         if self.dense_8bit and (self.master_weights or self.stochastic_rounding):
             raise ValueError("method.dense_8bit=true (bitsandbytes AdamW8bit writes the weights itself) cannot be "
                              "combined with method.master_weights or method.stochastic_rounding")
+        if self.weight_dtype == "int8" and self.master_weights:
+            raise ValueError("method.weight_dtype=int8 writes its updates by stochastic rounding; "
+                             "method.master_weights=true (an fp32 copy of every weight) would defeat it")
         if self.offload_bases and not self.per_layer:
             raise ValueError("method.offload_bases=true needs method.per_layer=true")
         if self.basis_cache_mib <= 0:
@@ -206,13 +221,28 @@ class HMTMethod:
         self.last_grad_norm: float | None = None
 
     def prepare(self, model: nn.Module) -> nn.Module:
+        """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers."""
+        if self.config.weight_dtype == "int8":
+            int8_weights.quantize_linears(model, self._int8_targets(model), backend=self.config.kernels)
         return model
+
+    def _int8_targets(self, model: nn.Module) -> set[str]:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return {n for n in require_projected_weights(model, self.config.target_patterns)
+                if head is None or model.get_submodule(n.removesuffix(".weight")) is not head}
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
         c = self.config
         targets = require_projected_weights(model, c.target_patterns)
+        if c.weight_dtype == "int8":
+            plain = sorted(n for n in self._int8_targets(model) if not int8_weights.is_phantom(model.get_parameter(n)))
+            if plain:
+                raise ValueError(f"method.weight_dtype=int8: {plain[0]} (and {len(plain) - 1} more) is not INT8; "
+                                 "call prepare(model) before attach")
         slots = []
         for index, (name, p) in enumerate(((n, p) for n, p in model.named_parameters() if p.requires_grad), 1):
+            if int8_weights.is_phantom(p):  # the optimizer updates an INT8 weight through its handle
+                p = model.get_submodule(name.removesuffix(".weight")).handle
             projected = name in targets
             if projected and c.rank is not None and c.sides != "identity" and c.rank > min(p.shape):
                 raise ValueError(f"method.rank={c.rank} exceeds min(out, in)={min(p.shape)} of {name} "
@@ -264,6 +294,7 @@ class HMTMethod:
         if self.last_grad_norm is not None:
             out["optim/grad_norm"] = float(self.last_grad_norm)
         out.update(self.cache_stats())
+        out.update(self.opt.budget_metrics())
         return out
 
     def cache_stats(self) -> dict[str, float]:
@@ -275,11 +306,16 @@ class HMTMethod:
     def summary(self) -> dict[str, Any]:
         out = self.opt.history.summary()
         out["optim/state_bytes"] = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        out.update({k: int(v) for k, v in self.opt.budget_metrics().items()})
         out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)  # tensors
         out["projected_params"] = projected_elements(s.param for s in self.opt.slots if s.projected)  # elements
         out["optim/basis_fallbacks"] = self.opt.fallbacks
         if self.config.master_weights:
             out["optim/master_bytes"] = sum(s.master.numel() * 4 for s in self.opt.slots if s.master is not None)
+        quantized = [s.param for s in self.opt.slots if isinstance(s.param, int8_weights.Int8Weight)]
+        if quantized:
+            out["int8/weights"] = len(quantized)
+            out["int8/weight_bytes"] = sum(q.nbytes() for q in quantized)  # codes + scales
         out.update(self.cache_stats())
         return out
 

@@ -1,4 +1,4 @@
-"""Update precision for low-precision (BF16) weights: fp32 master weights and stochastic rounding.
+"""Update precision for low-precision weights (BF16, and INT8 codes): fp32 master weights and stochastic rounding.
 
 BF16 keeps 8 significant bits, so a weight w moves under round-to-nearest only if the update exceeds half its
 unit in the last place, ulp(w)/2 = 2^(⌊log₂|w|⌋ − 8). An Adam step is ≈ lr per element; at a fine-tuning lr of 1e-5
@@ -15,15 +15,19 @@ update is lost, step after step. Two remedies, chosen per method (``master_weigh
   so E[SR(x)] = x: small updates survive in expectation, at the price of rounding noise of variance
   ε²·p(1 − p) ≤ ε²/4. No persistent memory beyond a random generator; the update runs through fp32 row chunks.
 
-``stochastic_round`` is the rounding as a pure function (bit arithmetic on the fp32 pattern; reusable for other
-storage formats); ``UpdateWriter`` is the bookkeeping an optimizer uses to route its fp32 update to the weight.
+``stochastic_round`` is the rounding to BF16 as a pure function (bit arithmetic on the fp32 pattern);
+``stochastic_round_int`` the same rule onto the integer grid, for INT8 weight codes (Q-GaLore, Zhang et al., 2024,
+§3.3: the weight update is applied in high precision, then requantized to INT8 by stochastic rounding). Both draw
+their uniform bits with ``random_bits`` from one seeded generator. ``UpdateWriter`` is the bookkeeping an optimizer
+uses to route its fp32 update to the weight — also to a ``QuantizedWeight`` (``hmt_core.int8_weights``): dequantized
+rows in, the update applied in fp32, requantized by stochastic rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -33,6 +37,15 @@ from torch._subclasses.fake_tensor import is_fake
 CHUNK_BYTES = 16 << 20
 _LOW_BITS = 1 << 16  # BF16 is the upper 16 bits of the fp32 pattern: 16 bits are rounded away
 _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as int32
+
+
+def random_bits(shape: tuple[int, ...] | torch.Size, bits: int, generator: torch.Generator | None, *,
+                device: torch.device, fake: bool = False) -> Tensor:  # -> shape, int32 in [0, 2**bits)
+    """Uniform ``bits``-bit integers from ``generator`` (on ``device``). ``fake`` (dry run): an uninitialized int32
+    tensor of the same shape — the same bytes, no random draws."""
+    if fake:
+        return torch.empty(shape, dtype=torch.int32, device=device)
+    return torch.randint(0, 1 << bits, shape, generator=generator, dtype=torch.int32, device=device)
 
 
 def stochastic_round(x: Tensor, generator: torch.Generator | None,  # x: any shape, fp32
@@ -47,13 +60,51 @@ def stochastic_round(x: Tensor, generator: torch.Generator | None,  # x: any sha
         raise ValueError(f"stochastic_round supports bfloat16 targets, got {dtype}")
     if x.dtype != torch.float32:
         raise ValueError(f"stochastic_round rounds fp32 values, got {x.dtype}")
-    if is_fake(x):
-        noise = torch.empty(x.shape, dtype=torch.int32, device=x.device)  # shape only: same bytes, no draws
-    else:
-        noise = torch.randint(0, _LOW_BITS, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+    noise = random_bits(x.shape, 16, generator, device=x.device, fake=is_fake(x))
     bits = noise.add_(x.contiguous().view(torch.int32)).bitwise_and_(_HIGH_MASK)
     out = bits.view(torch.float32).to(dtype)  # the lower 16 bits are zero: the conversion is exact
     return out.masked_fill_(torch.isnan(x), float("nan"))
+
+
+def random_halfwords(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None, *,
+                     device: torch.device, fake: bool = False) -> Tensor:  # -> shape, int16
+    """Uniform signed 16-bit integers (all 2¹⁶ values equally likely), two per 32-bit draw of ``generator``: half the
+    generator's work of one draw per element. ``fake``: the same ops without draws (same bytes)."""
+    n = int(torch.Size(shape).numel())
+    words = ((n + 1) // 2,)
+    if fake:
+        raw = torch.empty(words, dtype=torch.int32, device=device)
+    else:
+        raw = torch.randint(-(1 << 31), 1 << 31, words, generator=generator, dtype=torch.int32, device=device)
+    return raw.view(torch.int16)[:n].view(shape)
+
+
+def stochastic_round_int(y: Tensor, generator: torch.Generator | None) -> Tensor:  # y: any shape, fp32, |y| < 2²³
+    """y rounded to an integer stochastically (Gupta et al., 2015, Eq. 2, with ε = 1): ⌊y⌋ + 1 with probability
+    f = y − ⌊y⌋, else ⌊y⌋, so E[SR(y)] = y and Var = f(1 − f) ≤ 1/4; integers never move. f is exact in fp32 for
+    |y| < 2²³. The draw: up iff u < f·2¹⁶ − 2¹⁵ for u uniform over the 2¹⁶ signed 16-bit integers, so
+    P(up) = ⌈f·2¹⁶⌉/2¹⁶ up to one fp32 rounding of the threshold: |P(up) − f| < 2⁻¹⁵, a bias below 2⁻¹⁵ of a unit.
+    Returns fp32 integer values (the caller clamps and casts); a fake y takes no draws."""
+    if y.dtype != torch.float32:
+        raise ValueError(f"stochastic_round_int rounds fp32 values, got {y.dtype}")
+    low = torch.floor(y)
+    threshold = torch.sub(y, low).mul_(65536.0).sub_(32768.0)  # f·2¹⁶ − 2¹⁵
+    up = random_halfwords(y.shape, generator, device=y.device, fake=is_fake(y)) < threshold
+    return low.add_(up)
+
+
+@runtime_checkable
+class QuantizedWeight(Protocol):
+    """A weight stored in a format an update cannot be applied to in place (``hmt_core.int8_weights``): the writer
+    reads rows as fp32, the optimizer updates them, and the weight stores them back by stochastic rounding."""
+
+    shape: torch.Size
+
+    def read_rows(self, index: Any) -> Tensor:  # -> (rows, cols) fp32
+        ...
+
+    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
+        ...
 
 
 def write_rows(shape: tuple[int, ...], chunk_bytes: int | None = None) -> list[Any]:
@@ -76,7 +127,9 @@ Probe = Callable[[Tensor, Any, Tensor], None]
 class UpdateWriter:
     """Routes an optimizer's update to a weight: in place (the default: the update is applied to the weight in its
     own dtype), into the weight's fp32 master copy (then copied into the weight, round-to-nearest), or into an fp32
-    temporary of some rows that is then rounded stochastically into the weight.
+    temporary of some rows that is then rounded stochastically into the weight. A ``QuantizedWeight`` (INT8 codes)
+    is always written through fp32 row chunks and stochastic rounding, whatever the flags (they apply to the
+    ordinary weights beside it).
 
     The optimizer applies its update (pure functions, in place) to what ``rows`` yields; the write-back happens when
     the ``with`` block ends. Owns the random generator of stochastic rounding (seeded with ``seed``, created on
@@ -111,6 +164,8 @@ class UpdateWriter:
 
     def spans(self, param: Tensor, master: Tensor | None) -> list[Any]:
         """Row indices to write ``param`` in: one span unless the write goes through fp32 temporaries."""
+        if isinstance(param, QuantizedWeight):
+            return write_rows(tuple(param.shape))
         if master is None and param.dtype != torch.float32 and (self.stochastic or self.probe is not None):
             return write_rows(tuple(param.shape))
         return [...]
@@ -126,6 +181,9 @@ class UpdateWriter:
     @contextlib.contextmanager
     def rows(self, param: Tensor, master: Tensor | None, index: Any = ...) -> Iterator[Tensor]:
         """Yields the tensor to update in place for ``param[index]`` (the weight's data, not the Parameter)."""
+        if isinstance(param, QuantizedWeight):
+            yield from self._quantized_rows(param, index)
+            return
         w = param[index]
         if master is not None:
             target = master[index]
@@ -141,6 +199,14 @@ class UpdateWriter:
             w.copy_(stochastic_round(target, gen))
         else:
             w.copy_(target)  # round-to-nearest
+        if self.probe is not None:
+            self.probe(param, index, target - before)
+
+    def _quantized_rows(self, param: QuantizedWeight, index: Any) -> Iterator[Tensor]:
+        target = param.read_rows(index)  # fp32: the high-precision domain of the update
+        before = target.clone() if self.probe is not None else None
+        yield target
+        param.write_rows(index, target, None if is_fake(target) else self._generator(target.device))
         if self.probe is not None:
             self.probe(param, index, target - before)
 

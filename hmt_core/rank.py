@@ -90,13 +90,16 @@ def choose_rank_by_capture(captured: list[float], ranks: tuple[int, ...], tau: f
 
 
 class RankHistory:
-    """Per-layer (step, rank, relative compression error) at every refresh."""
+    """Per-layer (step, rank, relative compression error, τ-rank) at every refresh. The τ-rank is the rank the
+    energy rule asked for; under a state budget (``hmt_core.rank_budget``) the rank held may be lower, and the
+    ``rank/budget_capped`` summary entry lists those refreshes."""
 
     def __init__(self) -> None:
-        self.history: dict[str, list[tuple[int, int, float]]] = {}
+        self.history: dict[str, list[tuple[int, int, float, int]]] = {}
 
-    def record(self, layer: str, step: int, rank: int, rel_error: float) -> None:
-        self.history.setdefault(layer, []).append((int(step), int(rank), float(rel_error)))
+    def record(self, layer: str, step: int, rank: int, rel_error: float, tau_rank: int | None = None) -> None:
+        tau = rank if tau_rank is None else tau_rank
+        self.history.setdefault(layer, []).append((int(step), int(rank), float(rel_error), int(tau)))
 
     def current(self) -> dict[str, int]:
         return {layer: h[-1][1] for layer, h in self.history.items() if h}
@@ -106,22 +109,26 @@ class RankHistory:
         if not ranks:
             return {}
         errors = [h[-1][2] for h in self.history.values() if h]
+        capped = sum(1 for h in self.history.values() if h and h[-1][1] < h[-1][3])
         return {"rank/mean": sum(ranks) / len(ranks), "rank/min": float(min(ranks)), "rank/max": float(max(ranks)),
-                "proj/rel_error_mean": sum(errors) / len(errors)}
+                "rank/capped_layers": float(capped), "proj/rel_error_mean": sum(errors) / len(errors)}
 
     def summary(self) -> dict[str, Any]:
-        all_refreshes = Counter(r for h in self.history.values() for _, r, _ in h)
-        errors = [e for h in self.history.values() for _, _, e in h]
+        all_refreshes = Counter(x[1] for h in self.history.values() for x in h)
+        errors = [x[2] for h in self.history.values() for x in h]
+        capped = {layer: [[s, r, t] for s, r, _, t in h if r < t] for layer, h in self.history.items()}
         return {
             "rank/histogram_current": {str(k): v for k, v in sorted(Counter(self.current().values()).items())},
             "rank/histogram_all_refreshes": {str(k): v for k, v in sorted(all_refreshes.items())},
-            "rank/history": {layer: [[s, r] for s, r, _ in h] for layer, h in self.history.items()},
-            "proj/rel_error_history": {layer: [[s, e] for s, _, e in h] for layer, h in self.history.items()},
+            "rank/history": {layer: [[s, r] for s, r, _, _ in h] for layer, h in self.history.items()},
+            "rank/budget_capped": {layer: c for layer, c in capped.items() if c},  # [step, rank, τ-rank]
+            "proj/rel_error_history": {layer: [[s, e] for s, _, e, _ in h] for layer, h in self.history.items()},
             "proj/rel_error_mean": sum(errors) / len(errors) if errors else None,
         }
 
     def state_dict(self) -> dict[str, Any]:
         return {layer: [list(x) for x in h] for layer, h in self.history.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = {layer: [(int(s), int(r), float(e)) for s, r, e in h] for layer, h in state.items()}
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # entries written before τ-ranks: τ-rank = rank
+        self.history = {layer: [(int(x[0]), int(x[1]), float(x[2]), int(x[3] if len(x) > 3 else x[1])) for x in h]
+                        for layer, h in state.items()}

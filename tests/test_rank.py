@@ -96,3 +96,19 @@ def test_rank_history_roundtrip():
     h2 = RankHistory()
     h2.load_state_dict(h.state_dict())
     assert h2.summary() == h.summary() and h2.current() == {"a": 64}
+
+
+def test_rank_history_records_budget_caps_and_reads_old_entries():
+    """A refresh whose rank the state budget cut below its τ-rank is listed (``rank/budget_capped``: step, rank,
+    τ-rank) and counted (``rank/capped_layers``, current ranks only); entries saved before τ-ranks were recorded
+    ((step, rank, error) triples) load with τ-rank = rank."""
+    h = RankHistory()
+    h.record("a", 0, 32, 0.1, tau_rank=64)
+    h.record("a", 200, 64, 0.2, tau_rank=64)
+    h.record("b", 0, 16, 0.3, tau_rank=128)
+    h.record("c", 0, 8, 0.3)
+    assert h.summary()["rank/budget_capped"] == {"a": [[0, 32, 64]], "b": [[0, 16, 128]]}
+    assert h.metrics()["rank/capped_layers"] == 1.0  # only b is capped now
+    old = RankHistory()
+    old.load_state_dict({"a": [[0, 32, 0.1], [200, 64, 0.2]]})
+    assert old.summary()["rank/budget_capped"] == {} and old.current() == {"a": 64}

@@ -177,8 +177,11 @@ def test_captured_energy():
 
 
 def random_method(g: torch.Tensor, **kw):
+    """No state budget: full rank here (96, fp32) would exceed GaLore's state ("galore") by Mode B's 4-byte
+    limiter norm, and these checks are about the τ rule alone."""
     net = nn.ModuleDict({"attn": nn.Linear(g.shape[1], g.shape[0], bias=False)})
-    method = hmt.make(hmt.Config(mode="B", basis="random", rank=None, update_interval=10, per_layer=False, **kw))
+    method = hmt.make(hmt.Config(mode="B", basis="random", rank=None, update_interval=10, per_layer=False,
+                                 state_budget=None, **kw))
     method.attach(net, max_grad_norm=None)
     seed0 = method.opt.slots[0].seed
     net.attn.weight.grad = g.clone()

@@ -9,8 +9,9 @@ Backends (``BACKENDS``):
 The backend is process-global (``set_backend`` / the ``using`` context manager; initial value from the
 ``HMT_KERNELS`` environment variable) and an optimizer config may override it per call (``resolve``).
 Importing this package never imports triton; the kernels live in ``quant`` (blockwise INT8/FP8 codecs,
-Dettmers et al. 2022) and ``lowrank`` (GaLore's projection and reconstruction, Zhao et al. 2024; Adam, Kingma &
-Ba 2015), the custom ops in ``ops``.
+Dettmers et al. 2022), ``lowrank`` (GaLore's projection and reconstruction, Zhao et al. 2024; Adam, Kingma &
+Ba 2015) and ``int8_weight`` (dequantization of INT8 weights with per-block scales, Q-GaLore, Zhang et al. 2024;
+its custom op ``hmt::int8_weight_dequant`` is in ``hmt_core.int8_weights.codec``), the other custom ops in ``ops``.
 """
 
 from __future__ import annotations

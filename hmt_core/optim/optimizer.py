@@ -13,6 +13,9 @@ their own bias-correction clock (``hmt_core.optim.update``, "Per-coordinate bias
 With ``basis="random"`` and a dynamic rank, the rank is chosen from what the Gaussian bases themselves capture
 (``random_rank="captured"``, ``hmt_core.rank.choose_rank_by_capture``), not from the gradient's spectrum.
 
+With ``state_budget`` and a dynamic rank, ``hmt_core.rank_budget.RankBudget`` caps each refresh's rank so the
+projected state (moments, basis, limiter) never exceeds the budget; the τ-rank is recorded beside it.
+
 Every weight write goes through ``hmt_core.precision.UpdateWriter``: in place (default), into the slot's fp32
 ``master`` copy, or through fp32 row chunks rounded stochastically into the BF16 weight.
 """
@@ -34,6 +37,7 @@ from hmt_core.optim import update as upd
 from hmt_core.precision import UpdateWriter
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
                            valid_candidates)
+from hmt_core.rank_budget import energy_curve, make_rank_budget
 
 
 def global_norm(norms: list[Tensor]) -> Tensor:
@@ -84,6 +88,8 @@ class LowRankOptimizer:
             s.seed = cfg.seed + s.index
             self.writer.check(s.name, s.param)
             s.master = self.writer.make_master(s.param)
+        self.budget = make_rank_budget({s.name: (tuple(s.param.shape), s.param.dtype.itemsize, s.candidates)
+                                        for s in slots if s.projected}, cfg)  # None: no state budget
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         if cfg.dense_8bit:
             import bitsandbytes as bnb  # optional dependency: only when asked for
@@ -106,7 +112,7 @@ class LowRankOptimizer:
         max_rank = min(shape)
         dtype, device = grad.dtype, grad.device
         orthonormal = c.basis != "random"
-        factors = None
+        factors = curve = tau_rank = None  # curve: E(r) on the budget's rank grid
         if c.sides == "identity":
             basis, rank, orthonormal = proj.identity_basis(shape, use_left, device, dtype), max_rank, True
         else:
@@ -121,14 +127,19 @@ class LowRankOptimizer:
             if c.rank is not None:
                 rank = c.rank
             elif c.basis == "random" and c.random_rank == "captured":
-                rank = self._random_rank(s, grad, use_left, use_right)
+                rank, curve = self._random_capture(s, grad, use_left, use_right)
             elif factors is not None:
                 rank = choose_rank(factors.s, factors.total_energy, candidates=s.candidates, tau=c.tau,
                                    fallback=c.rank_fallback, max_rank=max_rank)
-                if c.basis == "rsvd" and rank > factors.s.numel():  # full-rank fallback: needs every vector
-                    factors = proj.exact_svd(grad, rank) or factors
+                if self.budget is not None:
+                    curve = energy_curve(factors.s, factors.total_energy, self.budget.grid(s.name))
             else:
                 rank = s.rank or (valid_candidates(s.candidates, max_rank) or (max_rank,))[0]
+            tau_rank = rank
+            if self.budget is not None:  # dynamic rank only (a fixed rank has no budget)
+                rank = self.budget.choose(s.name, s.step, tau_rank, curve)
+            if factors is not None and c.basis == "rsvd" and rank > factors.s.numel():  # full rank: every vector
+                factors = proj.exact_svd(grad, rank) or factors
             if c.basis == "random":
                 basis, s.seed = proj.random_basis(shape, rank, use_left, use_right, s.seed, device, dtype)
             elif factors is not None and factors.s.numel() >= rank:
@@ -149,25 +160,34 @@ class LowRankOptimizer:
             if c.moment_policy == "reset":
                 s.adam_t = 0
         s.basis, s.rank = basis, rank
+        if self.budget is not None:
+            self.budget.commit(s.name, rank)
         self.refreshes += 1
-        self.history.record(s.name, s.step, rank, proj.relative_projection_error(grad, basis, orthonormal))
+        self.history.record(s.name, s.step, rank, proj.relative_projection_error(grad, basis, orthonormal), tau_rank)
 
     def _random_rank(self, s: Slot, grad: Tensor, use_left: bool, use_right: bool) -> int:  # grad: (out, in)
         """Smallest rank whose seeded Gaussian basis (the one ``random_basis`` would draw now) captures
         ≥ τ × what the largest considered rank's basis captures (the largest candidate, or full rank with
         ``rank_fallback="full"``). Dry run: the largest (no values to measure)."""
+        return self._random_capture(s, grad, use_left, use_right)[0]
+
+    def _random_capture(self, s: Slot, grad: Tensor, use_left: bool,
+                        use_right: bool) -> tuple[int, tuple[float, ...] | None]:  # grad: (out, in)
+        """(``_random_rank``, the energy each budget grid rank's basis captures; None without a budget)."""
         c, shape = self.cfg, tuple(grad.shape)
         max_rank = min(shape)
         ranks = valid_candidates(s.candidates, max_rank)
         if c.rank_fallback == "full" or not ranks:
             ranks = tuple(sorted(set(ranks) | {max_rank}))
         if is_fake(grad):
-            return ranks[-1]
-        captured = []
-        for r in ranks:
+            return ranks[-1], None
+        grid = self.budget.grid(s.name) if self.budget is not None else ()
+        captured = {}
+        for r in sorted(set(ranks) | set(grid)):
             b, _ = proj.random_basis(shape, r, use_left, use_right, s.seed, grad.device, grad.dtype)
-            captured.append(captured_energy(grad, b.left, b.right))
-        return choose_rank_by_capture(captured, ranks, c.tau)
+            captured[r] = captured_energy(grad, b.left, b.right)
+        rank = choose_rank_by_capture([captured[r] for r in ranks], ranks, c.tau)
+        return rank, (tuple(captured[r] for r in grid) if grid else None)
 
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
@@ -317,6 +337,17 @@ class LowRankOptimizer:
             for st in opt.state.values():
                 yield from (t for t in st.values() if isinstance(t, Tensor))
 
+    def projected_state_bytes(self) -> int:
+        """Bytes of the projected weights' state tensors (moments, limiter, basis): what ``state_budget`` bounds."""
+        return sum(t.numel() * t.element_size() for s in self.slots if s.projected
+                   for t in (s.m, s.v, s.limiter_prev, *(s.basis or ())) if t is not None)
+
+    def budget_metrics(self) -> dict[str, float]:
+        out = {"optim/projected_state_bytes": float(self.projected_state_bytes())}
+        if self.budget is not None:
+            out["optim/state_budget_bytes"] = float(self.budget.budget)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         slots = {}
         for s in self.slots:
@@ -330,6 +361,7 @@ class LowRankOptimizer:
             }
         return {"slots": slots, "history": self.history.state_dict(), "refreshes": self.refreshes,
                 "fallbacks": self.fallbacks, "lr": self.lr, "precision": self.writer.state_dict(),
+                "budget": self.budget.state_dict() if self.budget is not None else None,
                 "dense8": {name: opt.state_dict() for name, opt in self.dense8.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -352,6 +384,13 @@ class LowRankOptimizer:
             if st.get("master") is not None:
                 s.master = to(st["master"])
         self.history.load_state_dict(state["history"])
+        if self.budget is not None:
+            if state.get("budget") is not None:
+                self.budget.load_state_dict(state["budget"])
+            else:  # written without a budget: the ranks held are the slots' own
+                for s in self.slots:
+                    if s.projected and s.basis is not None and s.rank in self.budget.grid(s.name):
+                        self.budget.commit(s.name, s.rank)
         self.refreshes, self.fallbacks = int(state["refreshes"]), int(state["fallbacks"])
         self.set_lr(float(state["lr"]))
         self.writer.load_state_dict(state.get("precision"))

@@ -1,0 +1,12 @@
+"""INT8 weights with stochastic-rounding updates for HMT (``method.weight_dtype=int8``; Q-GaLore, Zhang et al.,
+2024, §3.3): the codec (``codec``: block-absmax codes, dequantization through a Triton kernel or its PyTorch
+fallback) and the layer (``linear``: ``Int8Linear`` with its custom autograd Function, and the ``Int8Weight``
+handle HMT's optimizer updates through ``hmt_core.precision.UpdateWriter``)."""
+
+from hmt_core.int8_weights.codec import BLOCK, QMAX, block_absmax, dequantize, dequantize_torch, num_blocks, quantize
+from hmt_core.int8_weights.linear import (Int8Linear, Int8LinearFunction, Int8Weight, int8_layers, is_phantom,
+                                          quantize_linears, role, trained_in_place)
+
+__all__ = ["BLOCK", "QMAX", "Int8Linear", "Int8LinearFunction", "Int8Weight", "block_absmax", "dequantize",
+           "dequantize_torch", "int8_layers", "is_phantom", "num_blocks", "quantize", "quantize_linears", "role",
+           "trained_in_place"]

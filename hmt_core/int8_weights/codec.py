@@ -1,0 +1,117 @@
+"""INT8 weight codes: symmetric absmax quantization with one fp32 scale per block of ``block`` consecutive input
+features of a row (Q-GaLore, Zhang et al., 2024, §3.3 stores weights in INT8 with group size 256; it uses
+asymmetric min/max groups, we use the symmetric absmax rule of the project's other INT8 codecs, Dettmers et al.
+2022). For a weight W (rows, cols) and block b (the last block of a row may be shorter):
+
+    s[i, k] = max_{j ∈ block k} |W[i, j]| / 127   (1 for an all-zero block),   q[i, j] = R(W[i, j] / s[i, ⌊j/b⌋])
+
+with R round-to-nearest-even (``quantize(..., generator=None)``: converting a model) or stochastic rounding
+(``hmt_core.precision.stochastic_round_int``: writing an update, unbiased), clamped to [−127, 127]. Dequantized:
+Ŵ[i, j] = q[i, j]·s[i, ⌊j/b⌋]. Error bound: |Ŵ − W| ≤ s/2 per element with round-to-nearest (the clamp only
+removes the fp32 rounding of W/s past ±127), < s with stochastic rounding. Blocks along the input dimension keep
+rows independent: an optimizer's row chunk is requantized on its own, and one outlier only widens its block's
+step (``benchmarks/int8_bench.py`` compares block sizes and per-output-channel scales by their error).
+
+``dequantize`` runs the Triton kernel of ``hmt_core.kernels.int8_weight`` when ``hmt_core.kernels.use_triton``
+says so (through the custom op ``hmt::int8_weight_dequant``, with a fake implementation) and the PyTorch fallback
+``dequantize_torch`` otherwise — called directly, so the memory meter sees its real ops (as ``hmt_core.kernels.ops``
+does for its fallbacks); both write the product straight into the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from hmt_core import kernels
+from hmt_core.precision import CHUNK_BYTES, stochastic_round_int
+
+BLOCK = 256  # Q-GaLore's weight group size
+QMAX = 127.0
+
+
+def num_blocks(cols: int, block: int) -> int:
+    return -(-cols // block)
+
+
+def _split(cols: int, block: int) -> tuple[int, int]:
+    """(number of whole blocks, columns they cover) of a row of ``cols``; the rest is one shorter block."""
+    n = cols // block
+    return n, n * block
+
+
+def block_absmax(w: Tensor, block: int) -> Tensor:  # w: (rows, cols) -> (rows, nb) fp32
+    rows, cols = w.shape
+    n, full = _split(cols, block)
+    parts = []
+    if n:
+        v = w[:, :full].reshape(rows, n, block)
+        parts.append(torch.maximum(v.amax(dim=2), -v.amin(dim=2)).float())  # two reductions, no |w| temporary
+    if full < cols:
+        t = w[:, full:]
+        parts.append(torch.maximum(t.amax(dim=1, keepdim=True), -t.amin(dim=1, keepdim=True)).float())
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _scaled_op(op, a: Tensor, s: Tensor, block: int, out: Tensor) -> Tensor:
+    """out = op(a, s expanded over each block) for a, out: (rows, cols), s: (rows, nb); no expanded copy of s."""
+    rows, cols = a.shape
+    n, full = _split(cols, block)
+    if n:
+        op(a[:, :full].reshape(rows, n, block), s[:, :n, None], out=out[:, :full].view(rows, n, block))
+    if full < cols:
+        op(a[:, full:], s[:, n:], out=out[:, full:])
+    return out
+
+
+def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows, cols) int8, s (rows, nb) fp32)
+             generator: torch.Generator | None = None, *, stochastic: bool = False) -> tuple[Tensor, Tensor]:
+    """Codes and scales of ``w`` (see the module docstring): round-to-nearest, or stochastic rounding from
+    ``generator`` when ``stochastic``. Non-finite values are refused (ValueError) on real tensors when converting
+    (round-to-nearest); an update's write trusts its caller (HMT skips non-finite gradients before updating)."""
+    if w.dim() != 2:
+        raise ValueError(f"int8 weight quantization needs a 2-D weight, got shape {tuple(w.shape)}")
+    absmax = block_absmax(w, block)
+    if not stochastic and not is_fake(absmax) and absmax.numel() and not bool(torch.isfinite(absmax).all()):
+        raise ValueError("int8 weight quantization: the weight contains NaN or Inf")
+    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+    y = _scaled_op(torch.div, w, scale, block, torch.empty(w.shape, dtype=torch.float32, device=w.device))
+    y = stochastic_round_int(y, generator) if stochastic else y.round_()
+    return y.clamp_(-QMAX, QMAX).to(torch.int8), scale  # |W/s| ≤ 127 up to one fp32 rounding of the division
+
+
+def chunk_rows(cols: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows of an fp32 (rows, cols) temporary that fit ``chunk_bytes``."""
+    return max(1, chunk_bytes // max(1, 4 * cols))
+
+
+def dequantize_torch(q: Tensor, scale: Tensor, block: int,  # q: (rows, cols) int8, scale: (rows, nb) fp32
+                     dtype: torch.dtype) -> Tensor:  # -> (rows, cols) dtype
+    """q·s computed in fp32 (the ops' common dtype: one rounding) and stored in ``dtype`` by round-to-nearest-even,
+    written straight into the output (``out=``; no weight-sized temporary on CUDA, where the cast is fused)."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    return _scaled_op(torch.mul, q, scale, block, out)
+
+
+@torch.library.custom_op("hmt::int8_weight_dequant", mutates_args=())
+def int8_weight_dequant(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype, backend: str = "") -> Tensor:
+    # q: (rows, cols) int8, scale: (rows, nb) fp32 -> (rows, cols) dtype
+    if kernels.use_triton(q, scale, backend=backend):
+        from hmt_core.kernels import int8_weight
+        return int8_weight.dequant(q, scale, block, dtype)
+    return dequantize_torch(q, scale, block, dtype)
+
+
+@int8_weight_dequant.register_fake
+def _(q, scale, block, dtype, backend=""):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+def dequantize(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype,  # q: (rows, cols), scale: (rows, nb)
+               *, backend: str | None = None) -> Tensor:
+    """Ŵ = q·s in ``dtype``: the Triton kernel when it runs (``backend``: "auto" | "triton" | "torch", None: the
+    global one), else ``dequantize_torch``."""
+    if kernels.use_triton(q, scale, backend=backend):
+        return torch.ops.hmt.int8_weight_dequant(q, scale, block, dtype, backend or kernels.get_backend())
+    return dequantize_torch(q, scale, block, dtype)
