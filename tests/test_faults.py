@@ -82,7 +82,7 @@ MICRO_MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediat
 
 
 def _train(tmp_path, method_raw: dict, *, steps: int, nan_loss=(), nan_grad=(), **train_kw):
-    """Real data, model, method and loop; NaN injected into the loss (lm_head output) or one weight's gradient at
+    """Real data, model, method and loop; NaN injected into the loss (the final norm's output) or one weight's gradient at
     chosen steps. Returns (result or raised exception, per-step snapshots of weights + optimizer state)."""
     torch.manual_seed(0)
     cfg = TrainConfig(steps=steps, seq_len=32, batch_size=2, warmup_steps=1, log_every=1, eval_every=100,
@@ -95,7 +95,9 @@ def _train(tmp_path, method_raw: dict, *, steps: int, nan_loss=(), nan_grad=(), 
     method.attach(model, max_grad_norm=1.0)
     current = {"step": 0}
     nan = float("nan")
-    model.lm_head.register_forward_hook(lambda m, i, out: out * nan if current["step"] in nan_loss else out)
+    # the final norm's output feeds the loss whichever way it is computed (plain, or the fused linear + CE,
+    # which reads lm_head's input and never its output)
+    model.model.norm.register_forward_hook(lambda m, i, out: out * nan if current["step"] in nan_loss else out)
     weight = model.model.layers[0].mlp.down_proj.weight
     weight.register_hook(lambda g: g * nan if current["step"] in nan_grad else g)
     snapshots, rows = [], []

@@ -318,3 +318,38 @@ def test_fallback_works_and_triton_backend_fails_clearly_without_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------- INT8 weight dequantization
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_weight_dequant_kernel_bit_identical(dtype):
+    """hmt_core.kernels.int8_weight vs the PyTorch fallback: codes and block scales of weights whose rows end in a
+    shorter block (300 = 4·64 + 44), one block per row (block ≥ cols), blocks of 1, a row slice (an optimizer's
+    chunk) and magnitudes over 9 decades; the Int8Linear built on it gives the same forward and gradients."""
+    from hmt_core.int8_weights import Int8Linear, dequantize, quantize
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols, block in ((7, 300, 64), (5, 256, 256), (3, 17, 1), (33, 130, 512), (1, 1, 256)):
+        w = torch.randn(rows, cols, generator=gen) * torch.logspace(-6, 3, cols)
+        q, s = quantize(w, block)
+        for index in (..., slice(1, max(2, rows - 1))):
+            with kernels.using("torch"):
+                ref = dequantize(q[index], s[index], block, dtype)
+            with kernels.using("triton"):
+                got = dequantize(q[index], s[index], block, dtype)
+            assert got.dtype == dtype and got.shape == ref.shape
+            assert torch.equal(_bits(got), _bits(ref)), (rows, cols, block, dtype, index)
+    x = torch.randn(2, 3, 40, generator=gen).to(dtype)
+    results = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(1)
+        layer = Int8Linear.from_module(torch.nn.Linear(40, 24).to(dtype), block=16, backend=backend)
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.float().square().sum().backward()
+        results.append([out, xi.grad, layer.weight.grad, layer.bias.grad])
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*results))
+    with FakeTensorMode():  # the custom op's fake answers shape and dtype
+        q, s = torch.empty(6, 70, dtype=torch.int8), torch.empty(6, 2)
+        out = torch.ops.hmt.int8_weight_dequant(q, s, 64, dtype, "triton")
+        assert out.shape == (6, 70) and out.dtype == dtype

@@ -4,8 +4,16 @@ fallback) and the layer (``linear``: ``Int8Linear`` with its custom autograd Fun
 handle HMT's optimizer updates through ``hmt_core.precision.UpdateWriter``)."""
 
 from hmt_core.int8_weights.codec import BLOCK, QMAX, block_absmax, dequantize, dequantize_torch, num_blocks, quantize
-from hmt_core.int8_weights.linear import (Int8Linear, Int8LinearFunction, Int8Weight, int8_layers, is_phantom,
-                                          quantize_linears, role, trained_in_place)
+from hmt_core.int8_weights.linear import (
+    Int8Linear,
+    Int8LinearFunction,
+    Int8Weight,
+    int8_layers,
+    is_phantom,
+    quantize_linears,
+    role,
+    trained_in_place,
+)
 
 __all__ = ["BLOCK", "QMAX", "Int8Linear", "Int8LinearFunction", "Int8Weight", "block_absmax", "dequantize",
            "dequantize_torch", "int8_layers", "is_phantom", "num_blocks", "quantize", "quantize_linears", "role",
