@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
