@@ -83,6 +83,8 @@ MODEL_PHASES: dict[str, ModelConfig] = {
                       vocab_size=32000),
     "13b": ModelConfig(name="13b", hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824,
                        vocab_size=32000),
+    "70b": ModelConfig(name="70b", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       intermediate_size=28672, vocab_size=32000),
 }
 
 
@@ -187,11 +189,16 @@ class DistConfig:
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
     timeout_s: int = 600  # collective timeout: a hung peer fails the job after this long
     lowrank_comm: bool = False  # per-layer hmt Mode A under ddp: all-reduce Ĝ = Pᵀ G between refreshes, not G
+    world_size: int | None = None  # mode=dryrun only: trace rank 0 of this many (fake process group, one process)
 
     def __post_init__(self) -> None:
         _one_of("dist", "mode", self.mode, DIST_MODES)
         _one_of("dist", "backend", self.backend, DIST_BACKENDS)
         _positive("dist", self, "timeout_s")
+        if self.world_size is not None:
+            _positive("dist", self, "world_size")
+            if self.mode == "none":
+                raise ValueError(f"dist.world_size={self.world_size} needs dist=ddp or dist=fsdp2")
         if self.lowrank_comm and self.mode != "ddp":
             raise ValueError(f"dist.lowrank_comm=true needs dist=ddp (got dist={self.mode})")
 

@@ -68,6 +68,7 @@ class DistContext:
     device: torch.device
     lowrank_comm: bool = False  # dist.lowrank_comm: per-layer hmt reduces Ĝ between refreshes
     comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist_comm), installed by setup
+    mesh: object | None = None  # fsdp2's DeviceMesh (None: fully_shard builds the default one)
 
     def __post_init__(self) -> None:
         self.step_bytes = StepBytes(self.comm) if self.comm is not None else None
@@ -143,6 +144,13 @@ def torchrun_world_size() -> int | None:
 def check_launch(run, device: torch.device) -> None:
     """Bad combinations of ``dist``, the launcher and the rest of the config, as one-line ``UserError``s."""
     mode, world = run.dist.mode, torchrun_world_size()
+    if run.dist.world_size is not None and run.mode != "dryrun":
+        raise UserError(f"dist.world_size={run.dist.world_size} is for mode=dryrun (one process tracing rank 0 of "
+                        "a fake process group); a training run takes its world size from torchrun")
+    if run.mode == "dryrun" and mode != "none" and world is None:
+        if run.dist.world_size is None:
+            raise UserError(f"mode=dryrun with dist={mode} needs dist.world_size=N (the world size to trace)")
+        return check_combination(run, run.dist.world_size)
     if mode == "none":
         if world is not None and world > 1:
             raise UserError(f"launched with WORLD_SIZE={world} (torchrun) but dist=none: every rank would train "
@@ -154,14 +162,20 @@ def check_launch(run, device: torch.device) -> None:
                         f"`{LAUNCH.replace('ddp', mode)}`")
     if run.mode != "train":
         raise UserError(f"dist={mode} with mode={run.mode}: multi-process runs train only (mode=dryrun is "
-                        "per process; run it without torchrun)")
-    if run.train.batch_size % world:
-        raise UserError(f"train.batch_size={run.train.batch_size} (the global batch) is not divisible by "
-                        f"WORLD_SIZE={world}: every rank takes an equal share")
+                        "one process; run it without torchrun, with dist.world_size=N)")
     backend = resolve_backend(run.dist.backend, device)
     if backend == "nccl" and device.type != "cuda":
         raise UserError(f"dist.backend=nccl needs CUDA (device={device.type}); use dist.backend=gloo or auto")
-    name = run.method.name
+    check_combination(run, world)
+
+
+def check_combination(run, world: int) -> None:
+    """What ``dist``, ``world`` ranks and the rest of the config must agree on (training and dry run alike)."""
+    mode, name = run.dist.mode, run.method.name
+    if run.train.batch_size % world:
+        source = "dist.world_size" if run.mode == "dryrun" else "WORLD_SIZE"
+        raise UserError(f"train.batch_size={run.train.batch_size} (the global batch) is not divisible by "
+                        f"{source}={world}: every rank takes an equal share")
     if mode == "fsdp2":
         if name != "adamw" or run.method.master_weights or run.method.stochastic_rounding:
             raise UserError(f"dist=fsdp2 supports method=adamw (torch AdamW) only, got method={name}"
@@ -277,31 +291,95 @@ def shard_model(model: nn.Module, ctx: DistContext | None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=ctx.mesh)
+    fully_shard(model, mesh=ctx.mesh)
     return model
 
 
-def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None) -> nn.Module:
+@contextlib.contextmanager
+def dryrun_context(run):
+    """``mode=dryrun`` with ``dist=ddp|fsdp2``: rank 0's ``DistContext`` in one process. Joins PyTorch's fake
+    process group (``world_size=dist.world_size``: collectives return at once, tensors keep their shapes), unless
+    a group already exists (a real multi-process trace, which is how the fake figures are validated). The FSDP2
+    mesh is built here, before the caller enters ``FakeTensorMode`` (``DeviceMesh`` reads values)."""
+    if run.dist.mode == "none":
+        yield None
+        return
+    own = not dist.is_initialized()
+    if own:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=run.dist.world_size)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        if run.dist.world_size is not None and world != run.dist.world_size:
+            raise UserError(f"dist.world_size={run.dist.world_size} but the process group has {world} ranks")
+        mesh = None
+        if run.dist.mode == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+        yield DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=rank,
+                          backend=dist.get_backend(), device=torch.device("cpu"), mesh=mesh)
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_sync: bool = True,
+                     rebuild_buckets: bool = True) -> nn.Module:
     """The module the loop calls forward on. ``ddp``: a ``DistributedDataParallel`` wrapper, except for per-layer
-    HMT, whose engine all-reduces each gradient in its own hook (see the module docstring)."""
+    HMT, whose engine all-reduces each gradient in its own hook (see the module docstring). ``init_sync=False``
+    (a dry run on fake tensors, which have no values to compare or broadcast): skip the initial broadcast of
+    rank 0's weights, an in-place copy that allocates nothing. ``rebuild_buckets=False`` (the dry run, on real
+    and fake tensors alike): keep the construction-time gradient buckets; DDP's re-bucketing in the second forward
+    reads bucket indices that a fake tensor has no values for."""
     if ctx is None or ctx.mode != "ddp":
         return model
     engine = getattr(method, "engine", None)  # hmt with per_layer=true
     setup_scope = ctx.comm.scope("setup") if ctx.comm is not None else contextlib.nullcontext()
     if engine is not None:
-        with setup_scope:
-            broadcast_module(model)
+        if init_sync:
+            with setup_scope:
+                broadcast_module(model)
         engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm)
         return model
     if ctx.lowrank_comm:  # check_launch refuses it first; a direct caller gets the same message
         raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     with setup_scope:
-        wrapped = _DDP(model, device_ids=ids, forward_sync_buffers=False)  # identical buffers: no per-forward sync
+        wrapped = _DDP(model, device_ids=ids, forward_sync_buffers=False, init_sync=init_sync)  # identical buffers: no per-forward sync
     if ctx.comm is not None:  # counts each bucket, then DDP's default all-reduce (same arithmetic)
         wrapped.register_comm_hook(None, ctx.comm.ddp_hook)
+    elif ctx.backend == "fake":
+        wrapped.register_comm_hook(ctx.world_size, _fake_pg_allreduce_hook)
+    if not rebuild_buckets:
+        wrapped.reducer = _KeepBuckets(wrapped.reducer)
     return wrapped
+
+
+class _KeepBuckets:
+    """DDP's C++ reducer, answering "rebuilt the buckets?" with no (the rebuild never runs)."""
+
+    def __init__(self, reducer) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+
+def _fake_pg_allreduce_hook(world_size, bucket):  # bucket: dist.GradBucket -> Future[Tensor] (DDP checks real annotations)
+    """DDP's default hook (divide by W, all-reduce in place) for the fake process group, whose asynchronous work
+    completes with no value: the same in-place ops, then a future holding the bucket."""
+    buffer = bucket.buffer()
+    buffer.div_(world_size)
+    dist.all_reduce(buffer)
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
 
 
 class _DDP(DistributedDataParallel):

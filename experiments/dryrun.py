@@ -26,6 +26,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from experiments import distributed
 from experiments.config import RunConfig
 from experiments.errors import UserError
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
@@ -166,11 +167,13 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
     is how the fake figures are validated); returns the measured figures."""
     t = run.train
     assumed = AssumedScalars()
-    with FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext(), \
+    with distributed.dryrun_context(run) as ctx, \
+            FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext(), \
             unpacked_sequences() if fake else contextlib.nullcontext():
+        rows = t.batch_size // (ctx.world_size if ctx is not None else 1)  # this rank's share of the global batch
         torch.manual_seed(run.seed)
         model = build_model(run.model, device="cpu")
-        model = method.prepare(model)
+        model = distributed.shard_model(method.prepare(model), ctx)  # fsdp2: fully_shard per layer + root
         model.train()
         params_total, params_trainable = count_params(model)
         meter = MemoryMeter(source="fake" if fake else "tracker")
@@ -183,19 +186,21 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
         except ValueError as e:  # the method's settings do not fit this model (rank > dims, ...)
             raise UserError(str(e)) from None
         check_lm_loss(model, t)
+        forward_model = distributed.wrap_for_forward(model, method, ctx, init_sync=not fake,  # ddp: DDP (or hmt's)
+                                                     rebuild_buckets=False)
         vocab = model.get_input_embeddings().num_embeddings
         autocast = lambda: autocast_context(torch.device("cpu"), t.autocast)  # noqa: E731
         probed, act_handle = None, None
         if not run.activation.is_identity():  # as in mode=train: the probe, then the policy
-            probed = metered_probe(model, run.activation, torch.randint(0, vocab, (t.batch_size, t.seq_len)),
+            probed = metered_probe(model, run.activation, torch.randint(0, vocab, (rows, t.seq_len)),
                                    autocast=autocast, source=meter.source)
             act_handle = apply_policy(model, run.activation)
         retention = ModuleRetention(model, meter)
         for step in range(run.dryrun.steps):
             method.set_lr_scale(1.0)
-            micro = [torch.randint(0, vocab, (t.batch_size, t.seq_len)) for _ in range(t.grad_accum)]
+            micro = [torch.randint(0, vocab, (rows, t.seq_len)) for _ in range(t.grad_accum)]
             with meter:
-                train_step(model, method, micro, meter=meter, autocast=autocast, fused_ce=t.fused_ce,
+                train_step(forward_model, method, micro, meter=meter, autocast=autocast, fused_ce=t.fused_ce,
                            ce_chunk_tokens=t.ce_chunk_tokens)
         retention.remove()
         meter.remove_hooks()
@@ -204,12 +209,16 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
                 "probe_peak_bytes": probed["peak_bytes"] if probed else None,
                 "probe_tokens": probed["tokens"] if probed else None,
                 "assumed_scalars": dict(assumed.sites), "params_total": params_total, "params_trainable": params_trainable,
-                "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary()}
+                "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary(),
+                "dist": None if ctx is None else {"mode": ctx.mode, "world_size": ctx.world_size,
+                                                  "backend": ctx.backend, "rank": ctx.rank,
+                                                  "batch_semantics": "global", "rank_batch_size": rows}}
 
 
 def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                    build_summary, print_summary) -> dict:
     """Trace first, write after: a bad setting fails before anything in ``run_dir`` is touched."""
+    distributed.check_launch(run, device)  # dist=ddp|fsdp2: dist.world_size, the method, the batch split
     start = time.perf_counter()
     try:
         traced = trace_steps(run, method)
@@ -240,6 +249,7 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
         activation_summary=None if run.activation.is_identity() else {
             "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"],
             "probe_peak_bytes": traced["probe_peak_bytes"], "probe_tokens": traced["probe_tokens"]},
+        **({"dist": traced["dist"]} if traced["dist"] else {}),
         dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
                 "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
                 "cuda_context_gib": run.dryrun.cuda_context_gib, "verdict_peak_bytes": verdict_peak,
@@ -257,6 +267,10 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
 def print_dryrun(summary: dict) -> None:
     d, mem = summary["dryrun"], summary["memory"]
     print(f"  traced in             : {d['wall_s']:.1f} s (seq {d['seq_len']}, batch {d['batch_size']})")
+    if summary.get("dist"):
+        ds = summary["dist"]
+        print(f"  dist                  : {ds['mode']}, rank {ds['rank']} of {ds['world_size']} ({ds['backend']} "
+              f"process group), per-rank batch {ds['rank_batch_size']}; memory figures are this rank's")
     for phase, cats in mem["peak_by_phase_category_bytes"].items():
         print(f"  peak in {phase:<14}: {mem['peak_by_phase_bytes'][phase] / GIB:.3f} GiB  ("
               + ", ".join(f"{k} {v / GIB:.3f}" for k, v in cats.items() if v) + ")")

@@ -92,9 +92,18 @@ class MemoryReport:
         }
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor`` (FSDP2's sharded parameters, their gradients and AdamW state) is a wrapper whose storage
+    reports the *global* size; what this rank holds is its local shard (``_local_tensor``)."""
+    while hasattr(t, "_local_tensor") and isinstance(t._local_tensor, torch.Tensor):
+        t = t._local_tensor
+    return t
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]:
     for t in tensors:
         if isinstance(t, torch.Tensor):
+            t = _local(t)
             try:
                 yield t.untyped_storage()
             except (NotImplementedError, RuntimeError):  # sparse / nested / wrapper tensors without storage

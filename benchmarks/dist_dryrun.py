@@ -1,0 +1,91 @@
+"""Per-rank memory at world sizes 1, 8, 64 from the fake-process-group dry run (``mode=dryrun dist=...
+dist.world_size=W``), one subprocess per case; each case's summary goes to ``results/dist_dryrun/<case>.json`` and
+the table is printed from those files (``--table`` prints it without running anything).
+
+    python benchmarks/dist_dryrun.py --models 7b 13b --worlds 1 8 64
+    python benchmarks/dist_dryrun.py --table
+
+Rows: adamw under FSDP2 (params, grads and AdamW state sharded 1/W), hmt and galore under DDP (replicated: the
+per-rank figure does not depend on W, so they run at W=8 only unless ``--worlds`` says otherwise). Seq 2048,
+per-rank batch 1 (``train.batch_size=W``, the global batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "results" / "dist_dryrun"
+GIB = 2**30
+SETUPS = {  # name -> (dist, method overrides)
+    "adamw-fsdp2": ("fsdp2", ["method=adamw"]),
+    "hmt-ddp": ("ddp", ["method=hmt"]),
+    "galore-ddp": ("ddp", ["method=galore"]),
+}
+CATS = ("params", "grads", "optimizer", "activations", "temp")
+
+
+def run_case(model: str, setup: str, world: int, seq: int, timeout_s: float) -> dict:
+    mode, overrides = SETUPS[setup]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "experiments.run", "mode=dryrun", f"model={model}", f"dist={mode}",
+               f"dist.world_size={world}", f"train.batch_size={world}", f"train.seq_len={seq}", *overrides,
+               f"results_dir={tmp}", "run_id=case", "wandb.mode=disabled"]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        wall = time.perf_counter() - start
+        if proc.returncode:
+            return {"model": model, "setup": setup, "world_size": world, "error": proc.stderr.strip()[-500:]}
+        summary = json.loads((Path(tmp) / "case" / "summary.json").read_text())
+    mem = summary["memory"]
+    return {"model": model, "setup": setup, "dist": mode, "world_size": world, "seq_len": seq, "rank_batch_size": 1,
+            "peak_bytes": mem["peak_bytes"], "peak_by_category_bytes": mem["peak_by_category_bytes"],
+            "trace_wall_s": summary["dryrun"]["wall_s"], "subprocess_wall_s": wall, "command": " ".join(cmd[1:-3]),
+            "dist_summary": summary["dist"]}
+
+
+def table(rows: list[dict]) -> str:
+    head = "| model | setup | W | per-rank peak (GiB) | " + " | ".join(f"{c} (GiB)" for c in CATS) + " | traced (s) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    order = {"7b": 0, "13b": 1, "70b": 2}
+    for r in sorted(rows, key=lambda r: (order.get(r["model"], 9), r["setup"], r["world_size"])):
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['setup']} | {r['world_size']} | error: {r['error'][-80:]} |")
+            continue
+        cats = " | ".join(f"{r['peak_by_category_bytes'][c] / GIB:.2f}" for c in CATS)
+        lines.append(f"| {r['model']} | {r['setup']} | {r['world_size']} | {r['peak_bytes'] / GIB:.2f} | {cats} | "
+                     f"{r['trace_wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["7b", "13b"])
+    ap.add_argument("--worlds", nargs="+", type=int, default=[1, 8, 64])
+    ap.add_argument("--ddp-worlds", nargs="+", type=int, default=[8])
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--table", action="store_true", help="print the table from results/dist_dryrun/ only")
+    args = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not args.table:
+        for model in args.models:
+            for setup in args.setups:
+                for world in args.worlds if SETUPS[setup][0] == "fsdp2" else args.ddp_worlds:
+                    row = run_case(model, setup, world, args.seq, args.timeout_s)
+                    (OUT / f"{model}-{setup}-w{world}.json").write_text(json.dumps(row, indent=2) + "\n")
+                    print(f"{model} {setup} W={world}: "
+                          + (f"{row['peak_bytes'] / GIB:.2f} GiB in {row['trace_wall_s']:.0f} s" if "error" not in row
+                             else "error: " + row["error"][-200:]), flush=True)
+    print(table([json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Per-rank dry run (``mode=dryrun dist=ddp|fsdp2 dist.world_size=W``): rank 0 of a fake process group, traced in
+one process under FakeTensorMode, measures what rank 0 of a real multi-process run measures.
+
+1. Fake vs real: the same ``experiments.dryrun.trace_steps`` runs on real tensors in 2 processes (gloo, real
+   collectives, ``fake=False``) and on fake tensors with the fake process group at W=2; rank 0's peak, per-phase
+   peaks and peak-by-category agree within 1 % (FSDP2 adamw and DDP adamw / per-layer hmt).
+2. Shapes: under FSDP2 the optimizer state at W=4 is exactly the sum over parameters of rank 0's dim-0 chunk
+   (``ceil(rows / 4)`` rows, FSDP2's ``torch.chunk`` split) of each moment, i.e. 1/4 of W=1 up to that rounding;
+   parameters and gradients likewise. At W=1 the fake process group's params/grads/optimizer equal the plain dry
+   run's; DDP's peak is the plain one plus exactly its gradient bucket buffer.
+3. Bad input (``dist.world_size`` outside a dry run, a batch not divisible by W) fails with one line.
+
+Why 1 %: fake tensors carry shapes, dtypes and storages exactly, so every allocation has the real size; what
+can differ is only which storages are alive at the peak op when the real collectives (gloo) allocate
+scratch tensors the fake process group does not (measured: identical bytes in every category here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from experiments import methods
+from experiments.config import register_configs, to_run_config
+from experiments.dryrun import trace_steps
+
+register_configs()
+CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
+MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
+         "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "dryrun.steps=2"]
+CASES = {
+    "fsdp2-adamw": ["dist=fsdp2", "method=adamw"],
+    "ddp-adamw": ["dist=ddp", "method=adamw"],
+    "ddp-hmt": ["dist=ddp", "method=hmt", "method.rank=8", "method.update_interval=1"],  # hmt's own all-reduce
+}
+
+
+def _run(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return to_run_config(compose("run", overrides=["mode=dryrun", *MICRO, *overrides]))
+
+
+def _trace(run, *, fake: bool = True) -> dict:
+    return trace_steps(run, methods.make_method(run.method), fake=fake)
+
+
+def _figures(rep) -> dict:
+    return {"peak": rep.peak_bytes, "phases": dict(rep.peak_by_phase_bytes),
+            "categories": dict(rep.peak_by_category_bytes), "current": dict(rep.current_by_category_bytes)}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {name: _figures(_trace(_run(*o, f"dist.world_size={world}"), fake=False)["report"])
+                   for name, o in CASES.items()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def real() -> dict:
+    """Rank 0's meter in a real 2-process gloo run of every case."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(2, port, out), nprocs=2, join=True)
+        return json.loads(Path(out, "rank0.json").read_text())
+
+
+def _close(actual: dict, expected: dict) -> list[str]:
+    """Rows that differ by more than 1 % (categories: or 64 bytes, a step counter's size) — printed on failure."""
+    bad = []
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            bad += [f"{key}.{row}" for row in _close(actual[key], value)]
+        elif abs(actual[key] - value) > max(0.01 * abs(value), 64):
+            bad.append(f"{key}: fake {actual[key]:,} vs real {value:,}")
+    return bad
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fake_process_group_rank0_equals_real_two_process_rank0(real, name):
+    fake = _figures(_trace(_run(*CASES[name], "dist.world_size=2"))["report"])
+    bad = _close(fake, real[name])
+    assert not bad, f"{name}: fake W=2 vs real 2-process rank 0:\n  " + "\n  ".join(bad) + f"\nfake {fake}\nreal {real[name]}"
+
+
+def _rank0_chunk_bytes(shapes: list[torch.Size], world: int, elem: int) -> int:
+    """Rank 0's dim-0 chunk of each tensor: ``torch.chunk`` gives it ceil(rows / W) rows."""
+    return sum(math.ceil(s[0] / world) * math.prod(s[1:]) * elem for s in shapes)
+
+
+def test_fsdp2_shards_optimizer_state_params_and_grads_by_shapes():
+    plain = _trace(_run("method=adamw"))
+    shapes = [p.shape for p in _trace_model_shapes()]
+    elem = 2  # bf16 weights, bf16 AdamW moments (the model's dtype)
+    steps = 4 * len(shapes)  # AdamW's fp32 step counter per parameter
+    by_w = {w: _trace(_run("dist=fsdp2", "method=adamw", f"dist.world_size={w}"))["report"] for w in (1, 4)}
+    for w, rep in by_w.items():
+        cur = rep.current_by_category_bytes
+        expected_opt = 2 * _rank0_chunk_bytes(shapes, w, elem) + steps
+        assert cur["optimizer"] == expected_opt, (w, cur["optimizer"], expected_opt)
+        assert cur["params"] == _rank0_chunk_bytes(shapes, w, elem), (w, cur["params"])
+        grads = rep.peak_by_phase_category_bytes["optimizer"]["grads"]
+        assert grads == _rank0_chunk_bytes(shapes, w, elem), (w, grads)
+    ratio = by_w[4].current_by_category_bytes["optimizer"] / by_w[1].current_by_category_bytes["optimizer"]
+    assert 0.25 <= ratio < 0.25 * 1.05, ratio  # 1/4 up to ceil(rows / 4) rounding and the step counters
+    p = plain["report"].current_by_category_bytes
+    w1 = by_w[1].current_by_category_bytes
+    assert (w1["params"], w1["optimizer"]) == (p["params"], p["optimizer"]), (w1, p)
+
+
+def _trace_model_shapes():
+    from experiments.models import build_model
+
+    return list(build_model(_run("method=adamw").model, device="cpu").parameters())
+
+
+def test_ddp_at_world_size_one_is_the_plain_dry_run_plus_its_gradient_buckets():
+    """DDP replicates: params, grads and optimizer state are the plain run's; the reducer adds one flat bucket
+    buffer holding every gradient (bf16 here), which stays alive between steps."""
+    plain = _trace(_run("method=adamw"))["report"]
+    ddp = _trace(_run("dist=ddp", "method=adamw", "dist.world_size=1"))["report"]
+    buckets = sum(p.numel() * 2 for p in _trace_model_shapes())
+    for key in ("params", "grads", "optimizer"):
+        assert ddp.peak_by_category_bytes[key] == plain.peak_by_category_bytes[key], (key, ddp, plain)
+    assert ddp.current_by_category_bytes["temp"] - plain.current_by_category_bytes["temp"] == buckets, (ddp, plain)
+    assert ddp.peak_bytes - plain.peak_bytes == buckets, (ddp.peak_bytes, plain.peak_bytes, buckets)
+
+
+def test_summary_reports_the_world_size_and_per_rank_batch(tmp_path):
+    from experiments.run import main_with_config
+
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("run", overrides=["mode=dryrun", *MICRO, "dist=fsdp2", "method=adamw", "dist.world_size=64",
+                                        "train.batch_size=64", f"results_dir={tmp_path}", "run_id=t"])
+    summary = main_with_config(cfg)
+    assert summary["dist"] == {"mode": "fsdp2", "world_size": 64, "backend": "fake", "rank": 0,
+                               "batch_semantics": "global", "rank_batch_size": 1}, summary["dist"]
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (["mode=train", "dist=fsdp2", "dist.world_size=8"], ["dist.world_size=8", "mode=dryrun"]),
+    (["mode=dryrun", "dist=fsdp2", "dist.world_size=3"], ["train.batch_size=4", "dist.world_size=3"]),
+    (["mode=dryrun", "dist=fsdp2", "method=galore", "dist.world_size=2"], ["dist=fsdp2", "method=galore"]),
+    (["mode=dryrun", "dist=ddp"], ["dist.world_size=N"]),
+    (["mode=dryrun", "dist.world_size=2"], ["dist.world_size=2", "dist=ddp"]),
+])
+def test_bad_per_rank_dry_runs_fail_with_one_line(capsys, tmp_path, overrides, fragments):
+    from experiments.run import main_with_config
+
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("run", overrides=[*MICRO, "method=adamw", *overrides, f"results_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as exc:
+        main_with_config(cfg)
+    assert exc.value.code not in (0, None)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(f in lines[0] for f in fragments), (fragments, lines[0])
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written
