@@ -209,11 +209,66 @@ class MemoryMeter(TorchDispatchMode):
                         record.category = "activations"
             self._phase = previous
 
+    def storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage resized in place outside ATen (``UntypedStorage.resize_``): its old size is released and a
+        non-empty new size registered as a new allocation of the same category."""
+        self._tick += 1
+        old = self._records.get(storage)
+        if old is not None:
+            del self._records[storage]
+            self._release(old)
+        if storage.nbytes() > 0:
+            self._register(storage, old.category if old is not None else "temp")
+        self._update_peaks()
+
+    @contextlib.contextmanager
+    def _fsdp_storage_resizes(self) -> Iterator[None]:
+        """FSDP2 frees each all-gathered (unsharded) weight after use by ``storage.resize_(0)`` and regrows it
+        for the next gather (``torch.distributed.fsdp._fully_shard._fsdp_param.free_storage`` /
+        ``alloc_storage``): no ATen op dispatches, and the storage object lives on, so neither the dispatch mode
+        nor the weakref finalizer would see the free. While metering, those two functions report to
+        ``storage_resized``."""
+        import sys
+
+        param_mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param")
+        group_mod = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+        if param_mod is None:
+            yield
+            return
+        free, alloc = param_mod.free_storage, param_mod.alloc_storage
+
+        def metered(resize):
+            def call(tensor: torch.Tensor) -> None:
+                before = tensor.untyped_storage().nbytes()
+                resize(tensor)
+                if tensor.untyped_storage().nbytes() != before:
+                    self.storage_resized(tensor.untyped_storage())
+            return call
+
+        patched = [(param_mod, "free_storage", free), (param_mod, "alloc_storage", alloc)]
+        if group_mod is not None and getattr(group_mod, "alloc_storage", None) is alloc:
+            patched.append((group_mod, "alloc_storage", alloc))
+        for module, name, original in patched:
+            setattr(module, name, metered(original))
+        try:
+            yield
+        finally:
+            for module, name, original in patched:
+                setattr(module, name, original)
+
     # ---- dispatch -----------------------------------------------------------------------------------
     def __enter__(self):
         if self._start_tick is None:
             self._start_tick = self._tick
+        self._resizes = self._fsdp_storage_resizes()
+        self._resizes.__enter__()
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

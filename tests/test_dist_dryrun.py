@@ -134,6 +134,19 @@ def _trace_model_shapes():
     return list(build_model(_run("method=adamw").model, device="cpu").parameters())
 
 
+def test_fsdp2_frees_each_gathered_weight_after_use():
+    """FSDP2 frees an all-gathered weight with ``storage.resize_(0)`` (no ATen op); the meter must see it. At W=1
+    the step then holds the plain step's activations plus only the root module's unsharded weights (embedding,
+    lm_head, final norm: FSDP2 does not reshard the root after forward), not a second copy of every weight."""
+    plain = _trace(_run("method=adamw", "train.batch_size=1"))["report"]
+    one = _trace(_run("method=adamw", "dist=fsdp2", "dist.world_size=1", "train.batch_size=1"))["report"]
+    h, v = 64, 512
+    root = 2 * (v * h + v * h + h)  # bf16 embedding, lm_head, final norm weight
+    got = one.peak_by_category_bytes["activations"]
+    want = plain.peak_by_category_bytes["activations"] + root
+    assert got == want, (got, want, plain.peak_by_category_bytes["activations"], root)
+
+
 def test_ddp_at_world_size_one_is_the_plain_dry_run_plus_its_gradient_buckets():
     """DDP replicates: params, grads and optimizer state are the plain run's; the reducer adds one flat bucket
     buffer holding every gradient (bf16 here), which stays alive between steps."""
