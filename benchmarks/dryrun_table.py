@@ -52,12 +52,17 @@ ROWS: dict[str, tuple[str, list[str]]] = {
 MODELS = ("7b", "13b")
 
 
+def _last(overrides: list[str], key: str, default: str) -> str:
+    """The value the run got: a later override of a key wins (as in Hydra)."""
+    return ([o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")] or [default])[-1]
+
+
 def activation_of(overrides: list[str]) -> str:
-    return next((o.split("=", 1)[1] for o in overrides if o.startswith("activation=")), "none")
+    return _last(overrides, "activation", "none")
 
 
 def clip_of(overrides: list[str]) -> str:
-    value = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.max_grad_norm=")), "1.0")
+    value = _last(overrides, "train.max_grad_norm", "1.0")
     return "off" if float(value) == 0 else value
 
 
