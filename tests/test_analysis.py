@@ -9,6 +9,7 @@ deterministic, and --readme / --check-readme keep a README table in sync (includ
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -232,3 +233,30 @@ def test_committed_results_regenerate_the_readme_table(tmp_path: Path) -> None:
     committed = [p for p in results.iterdir() if (p / "summary.json").exists()]
     assert len(committed) >= 10, "the reference campaign's results are committed under results/reference"
     assert report.main([str(results), "--out", str(tmp_path), "--no-figures", "--check-readme", str(readme)]) == 0
+
+
+# A basis refresh happens before the updates at steps 0, K, 2K, …: ⌈steps / K⌉ of them.
+REFRESH_KEYS = {"galore": "update_proj_gap", "apollo": "update_proj_gap", "hmt": "update_interval"}
+
+
+def test_committed_projected_runs_train_through_several_basis_refreshes() -> None:
+    """A reference run that only ever sees its first basis says nothing about refreshes (moment policy, rank
+    changes, the limiter after a basis change): every projected run must refresh at least three times, by its
+    configuration, and HMT's runs by their own logged count (``optim/basis_refreshes`` counts refreshed matrices,
+    so the last record holds ⌈steps / K⌉ × the first step's count)."""
+    runs = [p for p in (REPO / "results" / "reference").iterdir() if (p / "config.yaml").exists()]
+    seen: dict[str, list[tuple[str, int]]] = {}
+    for run in sorted(runs):
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        name = cfg["method"]["name"]
+        if name not in REFRESH_KEYS:
+            continue
+        refreshes = math.ceil(cfg["train"]["steps"] / cfg["method"][REFRESH_KEYS[name]])
+        seen.setdefault(name, []).append((run.name, refreshes))
+        if name == "hmt":
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            first, last = records[0]["optim/basis_refreshes"], records[-1]["optim/basis_refreshes"]
+            assert first > 0 and last == refreshes * first, (run.name, first, last, refreshes)
+    assert set(seen) == set(REFRESH_KEYS), f"projected methods in results/reference: {sorted(seen)}"
+    few = [(run, n) for runs_ in seen.values() for run, n in runs_ if n < 3]
+    assert not few, f"runs with fewer than 3 basis refreshes: {few}"
