@@ -9,6 +9,7 @@ a "no" means "not shown with these seeds", not "equal".
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 ALPHA = 0.05
@@ -26,9 +27,14 @@ def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
     a, b = _finite(a), _finite(b)
     if len(a) < 2 or len(b) < 2:
         return math.nan
-    if max(a) == min(a) and max(b) == min(b):
-        return 0.0 if a[0] != b[0] else 1.0
-    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    def spreadless(x: list[float]) -> bool:  # spread below float rounding: the t statistic would be noise
+        return max(x) - min(x) <= 1e-12 * max(abs(v) for v in x)
+
+    if spreadless(a) and spreadless(b):
+        return 0.0 if abs(sum(a) / len(a) - sum(b) / len(b)) > 1e-12 * max(map(abs, a + b)) else 1.0
+    with warnings.catch_warnings():  # scipy warns on near-identical samples; the p-value it returns is still right
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
 
 
 def verdict(a: Sequence[float], b: Sequence[float]) -> str:
