@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import free_port  # noqa: E402
+from test_distributed import spawn_pair  # noqa: E402
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -262,11 +262,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("lowrank")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    return spawn_pair(_worker, tmp_path_factory.mktemp("lowrank"))
 
 
 def test_lowrank_comm_equals_the_full_all_reduce_within_the_fp32_bound(spawned):

@@ -239,13 +239,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def equivalence(tmp_path_factory) -> dict:
+def spawn_pair(worker, out: Path) -> dict:
+    """``worker(rank, 2, port, out)`` in two spawned processes; each writes ``<out>/rank<r>.json``: {rank: result}."""
     import torch.multiprocessing as mp
 
-    out = tmp_path_factory.mktemp("equivalence")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory) -> dict:
+    return spawn_pair(_worker, tmp_path_factory.mktemp("equivalence"))
 
 
 @pytest.mark.parametrize("case", [*CASES, "fsdp2-adamw"])
