@@ -72,13 +72,15 @@ class HMTSweeper(Sweeper):
         asynchronous launcher (Slurm) the search is still queued, so the final runs are launched by running the
         sweep again once it has finished."""
         assert self.config is not None and self.hydra_context is not None and self.launcher is not None
+        launched: set = set()
+        batches: list = []
+        planned = self._plan(arguments)  # every run validated before anything is written or launched
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        launched: set = set()
-        batches: list = []
         while True:
-            jobs, refs = self._plan(arguments)
+            jobs, refs = planned if planned is not None else self._plan(arguments)
+            planned = None
             launch, skipped = split_completed(jobs, refs)
             paths = {ref.path for ref in refs}
             launch = [job for job, ref in zip(jobs, refs) if job in launch and ref.path not in launched]
