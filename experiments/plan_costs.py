@@ -1,0 +1,409 @@
+"""Byte costs for the memory planner, measured by the dry-run meter on traced 1- and 2-layer models.
+
+Every byte the planner's integer program (``experiments.plan_milp``) counts comes from ``experiments.dryrun.
+trace_steps`` — the real training step on ``FakeTensorMode`` tensors under the project's meter — run on the
+model at its full width with 1 and 2 decoder layers (at the micro-batches of ``batch_segments``), never from a
+formula.
+Per traced configuration (a *sample*) the meter's peak of each phase (forward, backward, optimizer) and the
+activation probe's peak (``probe``) are kept, plus the policy's per-component saved bytes.
+
+Differencing (each choice's bytes are its measured difference from a reference):
+  reference  R(L, b): all activations kept, the first optimizer option; phase peaks at L ∈ {1, 2} and the
+             micro-batches of ``batch_segments``; in L by lin(v1, v2; L) = v1 + (L − 1)(v2 − v1) (each extra
+             layer adds the same bytes), in b by lines through pairs of measured micro-batches
+  an activation choice (component c, action a): S − R at L ∈ {1, 2} and the main pair (b_a, b_b), a line in b
+  an optimizer sample (state budget × LM head, 8-bit dense state, INT8 weights): S − R at b_a, static.
+The reference keeps everything with ``offload_cpu``, which on the CPU a dry run traces leaves each saved tensor
+where it is (``hmt_core.activations.apply``: ``packed = t`` on CPU) — byte-identical to ``keep`` — but makes the
+policy non-identity, so the policy counts what each component saves and the activation probe is traced too.
+Raw samples are cached as JSON under ``<results_dir>/plan/costs/`` keyed by everything that changes a trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.config import RunConfig
+from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS, ActivationPolicy
+
+GIB = 2**30
+SCHEMA = "hmt-plan-costs/5"
+STEP_PHASES = ("forward", "backward", "optimizer")
+PHASES = (*STEP_PHASES, "probe")
+KEEP_COUNTED = "offload_cpu"  # keep, but counted by the policy (see the module docstring)
+NO_RECOMPUTE = ("embedding", "residual")  # policy.py: the embedding saves only indices; residual via layers
+MINI = {"mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128.0}  # APOLLO-Mini (README)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """What the planner may choose (top-level planner keys of the same names)."""
+
+    modes: tuple[str, ...] = ("A", "B")  # "B" = APOLLO-Mini scaling (rank 1, tensor, scale 128)
+    state_budgets: tuple[float, ...] = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4)  # Mode A: fractions of AdamW's state
+    state_dtypes: tuple[str, ...] = ("fp32", "bf16")
+    weight_dtypes: tuple[str, ...] = ("bf16", "int8")  # projected weights (method.weight_dtype)
+    dense_8bit: tuple[bool, ...] = (False, True)
+    project_head: tuple[bool, ...] = (False, True)
+    actions: tuple[str, ...] = ("keep", "recompute", "int8")
+    layer_recompute: tuple[bool, ...] = (False, True)
+    max_batch_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head",
+                     "actions", "layer_recompute"):
+            value = tuple(dict.fromkeys(getattr(self, name)))
+            if not value:
+                raise ValueError(f"{name} must list at least one choice")
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "state_budgets", tuple(sorted(float(x) for x in self.state_budgets)))
+        if not all(0 < x <= 1 for x in self.state_budgets):
+            raise ValueError(f"state_budgets={list(self.state_budgets)}: fractions of AdamW's state in (0, 1]")
+        for key, allowed in (("modes", ("A", "B")), ("state_dtypes", ("fp32", "bf16")),
+                             ("weight_dtypes", ("bf16", "int8")), ("dense_8bit", (False, True)),
+                             ("project_head", (False, True)), ("layer_recompute", (False, True)),
+                             ("actions", ("keep", "recompute", "int8", "fp8", "int4_outlier", "int8_outlier"))):
+            bad = [v for v in getattr(self, key) if v not in allowed or isinstance(v, bool) != (allowed[0] is False)]
+            if bad:
+                raise ValueError(f"{key}={list(getattr(self, key))}: {bad[0]!r} is not one of {list(allowed)}"
+                                 + (" (offload_cpu is not offered: a CPU dry run cannot verify device bytes moved "
+                                    "to the host)" if bad[0] == "offload_cpu" else ""))
+        if "keep" not in self.actions:
+            raise ValueError(f"actions={list(self.actions)} must include keep")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass(frozen=True, order=True)
+class OptChoice:
+    """One optimizer setting of ``method=hmt``: mode, state dtype, the projected state's budget (Mode A: a fraction
+    of AdamW's state, within which HMT's allocator picks per-layer ranks; Mode B: APOLLO-Mini's fixed rank 1, no
+    budget), whether ``lm_head`` is projected, bitsandbytes 8-bit AdamW for the dense weights, weight dtype."""
+
+    mode: str
+    dtype: str
+    budget: float  # 0 for Mode B
+    head: bool
+    dense_8bit: bool
+    weights: str
+
+    def method_changes(self, method) -> dict:
+        targets = (method.attn_pattern, method.mlp_pattern) + (("lm_head",) if self.head else ())
+        out = {"state_dtype": self.dtype, "dense_8bit": self.dense_8bit, "target_patterns": targets,
+               "weight_dtype": self.weights}
+        if self.mode == "B":
+            return {**out, **MINI, "state_budget": None}
+        return {**out, "mode": "A", "rank": None, "state_budget": repr(self.budget)}
+
+    def label(self) -> str:
+        state = "rank 1 (APOLLO-Mini)" if self.mode == "B" else f"state budget {self.budget:g} of AdamW's"
+        return (f"Mode {self.mode}, {state}, lm_head {'projected' if self.head else 'dense'}, {self.dtype} state"
+                + (", dense 8-bit" if self.dense_8bit else "") + (", INT8 weights" if self.weights == "int8" else ""))
+
+
+def families(space: Space) -> list[tuple[str, str]]:
+    return [(m, d) for m in space.modes for d in space.state_dtypes]
+
+
+def base_choice(mode: str, dtype: str, space: Space) -> OptChoice:
+    return OptChoice(mode, dtype, 0.0 if mode == "B" else space.state_budgets[0], False, False, "bf16")
+
+
+def opt_pieces(space: Space) -> dict[str, OptChoice]:
+    """The optimizer settings to trace, per family (mode, state dtype): every (budget, head) pair, INT8 weights at
+    every budget (head dense), and 8-bit dense state (head dense and projected) at the family's first budget."""
+    out: dict[str, OptChoice] = {}
+    for mode, dtype in families(space):
+        base = base_choice(mode, dtype, space)
+        for budget in (space.state_budgets if mode == "A" else (0.0,)):
+            for head in space.project_head:
+                out[f"opt:{mode}:{dtype}:{budget:g}:{'head' if head else 'dense'}"] = \
+                    dataclasses.replace(base, budget=budget, head=head)
+        if True in space.dense_8bit:
+            for head in space.project_head:
+                out[f"opt:{mode}:{dtype}:8bit:{'head' if head else 'dense'}"] = \
+                    dataclasses.replace(base, head=head, dense_8bit=True)
+        if "int8" in space.weight_dtypes:  # per budget: the budget is a fraction of the weights' own AdamW state
+            for budget in (space.state_budgets if mode == "A" else (0.0,)):
+                out[f"opt:{mode}:{dtype}:{budget:g}:int8"] = dataclasses.replace(base, budget=budget, weights="int8")
+    return out
+
+
+def valid_actions(component: str, space: Space) -> tuple[str, ...]:
+    return tuple(a for a in space.actions if a != "keep" and not (a == "recompute" and component in NO_RECOMPUTE))
+
+
+def policy_for(base: ActivationPolicy, llama: bool, **changes) -> ActivationPolicy:
+    """The reference policy (every component kept, counted) with ``changes``; identity for non-Llama models."""
+    if not llama:
+        return base.replace(**{c: "keep" for c in COMPONENTS}, layer_recompute=False)
+    actions = {c: KEEP_COUNTED for c in COMPONENTS}
+    if changes.get("layer_recompute"):
+        actions.update({c: "keep" for c in LAYER_COMPONENTS})
+    actions.update({k: v for k, v in changes.items() if k in COMPONENTS})
+    return base.replace(**actions, layer_recompute=bool(changes.get("layer_recompute", False)))
+
+
+def act_pieces(space: Space, llama: bool) -> dict[str, dict]:
+    """Activation samples: one component changed at a time (``attn_qkv=recompute`` with its required
+    ``attn_core=recompute``), and full layer recomputation."""
+    if not llama:
+        return {}
+    out = {}
+    for c in COMPONENTS:
+        for a in valid_actions(c, space):
+            out[f"act:{c}:{a}"] = {c: a, **({"attn_core": "recompute"} if (c, a) == ("attn_qkv", "recompute")
+                                           else {})}
+    if True in space.layer_recompute:
+        out["act:layer_recompute"] = {"layer_recompute": True}
+    return out
+
+
+# ---- tracing -----------------------------------------------------------------------------------------------------
+def target_layers(run: RunConfig) -> int:
+    if run.model.path:
+        from experiments.models import load_hf_config
+
+        return int(load_hf_config(run.model.path).num_hidden_layers)
+    return run.model.num_layers
+
+
+@contextlib.contextmanager
+def layer_variants(run: RunConfig):
+    """``with_layers(L)``: ``run``'s model with L decoder layers (a ``model.path`` config is copied with
+    ``num_hidden_layers`` changed into a temporary directory)."""
+    with tempfile.TemporaryDirectory(prefix="hmt-plan-") as tmp:
+        def with_layers(layers: int) -> RunConfig:
+            if not run.model.path:
+                return dataclasses.replace(run, model=dataclasses.replace(run.model, num_layers=layers))
+            from experiments.models import load_hf_config
+
+            folder = Path(tmp) / f"L{layers}"
+            if not folder.exists():
+                config = load_hf_config(run.model.path)
+                config.num_hidden_layers = layers
+                config.save_pretrained(folder)
+            return dataclasses.replace(run, model=dataclasses.replace(run.model, path=str(folder)))
+
+        yield with_layers
+
+
+def trace_sample(run: RunConfig) -> dict:
+    """One dry-run trace (``trace_steps``): each phase's peak, the probe's, the policy's saved bytes by
+    component, the bytes of parameters and optimizer state at the end, and the rank each projected weight holds."""
+    from experiments import methods
+    from experiments.dryrun import trace_steps
+
+    run = dataclasses.replace(run, mode="dryrun")
+    with contextlib.redirect_stderr(io.StringIO()):
+        traced = trace_steps(run, methods.make_method(run.method))
+    rep = traced["report"]
+    history = traced["method_summary"].get("rank/history", {})
+    return {**{p: int(rep.peak_by_phase_bytes[p]) for p in STEP_PHASES}, "probe": traced["probe_peak_bytes"],
+            "peak": int(rep.peak_bytes), "saved": traced["activation_saved_bytes"] or {},
+            "params": int(rep.current_by_category_bytes["params"]),
+            "optimizer_state": int(rep.current_by_category_bytes["optimizer"]),
+            "ranks": {name: h[-1][1] for name, h in history.items() if h}}
+
+
+def cache_key(run: RunConfig, space: Space) -> str:
+    from experiments.config import to_plain_dict
+    from experiments.run import versions
+
+    plain = to_plain_dict(run)
+    for key in ("mode", "results_dir", "run_id", "force", "wandb", "profile", "seed", "device", "data", "dist"):
+        plain.pop(key, None)
+    for key in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every", "progress",
+                "save_model", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume"):
+        plain["train"].pop(key, None)
+    plain["dryrun"] = {"steps": run.dryrun.steps}
+    v = versions()
+    blob = json.dumps({"schema": SCHEMA, "run": plain, "space": dataclasses.asdict(space),
+                       "torch": v.get("torch"), "transformers": v.get("transformers")}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None, refresh: bool = False,
+            log: Callable[[str], None] = print) -> dict:
+    """All samples the planner needs for ``run`` (method=hmt; its other settings as given), from the cache when
+    present. Returns the raw record: ``{"schema", "key", "layers", "samples": {name: {"L1b1": ..., ...}}}``."""
+    key = cache_key(run, space)
+    path = cache_dir / f"{key}.json" if cache_dir is not None else None
+    if path is not None and path.exists() and not refresh:
+        record = json.loads(path.read_text())
+        if record.get("schema") == SCHEMA:
+            log(f"costs: measured traces from {path}")
+            return record
+    base_opt = base_choice(*families(space)[0], space)
+    segments = batch_segments(run, space.max_batch_size)
+    batches = sorted({b for _, *bs in segments for b in bs})
+    b_a, b_b = segments[-1][1:]  # the main regime: activation deltas are lines through these, options at b_a
+    plan: list[tuple[str, OptChoice, dict, list[tuple[int, int]]]] = [
+        ("ref", base_opt, {}, [(layers, b) for b in batches for layers in (1, 2)])]
+    aliases = {name: "ref" for name, choice in opt_pieces(space).items() if choice == base_opt}
+    plan += [(name, choice, {}, [(1, b_a), (2, b_a)]) for name, choice in opt_pieces(space).items()
+             if choice != base_opt]
+    plan += [(name, base_opt, changes, [(layers, b) for b in dict.fromkeys((b_a, b_b)) for layers in (1, 2)])
+             for name, changes in act_pieces(space, llama).items()]
+    total = sum(len(points) for *_, points in plan)
+    log(f"costs: tracing {total} small models (1-2 layers at full width, seq {run.train.seq_len}) ...")
+    samples: dict[str, dict] = {}
+    start, done = time.perf_counter(), 0
+    with layer_variants(run) as with_layers:
+        for name, choice, changes, points in plan:
+            method = dataclasses.replace(run.method, **choice.method_changes(run.method))
+            policy = policy_for(run.activation, llama, **changes)
+            samples[name] = {}
+            for layers, batch in points:
+                r = dataclasses.replace(with_layers(layers), method=method, activation=policy,
+                                        train=dataclasses.replace(run.train, batch_size=batch))
+                samples[name][f"L{layers}b{batch}"] = trace_sample(r)
+                done += 1
+            log(f"  [{done}/{total}] {name} ({time.perf_counter() - start:.0f} s)")
+    for name, target in aliases.items():
+        samples[name] = {k: v for k, v in samples[target].items() if k.endswith(f"b{b_a}")}
+    record = {"schema": SCHEMA, "key": key, "layers": target_layers(run), "seq_len": run.train.seq_len,
+              "llama": llama, "space": dataclasses.asdict(space), "segments": segments, "samples": samples,
+              "traces": total, "trace_s": round(time.perf_counter() - start, 1)}
+    if path is not None:
+        from experiments.results import atomic_write_text
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True))
+    return record
+
+
+MAIN_TOKENS = 8192  # the activation deltas' lines are measured around this many tokens per micro-batch
+MAX_TOKENS = 32768  # the reference's lines reach this many tokens per micro-batch (or max_batch_size sequences)
+
+
+def batch_segments(run: RunConfig, max_batch: int = 1024) -> list[list[int]]:
+    """Lines [start, b_a, b_b] of the reference's bytes in the micro-batch b, each through its measurements at b_a
+    and b_b; lines with the same start hold together for b ≥ start (the peak is their maximum) up to the next start.
+    The main line (activation deltas, optimizer samples) is the last one listed.
+
+    A phase's peak is the maximum over the step's events (the loss's logits, a basis refresh's workspace, all saved
+    activations at the start of backward, …), each affine in b, so it is convex in b: the secants between
+    successive doublings b = 1, 2, 4, … (up to ``MAX_TOKENS`` tokens) are each above it on their own interval and
+    below it elsewhere, so their maximum is an upper bound that is exact at every measured b. The fused loss
+    (``train.fused_ce``) holds ``min(b·seq_len, ce_chunk_tokens)`` tokens of logits, a kink the other way: past
+    b = k = ⌊chunk / seq_len⌋ + 1 its per-sequence bytes drop, so the pieces before and from k are separate."""
+    t = run.train
+    chunk = getattr(t, "ce_chunk_tokens", None) if getattr(t, "fused_ce", False) else None
+    k = chunk // t.seq_len + 1 if chunk else 1
+    top = max(2, min(max_batch, -(-MAX_TOKENS // t.seq_len)))
+    pieces = [(1, k - 1), (k, None)] if k > 1 else [(1, None)]
+    lines, main = [], None
+    for lo, hi in pieces:
+        points = [lo]
+        while points[-1] < min(hi or top, top) or (hi is None and len(points) < 2):
+            nxt = points[-1] * 2
+            if hi is not None and nxt > hi:
+                break
+            points.append(nxt)
+        if len(points) == 1:
+            lines.append([lo, lo, lo])
+        pairs = list(itertools.pairwise(points))
+        lines += [[lo, b_a, b_b] for b_a, b_b in pairs]
+        if hi is None:
+            main = min(pairs, key=lambda pair: abs(pair[0] * t.seq_len - MAIN_TOKENS))
+    return [line for line in lines if line != [max(1, k), *main]] + [[max(1, k), *main]]
+
+
+# ---- derived costs (pure functions of the record) ---------------------------------------------------------------
+def lin(v1: float, v2: float, layers: int) -> float:
+    """Value at ``layers`` of the line through (1, v1) and (2, v2): each layer adds the same bytes."""
+    return v1 + (layers - 1) * (v2 - v1)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Costs in GiB at the target depth: the reference's (start, static, per-sequence) bytes per phase for each
+    batch segment; each activation choice's delta as static + per-sequence bytes (the probe's static); each
+    optimizer sample's delta (static, measured at the main segment's first batch)."""
+
+    layers: int
+    base: list[tuple[int, dict[str, float], dict[str, float]]]
+    act: dict[str, tuple[dict[str, float], dict[str, float]]] = field(default_factory=dict)  # (static, per_seq)
+    opt: dict[str, dict[str, float]] = field(default_factory=dict)
+    keep_saved: dict[str, float] = field(default_factory=dict)  # component -> GiB the reference saves (L layers)
+
+
+def derive(record: dict, layers: int | None = None) -> Derived:
+    layers = layers or record["layers"]
+    s = record["samples"]
+    ref = s["ref"]
+
+    def at(sample: dict, phase: str, batch: int) -> float:
+        v1, v2 = sample[f"L1b{batch}"][phase], sample[f"L2b{batch}"][phase]
+        if v1 is None or v2 is None:
+            return 0.0
+        return lin(v1, v2, layers) / GIB
+
+    def line(sample: dict, b_a: int, b_b: int) -> tuple[dict[str, float], dict[str, float]]:
+        per_seq = {p: (at(sample, p, b_b) - at(sample, p, b_a)) / max(1, b_b - b_a) for p in STEP_PHASES}
+        return {p: at(sample, p, b_a) - b_a * per_seq[p] for p in STEP_PHASES}, per_seq
+
+    base = []
+    for start, b_a, b_b in record["segments"]:
+        static, per_seq = line(ref, b_a, b_b)
+        static["probe"], per_seq["probe"] = at(ref, "probe", b_a), 0.0
+        base.append((start, static, per_seq))
+    b_a, b_b = record["segments"][-1][1:]
+    act = {}
+    for name, sample in s.items():
+        if name.startswith("act:"):
+            (st, ps), (rst, rps) = line(sample, b_a, b_b), line(ref, b_a, b_b)
+            act[name] = ({**{p: st[p] - rst[p] for p in STEP_PHASES},
+                          "probe": at(sample, "probe", b_a) - at(ref, "probe", b_a)},
+                         {p: ps[p] - rps[p] for p in STEP_PHASES})
+    opt = {n: {p: at(v, p, b_a) - at(ref, p, b_a) for p in PHASES} for n, v in s.items() if n.startswith("opt:")}
+    first = ref[f"L1b{b_a}"]["saved"], ref[f"L2b{b_a}"]["saved"]
+    saved = {c: lin(first[0].get(c, 0), first[1].get(c, 0), layers) / GIB / b_a
+             for c in sorted(set(first[0]) | set(first[1]))}
+    return Derived(layers, base, act, opt, saved)
+
+
+def opt_key(choice: OptChoice, *, budget: float | None = None, head: bool | None = None) -> str:
+    b = choice.budget if budget is None else budget
+    h = choice.head if head is None else head
+    return f"opt:{choice.mode}:{choice.dtype}:{b:g}:{'head' if h else 'dense'}"
+
+
+def option_cost(d: Derived, choice: OptChoice, space: Space) -> dict[str, float]:
+    """Static GiB per phase of ``choice`` relative to the reference: its (budget, head) sample, plus the INT8-weight
+    delta at its budget and the 8-bit delta measured at the family's first budget."""
+    first = base_choice(choice.mode, choice.dtype, space).budget
+    fam = f"opt:{choice.mode}:{choice.dtype}"
+    parts = [d.opt[opt_key(choice)]]
+    if choice.dense_8bit:
+        parts.append(_minus(d.opt[f"{fam}:8bit:{'head' if choice.head else 'dense'}"],
+                            d.opt[opt_key(choice, budget=first)]))
+    if choice.weights == "int8":
+        parts.append(_minus(d.opt[f"{fam}:{choice.budget:g}:int8"], d.opt[opt_key(choice, head=False)]))
+    return {p: sum(x[p] for x in parts) for p in PHASES}
+
+
+def _minus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {p: a[p] - b[p] for p in PHASES}
+
+
+def all_options(space: Space) -> list[OptChoice]:
+    out = []
+    for mode, dtype in families(space):
+        for budget in (space.state_budgets if mode == "A" else (0.0,)):
+            for head in space.project_head:
+                for eight in space.dense_8bit:
+                    for weights in space.weight_dtypes:
+                        out.append(OptChoice(mode, dtype, budget, head, eight, weights))
+    return out

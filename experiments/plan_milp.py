@@ -1,0 +1,310 @@
+"""The planner's integer program, solved with ``scipy.optimize.milp`` (HiGHS).
+
+Formulation (after Adacc, Chen et al. 2025, arXiv:2508.00806, which chooses activation actions with a MILP under a
+memory budget; here the optimizer setting and the micro-batch size are decision variables too):
+
+  variables   b ∈ {1..B_max}                      micro-batch size (sequences of ``train.seq_len`` tokens)
+              y_o ∈ {0,1}, Σ_o y_o = 1            one optimizer option o (mode, state dtype, ranks, 8-bit, ...)
+              x_{c,a} ∈ {0,1}, Σ_a x_{c,a} = 1    one action a per activation component c (keep included)
+              ℓ ∈ {0,1}                           full layer recomputation (forces keep inside the layers)
+              u_j ∈ {0,1}, Σ_j u_j = 1            the segment of the reference's piecewise-linear cost b lies in
+              w_{c,a} = b·x_{c,a}, w_ℓ = b·ℓ      exact McCormick linearization of binary × bounded integer:
+                                                  w ≤ B_max·x, w ≤ b, w ≥ b − B_max(1 − x), w ≥ 0
+              n ∈ {0,1}                           the policy is not all-keep (the activation probe then runs)
+  memory      for every phase p (forward, backward, optimizer; the probe when n = 1) and segment j:
+                S_{p,j} + P_{p,j}·b + Σ_o M_{p,o} y_o + Σ_{c,a} (s_{p,c,a} x_{c,a} + q_{p,c,a} w_{c,a})
+                  + s_{p,ℓ} ℓ + q_{p,ℓ} w_ℓ  ≤  t  (+ Big-M·(1 − u_j), + Big-M·(1 − n) for the probe),   t ≤ B
+              with S, P the reference's static and per-sequence bytes, M the option's, s and q the choice's
+              static and per-sequence deltas — all measured (``experiments.plan_costs``); t is the predicted peak
+  rules       x_{attn_qkv,recompute} ≤ x_{attn_core,recompute}; x_{c,keep} ≥ ℓ for c inside the layers
+  objective   lexicographic, one MILP per tier, each tier's optimum kept as a constraint for the next:
+              1. max b (tokens per micro-batch = b·seq_len)   2. max Σ_o E_o y_o (retained gradient energy)
+              3. min Σ τ_{c,a} w_{c,a} + τ_ℓ w_ℓ (extra step time)   4. min the number of lossy choices
+              5. min t (headroom; breaks the remaining ties)
+Pure functions over plain data: ``Problem`` can be written by hand (tests/test_plan.py checks a forced optimum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class Option:
+    """An optimizer option: static GiB per phase (relative to the reference), energy, lossy count, payload."""
+
+    name: str
+    static: dict[str, float]
+    energy: float = 0.0
+    lossy: int = 0
+    payload: object = None
+
+
+@dataclass(frozen=True)
+class Action:
+    """An activation choice: GiB per phase, static (× 1) and per sequence (× b); seconds per sequence; lossy."""
+
+    static: dict[str, float] = field(default_factory=dict)
+    per_seq: dict[str, float] = field(default_factory=dict)
+    time: float = 0.0
+    lossy: int = 0
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A line of the reference's GiB per phase, static + per_seq·b, for micro-batches b ≥ ``start`` up to the next
+    larger start. Lines with the same start hold together (the peak is their maximum: convex in b); a new start
+    begins a new piece (the fused loss's logits chunk filling up bends the cost down)."""
+
+    start: int
+    static: dict[str, float]
+    per_seq: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Problem:
+    budget: float  # GiB available to the step (budget − CUDA context)
+    base: tuple[Segment, ...]
+    options: list[Option]
+    actions: dict[str, dict[str, Action]]  # component -> action -> cost (keep: zeros)
+    layer_recompute: Action | None = None
+    layer_components: tuple[str, ...] = ()  # forced to keep when layer_recompute is chosen
+    requires: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = ()  # (c, a) chosen ⇒ (c2, a2) chosen
+    conditional: tuple[str, ...] = ("probe",)  # phases that apply only when the policy is not all-keep
+    max_batch: int = 1024
+    fixed_batch: int | None = None  # solve with b fixed (min_peak)
+
+
+@dataclass(frozen=True)
+class Solution:
+    batch: int
+    option: Option
+    actions: dict[str, str]
+    layer_recompute: bool
+    predicted: dict[str, float | None]  # GiB per phase at the solution (the probe: None when it does not run)
+    energy: float
+    time: float
+    lossy: int
+
+
+class _Vars:
+    def __init__(self, prob: Problem) -> None:
+        self.names: list[tuple] = [("b",), ("t",)]
+        self.starts = sorted({seg.start for seg in prob.base})
+        self.names += [("u", st) for st in self.starts]
+        self.names += [("y", i) for i in range(len(prob.options))]
+        self.x = [(c, a) for c, acts in prob.actions.items() for a in acts]
+        self.names += [("x", c, a) for c, a in self.x] + [("w", c, a) for c, a in self.x]
+        if prob.layer_recompute is not None:
+            self.names += [("l",), ("wl",)]
+        self.names += [("n",)]
+        self.index = {n: i for i, n in enumerate(self.names)}
+
+    def __getitem__(self, key: tuple) -> int:
+        return self.index[key]
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.index
+
+
+def _phases(prob: Problem) -> list[str]:
+    return list(dict.fromkeys(p for seg in prob.base for p in (*seg.static, *seg.per_seq)))
+
+
+def _rows(prob: Problem, v: _Vars, with_budget: bool) -> tuple[list, list, list]:
+    """Constraint rows (A, lb, ub). Every phase's bytes are ≤ t (the predicted peak); ``with_budget``: t ≤ budget."""
+    n, bmax = len(v.names), prob.max_batch
+    rows, lb, ub = [], [], []
+
+    def add(coef: dict[int, float], lo: float, hi: float) -> None:
+        row = np.zeros(n)
+        for i, c in coef.items():
+            row[i] += c
+        rows.append(row)
+        lb.append(lo)
+        ub.append(hi)
+
+    b, t = v["b",], v["t",]
+    if with_budget:
+        add({t: 1}, -np.inf, prob.budget)
+    add({v["y", i]: 1 for i in range(len(prob.options))}, 1, 1)
+    starts = v.starts
+    add({v["u", st]: 1 for st in starts}, 1, 1)  # b lies in one piece of the reference
+    add({b: 1, **{v["u", st]: -st for st in starts}}, 0, np.inf)
+    ends = dict(zip(starts, [st - 1 for st in starts[1:]] + [bmax]))
+    add({b: 1, **{v["u", st]: -ends[st] for st in starts}}, -np.inf, 0)
+    for c in prob.actions:
+        add({v["x", c, a]: 1 for a in prob.actions[c]}, 1, 1)
+    pairs = [(v["x", c, a], v["w", c, a]) for c, a in v.x]
+    if ("l",) in v:
+        pairs.append((v["l",], v["wl",]))
+        for c in prob.layer_components:
+            if c in prob.actions and KEEP in prob.actions[c]:
+                add({v["x", c, KEEP]: 1, v["l",]: -1}, 0, np.inf)
+    for x, w in pairs:  # McCormick: w = b·x exactly for binary x and integer 0 ≤ b ≤ bmax
+        add({w: 1, x: -bmax}, -np.inf, 0)
+        add({w: 1, b: -1}, -np.inf, 0)
+        add({w: 1, b: -1, x: -bmax}, -bmax, np.inf)
+    for (c, a), (c2, a2) in prob.requires:
+        if ("x", c, a) in v:
+            if ("x", c2, a2) not in v:
+                add({v["x", c, a]: 1}, 0, 0)
+            else:
+                add({v["x", c, a]: 1, v["x", c2, a2]: -1}, -np.inf, 0)
+    for c, a in v.x:  # n = 1 when anything is not kept
+        if a != KEEP:
+            add({v["n",]: 1, v["x", c, a]: -1}, 0, np.inf)
+    if ("l",) in v:
+        add({v["n",]: 1, v["l",]: -1}, 0, np.inf)
+    big = _big_m(prob)
+    for p in _phases(prob):
+        coef = {t: -1.0}
+        for i, o in enumerate(prob.options):
+            coef[v["y", i]] = o.static.get(p, 0.0)
+        for c, a in v.x:
+            act = prob.actions[c][a]
+            coef[v["x", c, a]] = act.static.get(p, 0.0)
+            coef[v["w", c, a]] = act.per_seq.get(p, 0.0)
+        if ("l",) in v:
+            coef[v["l",]] = prob.layer_recompute.static.get(p, 0.0)
+            coef[v["wl",]] = prob.layer_recompute.per_seq.get(p, 0.0)
+        if p in prob.conditional:
+            coef[v["n",]] = big
+        for seg in prob.base:  # active in b's piece only
+            row = {**coef, b: seg.per_seq.get(p, 0.0), v["u", seg.start]: big}
+            hi = -seg.static.get(p, 0.0) + big + (big if p in prob.conditional else 0.0)
+            add(row, -np.inf, hi)
+    return rows, lb, ub
+
+
+def _big_m(prob: Problem) -> float:
+    def mag(d: dict, scale: float = 1.0) -> float:
+        return scale * sum(abs(x) for x in d.values())
+
+    bmax = prob.max_batch
+    total = abs(prob.budget) + sum(mag(s.static) + mag(s.per_seq, bmax) for s in prob.base)
+    total += sum(mag(o.static) for o in prob.options)
+    acts = [a for group in prob.actions.values() for a in group.values()]
+    acts += [prob.layer_recompute] if prob.layer_recompute is not None else []
+    total += sum(mag(a.static) + mag(a.per_seq, bmax) for a in acts)
+    return 2 * total + 1
+
+
+def _objectives(prob: Problem, v: _Vars, n: int) -> dict[str, np.ndarray]:
+    tokens, energy, time, lossy, peak = (np.zeros(n) for _ in range(5))
+    tokens[v["b",]] = -1.0
+    peak[v["t",]] = 1.0
+    for i, o in enumerate(prob.options):
+        energy[v["y", i]] = -o.energy
+        lossy[v["y", i]] = o.lossy
+    for c, a in v.x:
+        act = prob.actions[c][a]
+        time[v["w", c, a]] = act.time
+        lossy[v["x", c, a]] = act.lossy
+    if ("l",) in v:
+        time[v["wl",]] = prob.layer_recompute.time
+        lossy[v["l",]] = prob.layer_recompute.lossy
+    return {"tokens": tokens, "energy": energy, "time": time, "lossy": lossy, "peak": peak}
+
+
+TIERS = ("tokens", "energy", "time", "lossy", "peak")
+
+
+def _solve(c: np.ndarray, rows: list, lb: list, ub: list, integrality: np.ndarray, bounds: Bounds):
+    res = milp(c, constraints=LinearConstraint(np.array(rows), lb, ub), integrality=integrality, bounds=bounds,
+               options={"mip_rel_gap": 0.0})
+    return res if res.status == 0 else None
+
+
+def _setup(prob: Problem, with_budget: bool = True):
+    v = _Vars(prob)
+    n = len(v.names)
+    rows, lb, ub = _rows(prob, v, with_budget)
+    integrality = np.ones(n)
+    lo, hi = np.zeros(n), np.ones(n)
+    lo[v["b",]] = prob.fixed_batch or 1
+    hi[v["b",]] = prob.fixed_batch or prob.max_batch
+    integrality[v["t",]], lo[v["t",]], hi[v["t",]] = 0, -np.inf, np.inf
+    for key in v.names:
+        if key[0] in ("w", "wl"):
+            integrality[v[key]] = 0
+            hi[v[key]] = prob.max_batch
+    return v, n, rows, lb, ub, integrality, Bounds(lo, hi)
+
+
+def solve(prob: Problem) -> Solution | None:
+    """The lexicographic optimum (``TIERS``; the last, least predicted peak, only breaks ties), or None when no
+    choice fits ``prob.budget`` at one sequence."""
+    v, n, rows, lb, ub, integrality, bounds = _setup(prob)
+    objectives = _objectives(prob, v, n)
+    res = None
+    for tier in TIERS:
+        c = objectives[tier]
+        res = _solve(c, rows, lb, ub, integrality, bounds)
+        if res is None:
+            if tier == "tokens":
+                return None
+            raise RuntimeError(f"MILP tier {tier!r} infeasible after the earlier tiers' optima (tolerance)")
+        best = float(c @ res.x)
+        rows.append(c.copy())
+        lb.append(-np.inf)
+        ub.append(best + 1e-6 * max(1.0, abs(best)))  # HiGHS' feasibility tolerance is 1e-7
+    return _solution(prob, v, res.x)
+
+
+def leanest(prob: Problem) -> Solution | None:
+    """The choice with the least predicted peak (at ``prob.fixed_batch`` when set), whatever the budget."""
+    v, n, rows, lb, ub, integrality, bounds = _setup(prob, with_budget=False)
+    res = _solve(_objectives(prob, v, n)["peak"], rows, lb, ub, integrality, bounds)
+    return None if res is None else _solution(prob, v, res.x)
+
+
+def min_peak(prob: Problem) -> float:
+    """The smallest GiB any choice needs at one sequence (the largest phase, minimized)."""
+    v, n, rows, lb, ub, integrality, bounds = _setup(dataclasses.replace(prob, fixed_batch=1), with_budget=False)
+    res = _solve(_objectives(prob, v, n)["peak"], rows, lb, ub, integrality, bounds)
+    return float(res.x[v["t",]])
+
+
+def segment(prob: Problem, batch: int) -> list[Segment]:
+    """The reference's lines that hold at ``batch``."""
+    start = max(s.start for s in prob.base if s.start <= batch)
+    return [s for s in prob.base if s.start == start]
+
+
+def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], layer_recompute: bool
+            ) -> dict[str, float | None]:
+    """GiB per phase of one choice (the probe: None when the policy is all keep and it does not run)."""
+    nonid = layer_recompute or any(a != KEEP for a in actions.values())
+    lines = segment(prob, batch)
+    out: dict[str, float | None] = {}
+    for p in _phases(prob):
+        if p in prob.conditional and not nonid:
+            out[p] = None
+            continue
+        total = max(s.static.get(p, 0.0) + batch * s.per_seq.get(p, 0.0) for s in lines) + option.static.get(p, 0.0)
+        for c, a in actions.items():
+            act = prob.actions[c][a]
+            total += act.static.get(p, 0.0) + batch * act.per_seq.get(p, 0.0)
+        if layer_recompute:
+            total += prob.layer_recompute.static.get(p, 0.0) + batch * prob.layer_recompute.per_seq.get(p, 0.0)
+        out[p] = total
+    return out
+
+
+def _solution(prob: Problem, v: _Vars, x: np.ndarray) -> Solution:
+    batch = round(x[v["b",]])
+    option = prob.options[int(np.argmax([x[v["y", i]] for i in range(len(prob.options))]))]
+    actions = {c: max(acts, key=lambda a: x[v["x", c, a]]) for c, acts in prob.actions.items()}
+    lr = bool(("l",) in v and x[v["l",]] > 0.5)
+    time = sum(batch * prob.actions[c][a].time for c, a in actions.items())
+    time += batch * prob.layer_recompute.time if lr else 0.0
+    lossy = option.lossy + sum(prob.actions[c][a].lossy for c, a in actions.items())
+    lossy += prob.layer_recompute.lossy if lr else 0
+    return Solution(batch, option, actions, lr, predict(prob, batch, option, actions, lr), option.energy, time, lossy)
