@@ -100,7 +100,7 @@ def checked(where: str, make: Callable[[], T]) -> T:
         return make()
     except UserError as e:
         raise UserError(f"{e} ({where})") from None
-    except (HydraException, OmegaConfBaseException, ValueError, TypeError) as e:
+    except (HydraException, OmegaConfBaseException, ValueError, TypeError, FileNotFoundError) as e:
         raise UserError(f"{describe_config_error(e)} ({where})") from e
 
 
@@ -191,7 +191,8 @@ def run_lookup(run_ref: Callable[[list[str]], RunRef] | None = None) -> RunLooku
 
     make_ref = run_ref or run_ref_for
     default_dir = next(f.default for f in dataclasses.fields(RunConfig) if f.name == "results_dir")
-    return RunLookup(run_path=lambda job: make_ref(job).path, default_results_dir=default_dir)
+    return RunLookup(run_path=lambda job: checked(' '.join(job), lambda: make_ref(job)).path,
+                     default_results_dir=default_dir)
 
 
 def _jobs(args: argparse.Namespace) -> list[list[str]]:

@@ -18,8 +18,10 @@ Which parameters are projected (``projected_weight_names``, shared with the galo
 weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` (GPT-2's layers, weight stored (in, out)) modules
 whose qualified name matches one of ``target_patterns`` (regular expressions, ``re.search``; default
 ``attn``/``mlp`` as in galore-torch's scripts); patterns matching none are an error, never a silent dense
-run. Everything else (embeddings, norms, lm_head, biases) gets AdamW (same ``adam_style``), or bitsandbytes'
-``AdamW8bit`` with ``dense_8bit=True``.
+run. Everything else (embeddings, norms, lm_head, biases) gets AdamW (same ``adam_style``; fp32 arithmetic, moments
+stored in ``dense_state_dtype``: by default the weight's dtype, as torch.optim.AdamW and galore-torch keep them, so
+the default's whole optimizer state stays at or below GaLore's), or bitsandbytes' ``AdamW8bit`` with
+``dense_8bit=True``.
 
 Layout: projection and update act on the gradient's own (rows, cols), whatever a layer calls them. The
 one-sided rule keeps the longer side at full size, and Mode B's ``channel`` scaling runs over that side, so for
@@ -76,7 +78,10 @@ class Config:
     power_iters: int = 2
     oversample: int = 8
     moment_policy: str = "keep"  # "keep" (GaLore) | "project" | "reset"
-    state_dtype: str = "fp32"  # "fp32" | "bf16"
+    state_dtype: str = "fp32"  # "fp32" | "bf16": the projected (low-rank) moments
+    # moments of the dense parameters (embeddings, norms, lm_head): "weight" = bf16 for a bf16 weight, as
+    # torch.optim.AdamW, galore-torch and apollo-torch keep them, else fp32 | "fp32" | "bf16"
+    dense_state_dtype: str = "weight"
     scaling: str = "channel"  # Mode B: "channel" | "tensor"
     norm_limiter: bool = True
     limiter_gamma: float = 1.01
@@ -112,6 +117,7 @@ class Config:
         choice("rank_fallback", FALLBACKS)
         choice("moment_policy", MOMENT_POLICIES)
         choice("state_dtype", ("fp32", "bf16"))
+        choice("dense_state_dtype", ("weight", "fp32", "bf16"))
         choice("kernels", KERNEL_BACKENDS)
         choice("scaling", ("channel", "tensor"))
         choice("random_rank", ("captured", "spectrum"))

@@ -81,6 +81,8 @@ class LowRankOptimizer:
         self.refreshes = 0
         self.fallbacks = 0
         self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32
+        self.dense_state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+            getattr(cfg, "dense_state_dtype", "fp32"))  # None ("weight"): bf16 for a bf16 weight, else fp32
         self.kernels = getattr(cfg, "kernels", None)  # "auto" | "triton" | "torch"; None: hmt_core.kernels' global
         self.writer = UpdateWriter(master_weights=getattr(cfg, "master_weights", False),
                                    stochastic_rounding=getattr(cfg, "stochastic_rounding", False), seed=cfg.seed)
@@ -197,10 +199,13 @@ class LowRankOptimizer:
                 group["lr"] = lr
 
     def _begin_adam_step(self, s: Slot, like: Tensor) -> None:  # like: the gradient the moments follow
-        """Create the moments (state dtype) on first use and advance the step counters."""
+        """Create the moments on first use (projected: ``state_dtype``; dense: ``dense_state_dtype``) and advance
+        the step counters."""
         if s.m is None:
-            s.m = torch.zeros(like.shape, dtype=self.state_dtype, device=like.device)
-            s.v = torch.zeros(like.shape, dtype=self.state_dtype, device=like.device)
+            dtype = self.state_dtype if s.projected else (
+                self.dense_state_dtype or (torch.bfloat16 if s.param.dtype == torch.bfloat16 else torch.float32))
+            s.m = torch.zeros(like.shape, dtype=dtype, device=like.device)
+            s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
         s.step += 1
         s.adam_t += 1
 
