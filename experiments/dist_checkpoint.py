@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from experiments.checkpointing import Checkpointer, LoopState, ResumePoint
+from experiments.errors import UserError
 from hmt_core import checkpoint as ck
 
 
@@ -110,6 +111,9 @@ class DistCheckpointer(Checkpointer):
 
     # ---- save -----------------------------------------------------------------------------------------------
     def save(self, state: LoopState) -> ck.SavedCheckpoint:
+        if type(getattr(self.method, "engine", None)).__name__ == "ShardedEngine":  # per-rank moments: not DCP yet
+            raise UserError("checkpoints of dist=fsdp2 + method=hmt are not supported (its right-sided moments are "
+                            "per-rank shards, not DCP tensors); use dist=ddp to checkpoint")
         t0 = time.perf_counter()
         step = state.next_step
         tmp = self.root / f".tmp-{ck.step_dir_name(step)}"

@@ -31,9 +31,18 @@ all-gather of the peak memory on logged steps):
 Bytes handed to collectives are counted (``experiments.dist_comm.CommCounter``: the ``torch.distributed``
 functions wrapped, plus a counting DDP comm hook) and logged as ``comm/grad_bytes_per_step``/``comm/grad(MiB)``,
 with totals in ``summary.dist.comm``.
-- ``fsdp2``: FSDP2's per-layer all-gather of the weights in forward and backward, reduce-scatter of the gradients
-  in backward; AdamW steps on each rank's shard (DTensors). Only ``method=adamw`` (torch AdamW) is supported:
-  projection (galore, apollo, hmt) needs whole weight matrices, not row shards.
+- ``fsdp2``: FSDP2's per-layer all-gather of the weights in forward and backward, reduce-scatter (mean) of the
+  gradients in backward; ``method=adamw``: torch AdamW steps on each rank's shard (DTensors).
+- ``fsdp2`` + hmt (per-layer Mode A, one-sided; ``hmt_core.optim.sharded``): FSDP2's collectives above, then in
+  each sharded parameter's post-accumulate-grad hook (inside FSDP's post-backward, in the same order on every
+  rank): a right-sided weight (rows ≥ cols) nothing (Ĝ_k = G_k Q on its own rows); a left-sided weight (rows < cols)
+  one all-reduce SUM of its r × n partial projection P_kᵀ G_k; a dense parameter nothing. At a basis refresh
+  (every ``method.update_interval`` steps) one all-gather of that weight's gradient (``DTensor.full_tensor``),
+  which also gives the left-sided Ĝ (no all-reduce then). In ``finish_step`` one all-reduce SUM of a scalar, the
+  local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
+  Mode B, two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
+  bases, ``grad_accum > 1``, ``lowrank_comm``, checkpoints (its right-sided moments are per-rank shards). galore
+  and apollo are refused: their optimizers project whole weight matrices.
 """
 
 from __future__ import annotations
@@ -177,10 +186,13 @@ def check_combination(run, world: int) -> None:
         raise UserError(f"train.batch_size={run.train.batch_size} (the global batch) is not divisible by "
                         f"{source}={world}: every rank takes an equal share")
     if mode == "fsdp2":
-        if name != "adamw" or run.method.master_weights or run.method.stochastic_rounding:
-            raise UserError(f"dist=fsdp2 supports method=adamw (torch AdamW) only, got method={name}"
-                            + (" with master_weights/stochastic_rounding" if name == "adamw" else "")
-                            + ": projected methods need whole weight matrices; use dist=ddp")
+        if name == "hmt":
+            check_fsdp2_hmt(run)
+        elif name != "adamw" or run.method.master_weights or run.method.stochastic_rounding:
+            raise UserError(f"dist=fsdp2 supports method=adamw and method=hmt, got method={name}"
+                            + (" with master_weights/stochastic_rounding" if name == "adamw" else
+                               ": galore-torch/apollo-torch project whole weight matrices (their optimizers "
+                               "cannot step row-shard DTensors)") + "; use dist=ddp")
         if run.train.save_model:
             raise UserError("dist=fsdp2 with train.save_model=true is not supported (the weights are sharded); "
                             "use dist=ddp")
@@ -192,6 +204,22 @@ def check_combination(run, world: int) -> None:
                         "supported yet (its probe is single-process); use activation=none")
     if run.dist.lowrank_comm:
         check_lowrank_comm(run.method)
+
+
+def check_fsdp2_hmt(run) -> None:
+    """``dist=fsdp2`` + hmt: per-layer Mode A on row shards (``hmt_core.optim.sharded``) and nothing else."""
+    from hmt_core.optim.sharded import sharded_config_error
+
+    why = sharded_config_error(run.method)
+    if why is None and run.train.grad_accum != 1:
+        why = f"train.grad_accum={run.train.grad_accum} is not supported with dist=fsdp2 + method=hmt (use 1)"
+    if why is None and run.dist.lowrank_comm:
+        why = "dist.lowrank_comm=true is not supported with dist=fsdp2 (a left-sided Ĝ is already all-reduced)"
+    if why is None and run.train.checkpoint_every:
+        why = (f"train.checkpoint_every={run.train.checkpoint_every}: checkpoints of dist=fsdp2 + method=hmt are "
+               "not supported (per-rank sharded moments are not DCP tensors yet); use 0 or dist=ddp")
+    if why is not None:
+        raise UserError(why)
 
 
 def check_lowrank_comm(method_cfg) -> None:

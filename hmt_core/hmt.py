@@ -14,6 +14,9 @@ generator saved in the state dict): ``hmt_core.precision``. ``weight_dtype="int8
 time in forward and backward, and every update is requantized by stochastic rounding (``hmt_core.int8_weights``);
 the LM head (read directly by the fused cross-entropy) and the non-projected weights keep the model's dtype.
 
+Row-sharded parameters (FSDP2 DTensors): ``attach`` builds slots on the local shards and runs per-layer Mode A through
+``hmt_core.optim.sharded.ShardedEngine`` (its docstring gives the math and the collectives).
+
 Which parameters are projected (``projected_weight_names``, shared with the galore and apollo baselines): 2-D
 weights of ``nn.Linear`` and ``transformers``' ``Conv1D`` (GPT-2's layers, weight stored (in, out)) modules
 whose qualified name matches one of ``target_patterns`` (regular expressions, ``re.search``; default
@@ -45,6 +48,7 @@ from torch import nn
 from hmt_core import int8_weights
 from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.basis_cache import BasisCache, basis_bytes
+from hmt_core.optim import sharded as sh
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
@@ -245,8 +249,12 @@ class HMTMethod:
             if plain:
                 raise ValueError(f"method.weight_dtype=int8: {plain[0]} (and {len(plain) - 1} more) is not INT8; "
                                  "call prepare(model) before attach")
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        sharded = any(sh.is_sharded(p) for _, p in trainable)  # FSDP2: every parameter a row-sharded DTensor
+        if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) for _, p in trainable)):
+            raise ValueError(sh.sharded_config_error(c) or "sharded HMT needs every trainable parameter sharded")
         slots = []
-        for index, (name, p) in enumerate(((n, p) for n, p in model.named_parameters() if p.requires_grad), 1):
+        for index, (name, p) in enumerate(trainable, 1):
             if int8_weights.is_phantom(p):  # the optimizer updates an INT8 weight through its handle
                 p = model.get_submodule(name.removesuffix(".weight")).handle
             projected = name in targets
@@ -258,7 +266,8 @@ class HMTMethod:
                 candidates = c.attn_candidates
             elif c.mlp_candidates is not None and re.search(c.mlp_pattern, name):
                 candidates = c.mlp_candidates
-            slots.append(Slot(name=name, param=p, index=index, projected=projected,
+            make = sh.sharded_slot if sharded else Slot
+            slots.append(make(name=name, param=p, index=index, projected=projected,
                               candidates=tuple(int(r) for r in candidates)))
         self.opt = LowRankOptimizer(slots, c)
         self.max_grad_norm = max_grad_norm
@@ -267,7 +276,10 @@ class HMTMethod:
         cache = None
         if c.offload_bases and slots:
             cache = BasisCache(slots[0].param.device, c.basis_cache_mib * 2**20)
-        self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm, cache=cache) if c.per_layer else None
+        if sharded:
+            self.engine = sh.ShardedEngine(self.opt, max_grad_norm=max_grad_norm)
+        else:
+            self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm, cache=cache) if c.per_layer else None
 
     def start_micro_batch(self, index: int, count: int) -> None:
         if self.engine is not None:
@@ -282,7 +294,7 @@ class HMTMethod:
 
     def zero_grad(self) -> None:
         for s in self.opt.slots:
-            s.param.grad = None
+            (s.param if s.grad_param is None else s.grad_param).grad = None
             s.pending = None
         if self.engine is not None:
             self.engine.discard_step()

@@ -92,7 +92,8 @@ class PerLayerEngine:
         self.lagged_coef: Tensor | None = None
         self.nonfinite = False  # a non-finite gradient was seen in this step
         self.reduce_grad: GradReducer | None = None  # in place, across ranks (multi-process)
-        self.handles = [s.param.register_post_accumulate_grad_hook(self._hook_for(s)) for s in opt.slots]
+        self.handles = [(s.param if s.grad_param is None else s.grad_param).register_post_accumulate_grad_hook(
+            self._hook_for(s)) for s in opt.slots]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -202,9 +203,12 @@ class PerLayerEngine:
         for s in self.deferred_low:
             s.pending = None
         for s in self.deferred_dense:
-            s.param.grad = None
+            s.param.grad = s.pending = None
         self.norms, self.deferred_low, self.deferred_dense = {}, [], []
         self.index, self.count, self.nonfinite = 0, 1, False
+
+    def _global_norm(self) -> Tensor:  # () fp32: ‖g‖ over every parameter (a sharded engine also over ranks)
+        return global_norm([self.norms[i] for i in sorted(self.norms)])
 
     @torch.no_grad()
     def finish_step(self) -> float:
@@ -214,7 +218,7 @@ class PerLayerEngine:
             return float("nan")
         if not self.norms:
             return 0.0
-        total = global_norm([self.norms[i] for i in sorted(self.norms)])
+        total = self._global_norm()
         if not self._finite(total):
             self.discard_step()
             return float("nan")
@@ -228,9 +232,9 @@ class PerLayerEngine:
             s.pending = None
             if self.cache is not None:
                 s.basis = self.cache.park(s.name, s.basis)
-        for s in self.deferred_dense:
-            self.opt.update_full(s, s.param.grad, coef)
-            s.param.grad = None
+        for s in self.deferred_dense:  # pending: a sharded engine's local gradient shard (else None)
+            self.opt.update_full(s, s.param.grad if s.pending is None else s.pending, coef)
+            s.param.grad = s.pending = None
         self.lagged_coef = coef
         if self.cache is not None and self.order and not self.next_in_order:
             self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}

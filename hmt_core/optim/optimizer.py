@@ -70,6 +70,21 @@ class Slot:
     pending: Tensor | None = None  # low-rank gradient accumulated over micro-batches / awaiting clipping
     master: Tensor | None = None  # fp32 master copy of a low-precision weight (master_weights)
     born: tuple[int, ...] | None = None  # (r,) adam step at which each rank index started; None: all at 0
+    rows: slice | None = None  # FSDP2 (hmt_core.optim.sharded): ``param`` is the local shard, these global rows
+    global_shape: tuple[int, ...] | None = None  # the whole weight's shape (None: ``param``'s own)
+    grad_param: nn.Parameter | None = None  # the parameter whose ``.grad`` the hooks read (None: ``param``)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
+        return self.global_shape if self.global_shape is not None else tuple(self.param.shape)
+
+    def local_basis(self) -> proj.Basis | None:  # P[a:b] for a sharded left basis (Qᵀ is shared by all rows)
+        b = self.basis
+        return b if self.rows is None or b is None or b.left is None else proj.Basis(b.left[self.rows], b.right)
+
+    def state_shape(self, basis: proj.Basis, shape: tuple[int, int]) -> tuple[int, int]:  # moments: local rows
+        rows, cols = upd.low_rank_shape(basis, shape)  # when right-sided and sharded
+        return (self.param.shape[0], cols) if self.rows is not None and basis.left is None else (rows, cols)
 
 
 class LowRankOptimizer:
@@ -90,7 +105,7 @@ class LowRankOptimizer:
             s.seed = cfg.seed + s.index
             self.writer.check(s.name, s.param)
             s.master = self.writer.make_master(s.param)
-        self.budget = make_rank_budget({s.name: (tuple(s.param.shape), s.param.dtype.itemsize, s.candidates)
+        self.budget = make_rank_budget({s.name: (s.full_shape, s.param.dtype.itemsize, s.candidates)
                                         for s in slots if s.projected}, cfg)  # None: no state budget
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         if cfg.dense_8bit:
@@ -152,7 +167,7 @@ class LowRankOptimizer:
                     basis, rank = s.basis, s.basis.rank
                 else:
                     basis = proj.orthonormal_fallback(shape, rank, use_left, use_right, s.seed, device, dtype)
-        low_shape = upd.low_rank_shape(basis, shape)
+        low_shape = s.state_shape(basis, shape)
         if s.m is None:
             s.m = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
             s.v = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
@@ -222,7 +237,7 @@ class LowRankOptimizer:
                                               style=c.adam_style)
         s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
         if s.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
-            left, right = proj.which_sides(tuple(s.param.shape), c.sides)
+            left, right = proj.which_sides(s.full_shape, c.sides)
             groups = upd.clock_groups(s.born, s.adam_t, left=left, right=right, device=d.device)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
@@ -260,7 +275,7 @@ class LowRankOptimizer:
             return
         # fused reconstruction + decay + update (Triton), or its row-chunked fallback: no full-size P U Qᵀ
         for index in self.writer.spans(s.param, s.master):
-            d, basis = direction, s.basis
+            d, basis = direction, s.local_basis()
             if index is not Ellipsis:  # rows of W come from rows of the left factor (P, or D when right-sided)
                 d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
             with self.writer.rows(s.param.data, s.master, index) as w:

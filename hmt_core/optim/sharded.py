@@ -1,0 +1,145 @@
+"""HMT's per-layer Mode A on row-sharded weights: FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps rows
+[a, b) of every parameter W (m × n) on each rank as a DTensor (``Shard(0)``), reduce-scatters the averaged gradient
+in backward and calls the sharded parameter's post-accumulate-grad hooks with ``.grad`` = the local rows G_k of the
+global (averaged) gradient G.
+
+GaLore's one-sided projection (Zhao et al., 2024, Eq. 2-3 / Alg. 2) restricted to a row shard. HMT's layout
+(``hmt_core.projection.which_sides``, decided on the *global* shape) picks:
+
+- right basis Q (n × r) when m ≥ n (q/k/v/o, gate/up): Ĝ_k = G_k Q is the local rows of Ĝ = G Q, so the moments
+  ((b−a) × r) are sharded with the weight and the update ``W_k −= α·lr·f(D_k) Qᵀ`` needs no communication;
+- left basis P (m × r) when m < n (down_proj): Ĝ = Pᵀ G = Σ_k P_kᵀ G_k with P_k = P[a:b]: one all-reduce SUM of the
+  r × n partial projection (G is already averaged by FSDP's reduce-scatter), moments r × n replicated identically on
+  every rank, update ``W_k −= α·lr·P_k f(D)``. At a refresh step Ĝ = Pᵀ G is taken from the gathered G instead.
+- dense parameters (embeddings, norms, lm_head — sharded by FSDP's root): element-wise AdamW on the local shard.
+
+Basis refresh (every ``update_interval`` steps): G is all-gathered (``DTensor.full_tensor``) and HMT's own
+``LowRankOptimizer.refresh`` runs on it, so every rank computes the same basis and rank from the same input (its
+generators are seeded identically on every rank); moments created or moved by a refresh keep the local row count
+(``Slot.state_shape``). Gradient clipping (``torch.nn.utils.clip_grad_norm_``'s rule): row shards partition each
+gradient, so ‖g‖² = all-reduce SUM over ranks of Σ_p ‖G_p,k‖² — every local norm is of a shard, never of a replicated
+tensor, so nothing is counted W times. All updates are deferred to ``finish_step`` (also without clipping), so the
+non-finite decision is taken only on identical quantities (a gathered gradient, the all-reduced norm) and every rank
+issues the same collectives in the same order.
+
+Scope: Mode A, one-sided, per-layer, no gradient accumulation, bf16/fp32 weights updated in place
+(``sharded_config_error`` names what is refused).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hmt_core.kernels import ops as kops
+from hmt_core.optim.hooks import PerLayerEngine
+from hmt_core.optim.optimizer import LowRankOptimizer, Slot
+
+
+def is_sharded(param: Tensor) -> bool:
+    """True for a DTensor parameter (FSDP2's sharded parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def sharded_config_error(cfg) -> str | None:
+    """Why ``cfg`` (hmt's Config) cannot run on row-sharded weights, naming the key; None when it can."""
+    fixed = (("mode", "A", "Mode B's APOLLO scaling of the full gradient needs whole rows and columns"),
+             ("sides", "one_sided", "two-sided and identity projections are not sharded"),
+             ("per_layer", True, "the sharded engine is the per-layer one"),
+             ("weight_dtype", "bf16", "INT8 weights are not FSDP2 parameters"),
+             ("master_weights", False, "fp32 masters are not sharded"),
+             ("stochastic_rounding", False, "not supported on shards"),
+             ("offload_bases", False, "the basis cache is not sharded"),
+             ("dense_8bit", False, "bitsandbytes' AdamW8bit does not step DTensor shards"))
+    for key, want, why in fixed:
+        if getattr(cfg, key) != want:
+            return f"method.{key}={getattr(cfg, key)} is not supported with sharded weights (dist=fsdp2): {why}"
+    return None
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> slice:
+    """Rows [a, b) of ``rank`` when ``rows`` are cut like ``torch.chunk`` (FSDP2's ``Shard(0)``): ⌈rows/W⌉ each,
+    the last ranks shorter or empty."""
+    size = -(-rows // world)
+    a = min(rank * size, rows)
+    return slice(a, min(a + size, rows))
+
+
+def shard_rows(param: Tensor) -> slice:
+    """The global rows of a ``Shard(0)`` DTensor's local tensor on this rank (checked against its local length)."""
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ValueError(f"sharded HMT needs a 1-D mesh and Shard(0) placement, got {param.placements}")
+    rows = chunk_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    if rows.stop - rows.start != param._local_tensor.shape[0]:
+        raise ValueError(f"local shard {tuple(param._local_tensor.shape)} is not rows {rows} of {tuple(param.shape)}")
+    return rows
+
+
+def sharded_slot(name: str, param: nn.Parameter, **kwargs) -> Slot:
+    """A ``Slot`` whose updated tensor is the DTensor's local rows (the storage FSDP2 all-gathers from)."""
+    return Slot(name=name, param=param._local_tensor, rows=shard_rows(param), global_shape=tuple(param.shape),
+                grad_param=param, **kwargs)
+
+
+class ShardedEngine(PerLayerEngine):
+    """``PerLayerEngine`` on FSDP2 shards: hooks read the local gradient rows (see the module docstring)."""
+
+    def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None) -> None:
+        if opt.cfg.mode != "A":
+            raise ValueError("sharded HMT supports method.mode=A only")
+        super().__init__(opt, max_grad_norm=max_grad_norm)
+        mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
+        self.group = mesh.get_group() if mesh is not None else None
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        if count != 1:
+            raise ValueError(f"sharded HMT does not accumulate gradients (train.grad_accum={count}); use 1")
+        super().start_micro_batch(index, count)
+
+    @torch.no_grad()
+    def _on_grad_body(self, s: Slot, param: Tensor) -> None:
+        g = param.grad  # DTensor: the averaged gradient's local rows
+        if g is None:
+            return
+        if self.nonfinite:  # decided on a gathered (identical) gradient: every rank skips alike
+            param.grad = None
+            return
+        s.param = param._local_tensor  # FSDP2 may re-pad (reset_sharded_param): always the current storage
+        local = g._local_tensor  # (b−a, n)
+        self.norms[s.index] = torch.linalg.vector_norm(local)  # a row shard: ‖G‖² = Σ_ranks ‖G_k‖²
+        if not s.projected:  # kept until finish_step: a copy, unless it owns its storage (a view of FSDP's flat
+            s.pending = local if local.untyped_storage().nbytes() == local.nbytes else local.clone()  # RS buffer)
+            self.deferred_dense.append(s)
+            param.grad = None
+            return
+        opt = self.opt
+        if opt.refresh_due(s):
+            full = g.full_tensor()  # (m, n): all-gather, then the single-process refresh on the global gradient
+            if not self._finite(full):
+                param.grad = None
+                return
+            opt.refresh(s, full)
+            low = kops.project(full, s.basis, backend=opt.kernels) if s.basis.left is not None else None
+            del full
+        else:
+            low = None
+        if low is None:
+            low = kops.project(local, s.local_basis(), backend=opt.kernels)  # G_k Q, or the partial P_kᵀ G_k
+            if s.basis.left is not None:
+                low = low.float()
+                dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group)  # Pᵀ G = Σ_k P_kᵀ G_k: r × n
+        s.pending = low.float()
+        self.deferred_low.append(s)  # updated in finish_step, after the global norm (clipping or not)
+        param.grad = None
+
+    def _global_norm(self) -> Tensor:  # (): √(all-reduce SUM of Σ_p ‖G_p,k‖²)
+        local = torch.stack([self.norms[i] for i in sorted(self.norms)]).float()
+        total = local.square().sum()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total.sqrt()
