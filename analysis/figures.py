@@ -9,6 +9,7 @@ recorded rank histories), so the report can say what it skipped.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -21,8 +22,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.load import CATEGORIES, Results  # noqa: E402
-from analysis.settings import natural_key  # noqa: E402
-from analysis.tables import GIB, groups, method_sort_key, model_sort_key  # noqa: E402
+from analysis.tables import GIB, groups, method_sort_key, model_sort_key, variant_sort_key  # noqa: E402
 
 # Okabe-Ito colour-blind-safe palette: fixed colours for the paper's methods, the rest for any other method.
 FIXED_COLORS = {"adamw": "#0072B2", "qlora": "#E69F00", "galore": "#009E73", "apollo": "#CC79A7", "hmt": "#D55E00"}
@@ -58,7 +58,17 @@ def _variant_column(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(variant=frame["variant"].fillna("") if "variant" in frame else "")
 
 
+def seed_band(rows: pd.DataFrame, key: str) -> pd.DataFrame:
+    """Per logged step: ``mean``, ``std`` (sample, ddof 1; NaN with one seed) and ``n`` of ``key`` over the runs
+    (seeds) in ``rows``, at the steps where every run logged it."""
+    wide = rows.dropna(subset=[key]).pivot_table(index="step", columns="run_id", values=key, aggfunc="last")
+    wide = wide.dropna().astype(float)
+    return pd.DataFrame({"mean": wide.mean(axis=1), "std": wide.std(axis=1, ddof=1), "n": wide.shape[1]})
+
+
 def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    """One panel per model: per method and setting, the validation loss's mean over seeds with a shaded ±1 std
+    band (sample std over seeds, where there are two or more) and the training loss's mean as a lighter line."""
     runs = _variant_column(results.completed())
     runs = runs[runs["mode"] == "train"][["run_id", "method", "model", "variant"]]
     if runs.empty or results.metrics.empty or "loss/train" not in results.metrics:
@@ -67,26 +77,91 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
     if data.empty:
         return {}
     models = _models(data)
-    fig, axes = _subplots(len(models))
+    fig, axes = _subplots(len(models), width=5.5, height=4.2)
     for ax, model in zip(axes, models):
         for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
             variants = sorted(data[(data["model"] == model) & (data["method"] == method)]["variant"].unique(),
-                              key=natural_key)
+                              key=variant_sort_key)
             style = VARIANT_LINESTYLES[variants.index(variant) % len(VARIANT_LINESTYLES)]
-            train = rows.groupby("step")["loss/train"].mean().dropna()
-            ax.plot(train.index, train.values, color=colors[method], lw=1.5, ls=style,
-                    label=f"{method} ({variant})" if variant else method)
-            if "loss/val" in rows:
-                val = rows.groupby("step")["loss/val"].mean().dropna()
-                ax.plot(val.index, val.values, color=colors[method], lw=1.2, ls="--", marker="o", ms=3)
-        ax.set(title=f"model {model}", xlabel="optimizer step", ylabel="loss (cross-entropy, nats/token)")
+            label = textwrap.fill(f"{method} ({variant})" if variant else method, 70)
+            train = seed_band(rows, "loss/train")
+            ax.plot(train.index, train["mean"], color=colors[method], lw=0.9, ls=style, alpha=0.35)
+            val = seed_band(rows, "loss/val") if "loss/val" in rows else pd.DataFrame()
+            if len(val):
+                ax.plot(val.index, val["mean"], color=colors[method], lw=1.6, ls=style, marker="o", ms=3, label=label)
+                band = val.dropna(subset=["std"])
+                if len(band):
+                    ax.fill_between(band.index, band["mean"] - band["std"], band["mean"] + band["std"],
+                                    color=colors[method], alpha=0.18, lw=0)
+        seeds = sorted({n for _, g in groups(data[data["model"] == model], ("method", "variant"))
+                        for n in [g["run_id"].nunique()]})
+        seeds_text = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
+        ax.set(title=f"model {model} ({seeds_text} seed(s) per setting)", xlabel="optimizer step",
+               ylabel="loss (cross-entropy, nats/token)")
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
-        style = [Line2D([], [], color="black", lw=1.5, label="train"),
-                 Line2D([], [], color="black", lw=1.2, ls="--", marker="o", ms=3, label="validation")]
-        ax.legend(handles=handles + style, fontsize="small")
-    fig.suptitle("Loss curves (mean over seeds)")
+        style = [Line2D([], [], color="black", lw=1.6, marker="o", ms=3, label="validation (mean ± 1 std band)"),
+                 Line2D([], [], color="black", lw=0.9, alpha=0.35, label="train (mean)")]
+        ax.legend(handles=handles + style, fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    fig.suptitle("Loss curves (mean over seeds, ±1 std band)")
     return {"loss_curves": fig}
+
+
+def pareto_front_min(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not dominated by another with less or equal memory and less or equal loss (ascending memory)."""
+    front, best = [], np.inf
+    for mem, loss in sorted(points):
+        if loss < best:
+            front.append((mem, loss))
+            best = loss
+    return front
+
+
+LOSS_MEMORY_AXES = (("optim_state_bytes", "optimizer state (MiB)", 2**20), ("peak_bytes", "peak memory (GiB)", GIB))
+
+
+def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    """Rows: models; columns: optimizer state (``method_summary['optim/state_bytes']``) and peak memory. Each
+    method and setting is one point at its seed means, with ±1 std (sample, over seeds) error bars in validation
+    loss, numbered (the legend gives the settings); the dotted line joins the points no other point beats in
+    both memory and loss (``pareto_front_min``) within the model."""
+    runs = _variant_column(results.completed())
+    runs = runs[runs["mode"] == "train"].dropna(subset=["val_loss"])
+    panels = [(c, label, scale) for c, label, scale in LOSS_MEMORY_AXES if c in runs and runs[c].notna().any()]
+    if runs.empty or not panels:
+        return {}
+    models = _models(runs)
+    fig, grid = plt.subplots(len(models), len(panels), figsize=(5.2 * len(panels) + 3.2, 3.9 * len(models)),
+                             squeeze=False, layout="constrained")
+    for axes, model in zip(grid, models):
+        settings = groups(runs[runs["model"] == model], ("method", "variant"))
+        handles = []
+        for ax, (column, label, scale) in zip(axes, panels):
+            points = []
+            for number, ((method, variant), g) in enumerate(settings, start=1):
+                mem = g[column].astype(float).mean() / scale
+                loss, std = g["val_loss"].astype(float).mean(), g["val_loss"].astype(float).std(ddof=1)
+                if not np.isfinite(mem):
+                    continue
+                points.append((mem, loss))
+                ax.errorbar([mem], [loss], yerr=[std] if np.isfinite(std) else None, color=colors[method],
+                            marker="o", ms=6, mec="black", mew=0.5, capsize=3, ls="", zorder=3)
+                ax.annotate(str(number), (mem, loss), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
+                if column == panels[0][0]:
+                    handles.append(Line2D([], [], color=colors[method], marker="o", ls="",
+                                          label=textwrap.fill(f"{number}: {method}" + (f" ({variant})" if variant
+                                                              else "") + f", {g['seed'].nunique()} seed(s)", 60)))
+            front = pareto_front_min(points)
+            ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1.2, zorder=2)
+            xs = [p[0] for p in points]
+            if xs and min(xs) > 0 and max(xs) / min(xs) > 20:
+                ax.set_xscale("log")
+            ax.set(xlabel=label, ylabel="validation loss (nats/token), mean ± std", title=f"model {model}")
+            ax.grid(alpha=0.3)
+        handles.append(Line2D([], [], color="grey", ls=":", label="Pareto front (lower memory and loss)"))
+        axes[-1].legend(handles=handles, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    fig.suptitle("Validation loss vs memory (mean over seeds)")
+    return {"pareto_val_loss_vs_memory": fig}
 
 
 def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -248,8 +323,8 @@ def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
     return {"transfers_and_checkpoints": fig}
 
 
-ALL_FIGURES = (loss_curves_figure, pareto_figure, memory_category_figure, rank_figures, activation_error_figure,
-               transfer_figure)
+ALL_FIGURES = (loss_curves_figure, loss_memory_figure, pareto_figure, memory_category_figure, rank_figures,
+               activation_error_figure, transfer_figure)
 
 
 def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:

@@ -29,7 +29,8 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.rundirs import RunFiles, find_run_dirs, read_run
-from analysis.settings import setting_id, setting_of, variant_labels
+from analysis.settings import compact_labels, setting_id, setting_of
+from analysis.timing import speed_setting
 from experiments.errors import UserError
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
@@ -68,6 +69,11 @@ def run_row(run: RunFiles) -> dict:
         by_category = _mapping(memory.get(f"{kind}_by_category_bytes"))
         for category in CATEGORIES:
             row[f"{kind}_{category}_bytes"] = by_category.get(category)
+    method_summary = _mapping(summary.get("method_summary"))
+    row["optim_state_bytes"] = method_summary.get("optim/state_bytes")
+    row["rank_fixed"] = method_summary.get("rank/fixed")
+    finetuned = _mapping(config.get("model")).get("path") or str(row["model"] or "").endswith("-ft")
+    row["task"] = "fine-tuning" if finetuned else "pretraining"
     for phase, value in sorted(_mapping(memory.get("peak_by_phase_bytes")).items()):
         row[f"peak_phase_{phase}_bytes"] = value
     if (run.path / "error.txt").exists():
@@ -135,21 +141,22 @@ def _frame(rows: list[dict], columns: tuple[str, ...], sort: list[str]) -> pd.Da
 
 
 def _add_settings(runs: list[dict], configs: dict[str, dict]) -> None:
-    """``setting`` and ``variant`` of every run; variants are told apart among the completed runs of one method,
-    model and mode (the runs a table row may average)."""
+    """``setting`` and ``variant`` of every run; variants (``compact_labels``) are told apart among the completed
+    runs of one method, model and mode (the runs a table row may average)."""
     settings = {row["run_id"]: setting_of(configs[row["run_id"]]) for row in runs}
     completed = {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
                  for row in runs if row["status"] == "completed"}
-    labels = variant_labels({r: settings[r] for r in completed}, completed)
+    labels = compact_labels({r: settings[r] for r in completed}, completed)
     # A learning-rate search (experiments.tuning) groups runs whose settings differ only in the learning rate;
     # failed runs belong to it too (a diverged rate is a result).
     sans_lr = {r: {k: v for k, v in s.items() if k != "method.lr"} for r, s in settings.items()}
-    search_labels = variant_labels(sans_lr, {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
+    search_labels = compact_labels(sans_lr, {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
                                              for row in runs})
     for row in runs:
         row["setting"], row["variant"] = setting_id(settings[row["run_id"]]), labels.get(row["run_id"], "")
         row["lr"] = settings[row["run_id"]].get("method.lr")
         row["setting_sans_lr"] = setting_id(sans_lr[row["run_id"]])
+        row["speed_setting"] = speed_setting(settings[row["run_id"]])
         row["variant_sans_lr"] = search_labels[row["run_id"]]
 
 

@@ -3,15 +3,23 @@
 Regenerates everything from the run directories at any depth under ``<results dir>`` (``analysis.rundirs``):
 
 * ``<out>/data/{runs,metrics,ranks,rank_hist,activations}.parquet``: the results compacted (``analysis.load``)
-* ``<out>/tables/<name>.md`` and ``.tex``: per method x model (the models are the size "phases": tiny, 125m, ...)
-  x setting (a "Variant" column when one method and model ran with several settings) peak/average memory,
-  tokens/s, step time, validation loss; memory by category and by training phase; host-device bytes, checkpoint
-  sizes; activation compression error; every run with its state
+* ``<out>/tables/main.*`` and ``main_systems.*`` (``analysis.main_table``): per method x model x setting (a
+  "Setting" column when one method and model ran with several settings), pretraining and fine-tuning apart:
+  seeds, tuned learning rate, validation loss ± std, perplexity, optimizer state, peak memory, speed as ratios to
+  AdamW; then average memory, host memory and traffic, checkpoint size, rank over training, activation error
+* ``<out>/tables/<name>.md`` and ``.tex``: memory by category and by training phase; host-device bytes,
+  checkpoint sizes; activation compression error; every run with its state; ``flattening`` (the relative change
+  of the validation loss over the last quarter of training)
+* ``<out>/tables/memory_by_size.*``: with ``--memory-results DIR`` (repeatable), the traced peak memory (and
+  optimizer state) of dry runs per method and setting x model size (``analysis.memory_by_size``)
+* ``<out>/tables/all_tables.tex``: a LaTeX document holding every table (``analysis.latex``); ``--compile-latex``
+  compiles it with pdflatex into ``all_tables.pdf`` (a failure names the table: ``error: ...``, exit 1)
 * ``<out>/tables/versus_adamw.*``: every setting against AdamW on its model — loss difference, Welch's t-test
   over seeds (``analysis.stats``), optimizer-state / peak-memory / tokens-per-second / step-time ratios
 * ``<out>/tables/lr_search.*``: when ``<results dir>-lr-search`` exists (a tuned sweep, ``experiments.tuning``),
   the validation loss at every learning rate searched, the rate chosen and whether the grid brackets it
-* ``<out>/figures/<name>.png`` and ``.pdf``: loss curves, tokens/s vs peak memory (Pareto), memory by category,
+* ``<out>/figures/<name>.png`` and ``.pdf``: loss curves (seed mean ± std), validation loss vs optimizer state and
+  vs peak memory (Pareto), tokens/s vs peak memory (Pareto), memory by category,
   rank heatmap per layer (+ rank distribution), activation error by component, host-device bytes/checkpoints
 * ``<out>/index.md``: what was written, what was skipped for lack of data, and the damaged runs left out
 
@@ -23,22 +31,28 @@ Output is deterministic: the same results give byte-identical tables.
 A damaged run (truncated summary.json, unreadable config.yaml, bad metrics.jsonl) is left out with a one-line
 ``warning:`` on stderr. Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
 file or a folder other than a previous report, an unwritable destination, a README without the table markers —
-is one line ``error: ...`` and exit 2, before anything is written. The report is built in a temporary folder
+a ``--memory-results`` folder without a completed dry run, ``--compile-latex`` without pdflatex on PATH — is one
+line ``error: ...`` and exit 2, before anything is written. The report is built in a temporary folder
 beside ``<out>`` and renamed into place, so ``<out>`` holds either the previous report or the new one, whole.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+import pandas as pd
+
 from analysis import figures as figs
-from analysis import tables
+from analysis import latex, main_table, tables
 from analysis.load import Results, load_results, write_parquet
+from analysis.memory_by_size import dryrun_rows, memory_by_size_table
+from analysis.timing import with_timing
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
 from experiments.results import atomic_write_text
 from experiments.tuning import search_results_dir
@@ -49,9 +63,11 @@ REPORT_ENTRIES = frozenset({"index.md", "data", "tables", "figures"})  # what a 
 
 
 def readme_block(results: Results) -> str:
-    """The main table, then (when the results hold AdamW and other methods on one model) the comparison with
-    AdamW: loss difference against the seed spread, memory and speed ratios."""
-    block = tables.to_markdown(tables.main_table(results))
+    """The main table and its systems companion, then (when the results hold AdamW and other methods on one model)
+    the comparison with AdamW: loss difference against the seed spread, memory and speed ratios."""
+    block = tables.to_markdown(main_table.main_table(results))
+    systems = main_table.systems_table(results)
+    block += f"\n{systems.title}:\n\n" + tables.to_markdown(systems)
     versus = tables.versus_adamw_table(results)
     if versus.rows:
         block += f"\n{versus.title}:\n\n" + tables.to_markdown(versus)
@@ -65,15 +81,18 @@ def replace_readme_block(text: str, block: str, path: Path | str = "README") -> 
     return text[: begin + len(README_BEGIN)] + "\n" + block + text[end:]
 
 
-def write_report(results: Results, out: Path, *, with_figures: bool = True,
-                 search: Results | None = None) -> dict[str, list[str]]:
-    """Writes parquet, tables and figures under ``out`` (and the learning-rate search's table when ``search``, the
-    runs of ``<results dir>-lr-search``, is given); returns {"written": [...], "skipped": [...]}."""
+def write_report(results: Results, out: Path, *, with_figures: bool = True, search: Results | None = None,
+                 memory: pd.DataFrame | None = None) -> dict[str, list[str]]:
+    """Writes parquet, tables (and ``tables/all_tables.tex``) and figures under ``out``, the learning-rate search's
+    table when ``search``, the runs of ``<results dir>-lr-search``, is given, and the memory-by-size table when
+    ``memory`` (``analysis.memory_by_size.dryrun_rows``) is; returns {"written": [...], "skipped": [...]}."""
     written, skipped = [], []
     written += [str(p.relative_to(out)) for p in write_parquet(results, out / "data")]
     (out / "tables").mkdir(parents=True, exist_ok=True)
-    made = [(make, results) for make in tables.ALL_TABLES]
+    made = [(make, results) for make in (*main_table.TABLES, *tables.ALL_TABLES, main_table.flattening_table)]
     made += [(tables.lr_search_table, search)] if search is not None else []
+    made += [(memory_by_size_table, memory)] if memory is not None else []
+    in_document = []
     for make, source in made:
         table = make(source)
         if not table.rows and table.name != "main":
@@ -83,6 +102,10 @@ def write_report(results: Results, out: Path, *, with_figures: bool = True,
             path = out / "tables" / f"{table.name}{suffix}"
             path.write_text((f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
             written.append(str(path.relative_to(out)))
+        in_document.append((table.name, table.title))
+    document = out / "tables" / f"{latex.DOCUMENT}.tex"
+    document.write_text(latex.all_tables_document(in_document))
+    written.append(str(document.relative_to(out)))
     colors = figs.method_colors(results.runs["method"].dropna().unique() if len(results.runs) else [])
     for make in figs.ALL_FIGURES if with_figures else ():
         made = make(results, colors)
@@ -161,10 +184,20 @@ def build_report(args: argparse.Namespace) -> int:
     readme_path = args.readme or args.check_readme
     readme_text = check_readme(readme_path, rewrite=bool(args.readme)) if readme_path else None
     check_out_dir(args.out)
+    if args.compile_latex and not latex.pdflatex_available():
+        raise UserError("--compile-latex: pdflatex is not on PATH (install TeX Live with booktabs, e.g. apt-get "
+                        "install texlive-latex-recommended); without --compile-latex the .tex files are still written")
     warn = lambda warning: print(f"warning: {warning}", file=sys.stderr)  # noqa: E731
     results = load_results(args.results_dir, warn=warn)
     search_dir = Path(search_results_dir(str(args.results_dir)))
     search = load_results(search_dir, warn=warn) if search_dir.is_dir() else None
+    memory = dryrun_rows(args.memory_results, warn) if args.memory_results else None
+    if args.timing is not None:
+        runs, matched = with_timing(results.runs, load_results(args.timing, warn=warn).runs)
+        if not matched:
+            raise UserError(f"--timing {args.timing}: no run there has the speed setting of a run in "
+                            f"{args.results_dir} (analysis.timing: same config but lr, steps, warm-up, evaluation)")
+        results = dataclasses.replace(results, runs=runs)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.new-", dir=args.out.parent))
@@ -172,11 +205,17 @@ def build_report(args: argparse.Namespace) -> int:
     os.umask(umask)
     staging.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the report gets the usual permissions
     try:
-        done = write_report(results, staging, with_figures=not args.no_figures, search=search)
+        done = write_report(results, staging, with_figures=not args.no_figures, search=search, memory=memory)
         replace_dir(staging, args.out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"{len(done['written'])} files written under {args.out}; skipped: {', '.join(done['skipped']) or 'none'}")
+    if args.compile_latex:
+        try:
+            print(f"compiled {latex.compile_tables(args.out / 'tables')}")
+        except latex.LatexError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     if readme_text is not None:
         wanted = replace_readme_block(readme_text, readme_block(results), readme_path)
         if args.check_readme and wanted != readme_text:
@@ -194,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True,
                         help="folder for tables/, figures/, data/ (new, empty, or a previous report: replaced)")
     parser.add_argument("--no-figures", action="store_true", help="tables and parquet only (fast)")
+    parser.add_argument("--memory-results", type=Path, action="append", default=[], metavar="DIR",
+                        help="folder of dry runs (mode=dryrun) for tables/memory_by_size (repeatable)")
+    parser.add_argument("--timing", type=Path, default=None, metavar="DIR",
+                        help="take tokens/s and step time from these runs, each setting measured alone "
+                             "(analysis.timing)")
+    parser.add_argument("--compile-latex", action="store_true",
+                        help="compile tables/all_tables.tex with pdflatex into tables/all_tables.pdf")
     readme = parser.add_mutually_exclusive_group()
     readme.add_argument("--readme", type=Path, help="rewrite the results-table block of this file")
     readme.add_argument("--check-readme", type=Path, help="exit 1 if this file's results-table block is stale")

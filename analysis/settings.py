@@ -104,3 +104,77 @@ def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[
         by_id = {sid: f"{label} [{sid}]".lstrip() if label in repeated else label for sid, label in by_id.items()}
         labels.update({r: by_id[setting_id(settings[r])] for r in run_ids})
     return labels
+
+
+# The activation presets of ``hmt_core.activations.policy.PRESETS`` as the keys each sets away from ``none`` (every
+# component ``keep``, no layer recompute); a test keeps them equal (importing them would load torch).
+ACTIVATION_NONE_VALUE = {"layer_recompute": "false"}  # any other component's value under ``none``: "keep"
+ACTIVATION_PRESETS: dict[str, dict[str, str]] = {
+    "full_ckpt": {"layer_recompute": "true"},
+    "selective": {"attn_core": "recompute"},
+    "hmt": {"attn_qkv": "recompute", "attn_core": "recompute", "attn_out": "int8", "mlp_intermediate": "int8"},
+}
+
+
+def _baseline(key: str, values: list[str], method: Any) -> str | None:
+    """The value most settings of a group hold at ``key``; on a tie, the key's known default
+    (``ADDED_METHOD_KEY_DEFAULTS``) if it is among the tied values, else None (no baseline: every setting shows it)."""
+    counts = {v: values.count(v) for v in values}
+    top = max(counts.values())
+    tied = sorted(v for v, n in counts.items() if n == top)
+    if len(tied) == 1:
+        return tied[0]
+    default = ADDED_METHOD_KEY_DEFAULTS.get(method, {}).get(key, _ABSENT)
+    return render_value(default) if default is not _ABSENT and render_value(default) in tied else None
+
+
+def _with_presets(parts: dict[str, str], baseline: dict[str, str | None]) -> dict[str, str]:
+    """``activation.<key>=<value>`` parts that are exactly what an activation preset sets, on a baseline with the
+    ``none`` values at those keys, shown as ``activation=<preset>``."""
+    act = {k[len("activation."):]: v for k, v in parts.items() if k.startswith("activation.")}
+    for name, overrides in ACTIVATION_PRESETS.items():
+        on_none = all(baseline.get(f"activation.{k}") == ACTIVATION_NONE_VALUE.get(k, "keep") for k in overrides)
+        if act and act == overrides and on_none:
+            return {**{k: v for k, v in parts.items() if not k.startswith("activation.")}, "activation": name}
+    return parts
+
+
+def compact_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable],
+                   hidden: tuple[str, ...] = ("method.lr",)) -> dict[str, str]:
+    """``{run_id: label}`` like ``variant_labels``, shorter: ``""`` when the run's group holds a single setting;
+    else only the keys where the run's setting departs from the group's baseline (at each key that differs, the
+    value most of the group's settings hold, ``_baseline``), ``base`` for the setting that departs nowhere, and
+    an activation preset's keys as ``activation=<preset>``. ``hidden`` keys (the learning rate, a column of its
+    own) are shown only where labels would otherwise repeat; distinct settings always get distinct labels (a
+    setting id is appended as a last resort)."""
+    members: dict[Hashable, list[str]] = {}
+    for run_id in sorted(settings):
+        members.setdefault(group_of[run_id], []).append(run_id)
+    labels: dict[str, str] = {}
+    for run_ids in members.values():
+        distinct = {setting_id(settings[r]): settings[r] for r in run_ids}
+        if len(distinct) == 1:
+            labels.update({r: "" for r in run_ids})
+            continue
+        keys = sorted({k for s in distinct.values() for k in s})
+        values = {sid: {k: render_value(_value(s, k)) for k in keys} for sid, s in distinct.items()}
+        differing = [k for k in keys if len({v[k] for v in values.values()}) > 1]
+        method = next(iter(distinct.values())).get("method.name")
+        baseline = {k: _baseline(k, [v[k] for v in values.values()], method) for k in differing}
+
+        def label(sid: str, show_hidden: bool) -> str:
+            parts = {k: values[sid][k] for k in differing
+                     if (show_hidden or k not in hidden) and values[sid][k] != baseline[k]}
+            parts = _with_presets(parts, baseline)
+            return ", ".join(f"{k}={v}" for k, v in sorted(parts.items(), key=lambda kv: natural_key(kv[0])))
+
+        by_id = {sid: label(sid, False) or "base" for sid in distinct}
+        for show_hidden in (True, None):
+            repeated = {lab for lab in by_id.values() if list(by_id.values()).count(lab) > 1}
+            if not repeated:
+                break
+            by_id = {sid: (lab if lab not in repeated else
+                           (label(sid, True) or "base") if show_hidden else f"{lab} [{sid}]")
+                     for sid, lab in by_id.items()}
+        labels.update({r: by_id[setting_id(settings[r])] for r in run_ids})
+    return labels

@@ -2,7 +2,7 @@
 
 Rows are aggregated over the seeds of one setting (mean; validation loss also shows the standard deviation when
 there are several seeds): runs of one method and model with different settings (``analysis.settings``) are
-separate rows, told apart by a "Variant" column listing the keys that differ (the column appears only when some
+separate rows, told apart by a "Setting" column listing the keys that differ (the column appears only when some
 method and model has several settings). Rows are ordered by method (``METHOD_ORDER``, then by name), model size
 and variant, so the same results always give the same bytes. A missing value is shown as "—". Only completed
 runs enter the numeric tables; the ``runs`` table lists every run with its state, failed ones included.
@@ -33,6 +33,7 @@ class Table:
     columns: list[str]
     rows: list[list[str]]
     align: list[str] = field(default_factory=list)  # "l" | "r" per column; default: first two left, rest right
+    sections: list[tuple[str, int]] = field(default_factory=list)  # (title, index of its first row), in row order
 
     def alignment(self) -> list[str]:
         return self.align or ["l", "l"] + ["r"] * (len(self.columns) - 2)
@@ -50,6 +51,12 @@ def model_sort_key(name: str) -> tuple:
     if match:
         return (1, float(match.group(1)) * {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2)], name)
     return (2, 0.0, str(name))
+
+
+def variant_sort_key(label) -> tuple:
+    """The baseline setting ("" or "base", ``analysis.settings.compact_labels``) first, then the others in natural
+    order."""
+    return (str(label) not in ("", "base"), natural_key(str(label)))
 
 
 def _missing(value) -> bool:
@@ -88,13 +95,13 @@ def groups(runs: pd.DataFrame, keys: tuple[str, ...] = ("method", "model")) -> l
     if runs.empty:
         return []
     out = [(k if isinstance(k, tuple) else (k,), g) for k, g in runs.groupby(list(keys), dropna=False, sort=False)]
-    sorters = {"method": method_sort_key, "model": model_sort_key, "variant": lambda v: natural_key(str(v))}
+    sorters = {"method": method_sort_key, "model": model_sort_key, "variant": variant_sort_key}
     return sorted(out, key=lambda kg: tuple(sorters.get(key, lambda v: (str(v),))(value)
                                              for key, value in zip(keys, kg[0])))
 
 
 def _variants(runs: pd.DataFrame) -> bool:
-    """Whether some method and model of these runs has several settings (then tables get a Variant column)."""
+    """Whether some method and model of these runs has several settings (then tables get a Setting column)."""
     return "variant" in runs and bool((runs["variant"].fillna("") != "").any())
 
 
@@ -109,23 +116,9 @@ def _by_setting(runs: pd.DataFrame, keys: tuple[str, ...]) -> tuple[bool, list[t
 
 
 def _columns(keys: list[str], with_variant: bool, rest: list[str]) -> tuple[list[str], list[str]]:
-    """(column names, alignment): the key columns (+ "Variant") left-aligned, the rest right-aligned."""
-    lead = keys + (["Variant"] if with_variant else [])
+    """(column names, alignment): the key columns (+ "Setting", the variant) left-aligned, the rest right-aligned."""
+    lead = keys + (["Setting"] if with_variant else [])
     return lead + rest, ["l"] * len(lead) + ["r"] * len(rest)
-
-
-def main_table(results: Results) -> Table:
-    runs = results.completed()
-    runs = runs[runs["mode"] == "train"]
-    with_variant, found = _by_setting(runs, ("method", "model"))
-    rows = []
-    for lead, g in found:
-        rows.append([*lead, str(g["seed"].nunique(dropna=False)), fmt(_mean(g["peak_bytes"]), ".2f", GIB),
-                     fmt(_mean(g["avg_bytes"]), ".2f", GIB), fmt(_mean(g["tokens_per_s"]), ",.0f"),
-                     fmt(_mean(g["step_time_s"]), ".1f", 1e-3), fmt_mean_std(g["val_loss"], ".3f")])
-    columns, align = _columns(["Method", "Model"], with_variant, ["Seeds", "Peak memory (GiB)", "Avg memory (GiB)",
-                                                                  "Tokens/s", "Step time (ms)", "Val loss"])
-    return Table("main", "Training runs per method, model and setting (mean over seeds)", columns, rows, align)
 
 
 def _reference_adamw(runs: pd.DataFrame) -> pd.DataFrame | None:
@@ -139,6 +132,17 @@ def _reference_adamw(runs: pd.DataFrame) -> pd.DataFrame | None:
 
 def _ratio(value, reference) -> str:
     return DASH if _missing(value) or _missing(reference) or not reference else f"{value / reference:.2f}×"
+
+
+def _state_bytes(mine: pd.DataFrame, theirs: pd.DataFrame) -> tuple:
+    """Mean optimizer state of both sides from one source: the optimizer's own count
+    (``method_summary['optim/state_bytes']``) when both report it, else the memory tracker's optimizer category at
+    the peak step."""
+    for column in ("optim_state_bytes", "peak_optimizer_bytes"):
+        pair = (_mean(mine[column]), _mean(theirs[column])) if column in mine and column in theirs else (None, None)
+        if None not in pair:
+            return pair
+    return None, None
 
 
 def versus_adamw_table(results: Results) -> Table:
@@ -160,7 +164,7 @@ def versus_adamw_table(results: Results) -> Table:
         rows.append([*lead, str(g["seed"].nunique(dropna=False)), fmt_mean_std(g["val_loss"], ".3f"),
                      fmt(delta, "+.3f"), fmt(None if math.isnan(p) else p, ".3f"),
                      stats.verdict(list(mine), list(theirs)),
-                     _ratio(_mean(g["peak_optimizer_bytes"]), _mean(ref["peak_optimizer_bytes"])),
+                     _ratio(*_state_bytes(g, ref)),
                      _ratio(_mean(g["peak_bytes"]), _mean(ref["peak_bytes"])),
                      _ratio(_mean(g["tokens_per_s"]), _mean(ref["tokens_per_s"])),
                      _ratio(_mean(g["step_time_s"]), _mean(ref["step_time_s"]))])
@@ -251,32 +255,70 @@ def runs_table(results: Results) -> Table:
                  ["l"] * 7)
 
 
-ALL_TABLES = (main_table, versus_adamw_table, memory_category_table, memory_phase_table, transfer_table, activation_table, runs_table)
+ALL_TABLES = (versus_adamw_table, memory_category_table, memory_phase_table, transfer_table, activation_table,
+              runs_table)  # the report puts analysis.main_table's tables first
 
 
 # ---- rendering -------------------------------------------------------------------------------------------------
+def _section_rows(table: Table) -> list[tuple[str | None, list[list[str]]]]:
+    """[(section title or None, its rows)]: one untitled section when the table has none."""
+    if not table.sections:
+        return [(None, table.rows)]
+    starts = [start for _, start in table.sections] + [len(table.rows)]
+    return [(title, table.rows[start:end]) for (title, start), end in zip(table.sections, starts[1:])]
+
+
 def to_markdown(table: Table) -> str:
+    """A pipe table; a table with sections is one pipe table per section, each under its title in italics."""
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
     rule = ["---:" if a == "r" else ":---" for a in table.alignment()]
-    body = [line(row) for row in table.rows] or [line(["(no data)"] + [""] * (len(table.columns) - 1))]
-    return "\n".join([line(table.columns), "| " + " | ".join(rule) + " |", *body]) + "\n"
+    parts = []
+    for title, rows in _section_rows(table):
+        body = [line(row) for row in rows] or [line(["(no data)"] + [""] * (len(table.columns) - 1))]
+        parts.append((f"*{title}*\n\n" if title else "")
+                     + "\n".join([line(table.columns), "| " + " | ".join(rule) + " |", *body]) + "\n")
+    return "\n".join(parts)
 
 
+# LaTeX's specials, and the non-ASCII characters the tables use, as text-mode LaTeX (pdflatex without extra
+# packages); any other non-ASCII character becomes its ASCII decomposition, or "?" (``latex_escape``).
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                 "±": r"$\pm$", "—": "---", "↔": r"$\leftrightarrow$"}
+                 "<": r"\textless{}", ">": r"\textgreater{}", "|": r"\textbar{}",
+                 "±": r"$\pm$", "—": "---", "–": "--", "↔": r"$\leftrightarrow$", "×": r"$\times$",
+                 "Δ": r"$\Delta$", "≤": r"$\leq$", "≥": r"$\geq$", "≈": r"$\approx$", "·": r"$\cdot$",
+                 "µ": r"$\mu$", "→": r"$\rightarrow$", "‖": r"$\|$", "\u00a0": "~", "…": r"\ldots{}",
+                 "²": r"\textsuperscript{2}"}
 
 
 def latex_escape(text: str) -> str:
-    return "".join(LATEX_SPECIAL.get(ch, ch) for ch in text)
+    """``text`` as LaTeX text: specials escaped (``LATEX_SPECIAL``), the result plain ASCII."""
+    import unicodedata
+
+    def one(ch: str) -> str:
+        if ch in LATEX_SPECIAL:
+            return LATEX_SPECIAL[ch]
+        if ch.isascii():
+            return ch
+        plain = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode()
+        return "".join(LATEX_SPECIAL.get(c, c) for c in plain) or "?"
+
+    return "".join(one(ch) for ch in text)
 
 
 def to_latex(table: Table) -> str:
-    body = [" & ".join(latex_escape(c) for c in row) + r" \\" for row in table.rows]
-    if not body:
-        body = [rf"\multicolumn{{{len(table.columns)}}}{{c}}{{(no data)}} \\"]
+    """A booktabs ``tabular`` (``\\toprule``/``\\midrule``/``\\bottomrule``); each section opens with its title
+    in italics across the columns, after a ``\\midrule``."""
+    n = len(table.columns)
+    body = []
+    for i, (title, rows) in enumerate(_section_rows(table)):
+        if title:
+            body += ([r"\midrule"] if i else []) + [rf"\multicolumn{{{n}}}{{l}}{{\textit{{{latex_escape(title)}}}}} \\"]
+        body += [" & ".join(latex_escape(c) for c in row) + r" \\" for row in rows]
+        if not rows:
+            body.append(rf"\multicolumn{{{n}}}{{c}}{{(no data)}} \\")
     return "\n".join([
         r"% Generated by python -m analysis.report; do not edit.",
         rf"% {latex_escape(table.title)}",

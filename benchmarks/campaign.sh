@@ -6,7 +6,9 @@
 # Two lanes of one thread each (OMP_NUM_THREADS=1), one per core:
 #   A: campaign_baselines (tuned) -> campaign_base (the AdamW model fine-tuning starts from) -> campaign_finetune
 #   B: campaign_hmt (tuned) -> campaign_hmt_ablations at HMT default's tuned learning rate
-# then the report (docs/campaign) and the README main table. Each lane's log: results/campaign-logs/<lane>.log.
+# then campaign_timing (every setting's speed measured alone: the lanes share the CPU, so their step times are
+# not comparable), then the report (docs/campaign) and the README main table.
+# Each lane's log: results/campaign-logs/<lane>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -41,4 +43,6 @@ b=$!
 wait "$a"; rc_a=$?
 wait "$b"; rc_b=$?
 echo "campaign lanes finished in $(( ($(date +%s) - start) / 60 )) min (lane A rc $rc_a, lane B rc $rc_b)"
-python -m analysis.report results/campaign --out docs/campaign --readme README.md
+sweep campaign_timing > results/campaign-logs/timing.log 2>&1
+python -m analysis.report results/campaign --timing results/campaign-timing --memory-results results/paper_memory \
+  --out docs/campaign --readme README.md --compile-latex

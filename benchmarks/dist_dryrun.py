@@ -5,9 +5,12 @@ the table is printed from those files (``--table`` prints it without running any
     python benchmarks/dist_dryrun.py --models 7b 13b --worlds 1 8 64
     python benchmarks/dist_dryrun.py --table
 
-Rows: adamw under FSDP2 (params, grads and AdamW state sharded 1/W), hmt and galore under DDP (replicated: the
-per-rank figure does not depend on W, so they run at W=8 only unless ``--worlds`` says otherwise). Seq 2048,
-per-rank batch 1 (``train.batch_size=W``, the global batch).
+Rows: adamw under FSDP2 (params, grads and AdamW state sharded 1/W), hmt under FSDP2 (per-layer Mode A on row
+shards, ``hmt_core.optim.sharded``) with no activation policy and with ``activation=full_ckpt`` (every decoder layer
+recomputed from its input; Korthikanti et al. 2022, Sec. 4: only the 2·s·b·h layer inputs kept), hmt and galore
+under DDP (replicated: the per-rank figure does not depend on W, so they run at W=8 only unless ``--ddp-worlds``
+says otherwise). galore (and apollo) are refused under FSDP2 (their optimizers project whole weight matrices), so
+they have no FSDP2 row; the table says so. Seq 2048, per-rank batch 1 (``train.batch_size=W``, the global batch).
 """
 
 from __future__ import annotations
@@ -25,10 +28,16 @@ OUT = REPO / "results" / "dist_dryrun"
 GIB = 2**30
 SETUPS = {  # name -> (dist, method overrides)
     "adamw-fsdp2": ("fsdp2", ["method=adamw"]),
+    "hmt-fsdp2": ("fsdp2", ["method=hmt"]),
+    "hmt-fsdp2-ckpt": ("fsdp2", ["method=hmt", "activation=full_ckpt"]),
     "hmt-ddp": ("ddp", ["method=hmt"]),
     "galore-ddp": ("ddp", ["method=galore"]),
 }
 CATS = ("params", "grads", "optimizer", "activations", "temp")
+NOTES = ("galore-fsdp2 / apollo-fsdp2: refused (`dist=fsdp2 supports method=adamw and method=hmt`): galore-torch "
+         "and apollo-torch project whole weight matrices and cannot step row-shard DTensors; use dist=ddp.",
+         "hmt-fsdp2-ckpt: `activation=full_ckpt`; the single-process activation probe is skipped under dist "
+         "(`experiments.distributed.probe_skipped`).")
 
 
 def run_case(model: str, setup: str, world: int, seq: int, timeout_s: float) -> dict:
@@ -61,7 +70,7 @@ def table(rows: list[dict]) -> str:
         cats = " | ".join(f"{r['peak_by_category_bytes'][c] / GIB:.2f}" for c in CATS)
         lines.append(f"| {r['model']} | {r['setup']} | {r['world_size']} | {r['peak_bytes'] / GIB:.2f} | {cats} | "
                      f"{r['trace_wall_s']:.0f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + [f"- {n}" for n in NOTES])
 
 
 def main() -> None:

@@ -15,11 +15,24 @@ What is saved (one state dict, each entry through DCP):
 - ``method``: every other method's own ``state_dict()`` (hmt bases and low-rank moments, galore-torch/apollo-torch
   optimizer state with their projector objects), one serialized entry: it is identical on every rank (each rank
   computes the same update from the all-reduced gradient), so DCP writes it once;
+- ``hmt_rows`` (FSDP2 + hmt only, ``hmt_core.optim.sharded_state``): the moments that are row shards of a
+  parameter (right-sided and dense ones) as ``Shard(0)`` DTensors of their global shape, each rank writing its rows;
+  ``method`` then holds placeholders in their place. Restoring reads ``method`` first, builds this rank's empty
+  shards from the placeholders and reads ``hmt_rows`` into them (two ``dcp.load`` calls, both collective);
 - ``loop``: the loop state, the driver's base learning rates and the random generators (also identical on every
   rank: all draw the same numbers; data batches come from their own generator).
 Loading reads them back into this process's model/optimizer with ``set_model_state_dict`` /
-``set_optimizer_state_dict``; resuming with another world size works (DCP reshards), the global batch being the
-same.
+``set_optimizer_state_dict``.
+
+Another world size (``check_resume``; the manifest records the writer's ``dist.world_size``). The global batch is
+the same for every W (rank r takes rows [r·B/W, (r+1)·B/W)), so only the state's layout depends on W, and DCP
+reads every tensor by its global offsets (``torch.distributed.checkpoint`` load planner: a saved shard is copied
+into whichever of this run's shards overlap it): DTensor shards (FSDP2 weights and AdamW moments, hmt's
+``hmt_rows``) are resharded to the new W; plain tensors and the serialized ``method``/``loop`` entries are the same
+on every rank, so any W reads them whole. A resumed step at another W then differs from the uninterrupted one only
+in the order its gradient's terms are summed (``tests/test_dist_resume.py`` measures it). State that is per rank
+and not a DTensor cannot be resharded: ``PER_RANK_STATE`` names it, and such a checkpoint is refused at another
+world size with one line.
 """
 
 from __future__ import annotations
@@ -41,9 +54,13 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from experiments.checkpointing import Checkpointer, LoopState, ResumePoint
 from experiments.errors import UserError
 from hmt_core import checkpoint as ck
+from hmt_core.optim import sharded_state
 
 
 PAUSE_SEALED_ENV = "HMT_DIST_CHECKPOINT_PAUSE_S"
+# (dist mode, method name) -> why its checkpoint state is per rank (not resharded by DCP); empty: every supported
+# combination reshards (DDP: all state is replicated; FSDP2: DTensor shards, see the module docstring)
+PER_RANK_STATE: dict[tuple[str, str], str] = {}
 
 
 def torch_optimizer(method) -> torch.optim.Optimizer | None:
@@ -86,9 +103,37 @@ class DistCheckpointer(Checkpointer):
         sd = {"model": get_model_state_dict(self.model), "loop": _blob(loop) if loop is not None else io.BytesIO()}
         if opt is not None:
             sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        elif state is None:
+            sd["method"] = io.BytesIO()
+        elif self._row_sharded():
+            replicated, sd["hmt_rows"] = sharded_state.split_state(self.method.state_dict(), self.method.opt.slots)
+            sd["method"] = _blob(replicated)
         else:
-            sd["method"] = _blob(self.method.state_dict()) if state is not None else io.BytesIO()
+            sd["method"] = _blob(self.method.state_dict())
         return sd
+
+    def _row_sharded(self) -> bool:
+        """FSDP2 + hmt: some moments are per-rank row shards (``hmt_core.optim.sharded_state``)."""
+        return type(getattr(self.method, "engine", None)).__name__ == "ShardedEngine"
+
+    def check_resume(self, point: ResumePoint) -> None:
+        """A checkpoint written by another number of ranks: accepted where DCP reshards every entry, else one
+        ``UserError`` line naming both world sizes (raised on every rank alike, before anything is written)."""
+        saved = ((point.manifest.get("meta") or {}).get("dist") or {}).get("world_size")
+        if saved is None or int(saved) == self.ctx.world_size:
+            return
+        why = self.per_rank_state()
+        if why is not None:
+            raise UserError(f"checkpoint {point.path} was written by {saved} ranks but this run has "
+                            f"{self.ctx.world_size}: {why}; resume with {saved} ranks (torchrun --nproc_per_node, "
+                            "or Slurm tasks), or start over with force=true or train.resume=never")
+
+    def per_rank_state(self) -> str | None:
+        """Why this run's checkpoint state cannot be read at another world size (None: DCP reshards all of it)."""
+        for (mode, method), why in PER_RANK_STATE.items():
+            if self.ctx.mode == mode and getattr(self.method, "name", None) == method:
+                return why
+        return None
 
     def restore(self, point: ResumePoint, device: torch.device) -> LoopState:
         expected = point.manifest["meta"].get("frozen_fingerprint")
@@ -103,7 +148,13 @@ class DistCheckpointer(Checkpointer):
         if opt is not None:
             set_optimizer_state_dict(self.model, opt, sd["optim"])
         else:
-            self.method.load_state_dict(_unblob(sd["method"], device))
+            method_state = _unblob(sd["method"], device)
+            if self._row_sharded():
+                rows = sharded_state.row_templates(method_state, self.method.opt.slots)
+                if rows:
+                    dcp.load({"hmt_rows": rows}, checkpoint_id=str(point.path))
+                method_state = sharded_state.join_state(method_state, rows)
+            self.method.load_state_dict(method_state)
         if loop["base_lrs"] is not None:
             self.method.driver.base_lrs = list(loop["base_lrs"])
         ck.set_rng_state(loop["rng"])
@@ -111,9 +162,6 @@ class DistCheckpointer(Checkpointer):
 
     # ---- save -----------------------------------------------------------------------------------------------
     def save(self, state: LoopState) -> ck.SavedCheckpoint:
-        if type(getattr(self.method, "engine", None)).__name__ == "ShardedEngine":  # per-rank moments: not DCP yet
-            raise UserError("checkpoints of dist=fsdp2 + method=hmt are not supported (its right-sided moments are "
-                            "per-rank shards, not DCP tensors); use dist=ddp to checkpoint")
         t0 = time.perf_counter()
         step = state.next_step
         tmp = self.root / f".tmp-{ck.step_dir_name(step)}"

@@ -14,6 +14,12 @@ Semantics:
   ``loss/train`` is the mean of the ranks' losses (the global-batch loss), memory is per rank:
   ``memory/peak_max(GiB)`` and ``memory/peak_mean(GiB)`` beside rank 0's ``memory/peak(GiB)``.
 - Checkpoints go through ``torch.distributed.checkpoint`` (``experiments.dist_checkpoint``).
+- Activation policies (``hmt_core.activations``) apply per rank as in a single process, after ``fully_shard``/
+  DDP: a recomputed decoder layer is checkpointed *inside* its ``forward`` (non-reentrant
+  ``torch.utils.checkpoint``), so FSDP2's pre-/post-forward hooks on ``__call__`` stay outside the region and the
+  recompute in backward runs on the weights FSDP2's pre-backward hook has all-gathered again — the order
+  torchtitan uses (checkpoint wrapper inside ``fully_shard`` per layer). The single-process activation probe is
+  skipped (``probe_skipped``).
 
 Which collective each step issues (besides one all-reduce of the loss and of the preemption flag per step, and an
 all-gather of the peak memory on logged steps):
@@ -41,8 +47,9 @@ with totals in ``summary.dist.comm``.
   which also gives the left-sided Ĝ (no all-reduce then). In ``finish_step`` one all-reduce SUM of a scalar, the
   local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
   Mode B, two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
-  bases, ``grad_accum > 1``, ``lowrank_comm``, checkpoints (its right-sided moments are per-rank shards). galore
-  and apollo are refused: their optimizers project whole weight matrices.
+  bases, ``grad_accum > 1``, ``lowrank_comm``. Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
+  (``hmt_core.optim.sharded_state``). galore and apollo are refused: their optimizers project whole weight
+  matrices.
 """
 
 from __future__ import annotations
@@ -199,11 +206,16 @@ def check_combination(run, world: int) -> None:
     if name == "qlora":
         raise UserError("method=qlora under dist=ddp is not supported (bitsandbytes' 4-bit weights are not "
                         "broadcast by DDP); run it single-process")
-    if not run.activation.is_identity():
-        raise UserError(f"activation={run.activation.to_dict().get('preset', 'custom')} under dist={mode} is not "
-                        "supported yet (its probe is single-process); use activation=none")
     if run.dist.lowrank_comm:
         check_lowrank_comm(run.method)
+
+
+def probe_skipped(mode: str) -> str:
+    """Why ``mode=train``/``mode=dryrun`` skip the activation probe under ``dist=ddp|fsdp2`` (the policy is applied)."""
+    return (f"dist={mode}: the activation probe is single-process (it runs forward and autograd.grad on one "
+            "short sequence outside the training step, which FSDP2's hooks and DDP's reducer do not expect, on "
+            "one rank) and its figures (saved bytes, codec errors, gradient agreement) do not depend on the world "
+            "size; run the same config with dist=none to probe it")
 
 
 def check_fsdp2_hmt(run) -> None:
@@ -215,9 +227,6 @@ def check_fsdp2_hmt(run) -> None:
         why = f"train.grad_accum={run.train.grad_accum} is not supported with dist=fsdp2 + method=hmt (use 1)"
     if why is None and run.dist.lowrank_comm:
         why = "dist.lowrank_comm=true is not supported with dist=fsdp2 (a left-sided Ĝ is already all-reduced)"
-    if why is None and run.train.checkpoint_every:
-        why = (f"train.checkpoint_every={run.train.checkpoint_every}: checkpoints of dist=fsdp2 + method=hmt are "
-               "not supported (per-rank sharded moments are not DCP tensors yet); use 0 or dist=ddp")
     if why is not None:
         raise UserError(why)
 

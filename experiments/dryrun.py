@@ -5,7 +5,8 @@ Model construction, the method's ``prepare``/``attach`` (quantization, adapters,
 ``fake`` mode, so a 7B/13B step is measured on a machine with no GPU and 24 GiB of RAM. Anything that cannot be
 traced (an op without a fake implementation) fails the run loudly; it never reports a partial number. With an
 activation policy, the activation probe that ``mode=train`` runs before step 0 (``metered_probe``) is traced too,
-in the same order (after ``attach``, before the policy is applied), under its own meter.
+in the same order (after ``attach``, before the policy is applied), under its own meter — except under
+``dist=ddp|fsdp2``, where training skips it (``experiments.distributed.probe_skipped``) and so does the trace.
 
 The report adds, beside the usual summary: peak bytes by category at each phase's peak, the modules retaining the
 most forward bytes (what their forward left alive: saved activations and outputs), and a fits/does-not-fit
@@ -191,9 +192,10 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
         vocab = model.get_input_embeddings().num_embeddings
         autocast = lambda: autocast_context(torch.device("cpu"), t.autocast)  # noqa: E731
         probed, act_handle = None, None
-        if not run.activation.is_identity():  # as in mode=train: the probe, then the policy
-            probed = metered_probe(model, run.activation, torch.randint(0, vocab, (rows, t.seq_len)),
-                                   autocast=autocast, source=meter.source)
+        if not run.activation.is_identity():  # as in mode=train: the probe (not under dist), then the policy
+            if ctx is None:
+                probed = metered_probe(model, run.activation, torch.randint(0, vocab, (rows, t.seq_len)),
+                                       autocast=autocast, source=meter.source)
             act_handle = apply_policy(model, run.activation)
         retention = ModuleRetention(model, meter)
         for step in range(run.dryrun.steps):
@@ -248,7 +250,8 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
         host_device_bytes=rep.host_device_bytes, method_summary=traced["method_summary"],
         activation_summary=None if run.activation.is_identity() else {
             "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"],
-            "probe_peak_bytes": traced["probe_peak_bytes"], "probe_tokens": traced["probe_tokens"]},
+            "probe_peak_bytes": traced["probe_peak_bytes"], "probe_tokens": traced["probe_tokens"],
+            **({"probe_skipped": distributed.probe_skipped(run.dist.mode)} if traced["dist"] else {})},
         **({"dist": traced["dist"]} if traced["dist"] else {}),
         dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
                 "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
@@ -278,6 +281,8 @@ def print_dryrun(summary: dict) -> None:
     if act.get("probe_peak_bytes") is not None:
         print(f"  activation probe peak : {act['probe_peak_bytes'] / GIB:.3f} GiB ({act['probe_tokens']} tokens, "
               f"before step 0; the verdict counts the larger of it and the step's peak)")
+    elif act.get("probe_skipped"):
+        print(f"  activation probe      : skipped ({act['probe_skipped'].split(':')[0]}: single-process)")
     print("  fits (with {:.1f} GiB reserve): ".format(d["cuda_context_gib"])
           + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
     if d["assumed_scalars"]:

@@ -107,13 +107,19 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     checkpointer = distributed.checkpointer_class(ctx, Checkpointer)(  # DCP under torchrun
         ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model, method=method,
         meta={"run_id": run_dir.run_id, "config": config_dict})
+    if resume_point is not None:
+        checkpointer.check_resume(resume_point)  # dist: a world-size change only where DCP reshards the state
     if main:
         announce_start(run, run_dir, ckpt_root, resume_point)
     run_dir.start(config_dict, keep_metrics_before=resume_point.step if resume_point else None)
     wandb_run = None
     try:
         activation_summary, act_handle = None, None
-        if not run.activation.is_identity():
+        if not run.activation.is_identity() and ctx is not None:  # dist=ddp|fsdp2: the policy, no probe
+            activation_summary = {"policy": run.activation.to_dict(), "probe": None,
+                                  "probe_skipped": distributed.probe_skipped(ctx.mode)}
+            act_handle = apply_policy(model, run.activation)
+        elif not run.activation.is_identity():
             # bounded probe (one short sequence, one layer's gradients, taken with autograd.grad so no update hook
             # fires), under its own meter; a dry run traces the same call
             gpu_stats.reset_peaks(device)

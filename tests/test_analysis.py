@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import figures, report, tables
+from analysis import figures, main_table, report, tables
 from analysis.load import load_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,10 +99,12 @@ def full_report(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_report_writes_every_table_and_figure(full_report: tuple[Path, Path]) -> None:
     _, out = full_report
-    for name in ("main", "memory_by_category", "memory_by_phase", "transfers", "activation_error", "runs"):
+    for name in ("main", "main_systems", "memory_by_category", "memory_by_phase", "transfers", "activation_error",
+                 "runs", "flattening"):
         assert (out / "tables" / f"{name}.md").read_text().count("|") > 10, name
         assert "\\begin{tabular}" in (out / "tables" / f"{name}.tex").read_text(), name
-    for name in ("loss_curves", "pareto_tokens_per_s_vs_peak_memory", "memory_by_category", "rank_heatmap_hmt_125m",
+    for name in ("loss_curves", "pareto_val_loss_vs_memory", "pareto_tokens_per_s_vs_peak_memory",
+                 "memory_by_category", "rank_heatmap_hmt_125m",
                  "rank_distribution", "activation_error", "transfers_and_checkpoints"):
         for suffix in (".png", ".pdf"):
             assert (out / "figures" / f"{name}{suffix}").stat().st_size > 1000, name + suffix
@@ -114,14 +116,18 @@ def test_report_writes_every_table_and_figure(full_report: tuple[Path, Path]) ->
 
 
 def test_main_table_is_seed_means_in_report_order(results_dir: Path) -> None:
-    table = tables.main_table(load_results(results_dir))
+    table = main_table.main_table(load_results(results_dir))
     by_key = {(row[0], row[1]): row for row in table.rows}
     assert [(r[0], r[1]) for r in table.rows] == [("adamw", "tiny"), ("adamw", "125m"), ("hmt", "125m"),
                                                   ("newopt", "125m")]  # failed/running/dryrun runs are left out
     adamw = by_key[("adamw", "125m")]
-    assert adamw[2:] == ["2", "4.00", "3.00", "1,000", "100.0", "3.100 ± 0.141"]
-    assert by_key[("hmt", "125m")][3] == "1.50"
-    assert by_key[("newopt", "125m")][5:7] == ["—", "—"]  # tokens/s and step time absent
+    # seeds, lr (not in these configs), loss ± std, exp(3.1), optimizer state (not reported), peak, speed ratios
+    assert adamw[2:] == ["2", "—", "3.100 ± 0.141", "22.2", "—", "4.00", "1.00×", "1.00×"], adamw
+    assert by_key[("hmt", "125m")][7:] == ["1.50", "0.80×", "1.00×"], by_key[("hmt", "125m")]
+    assert by_key[("newopt", "125m")][8:] == ["—", "—"]  # tokens/s and step time absent
+    systems = {(row[0], row[1]): row for row in main_table.systems_table(load_results(results_dir)).rows}
+    assert systems[("adamw", "125m")][2:] == ["3.00", "1,000", "100.0", "3.00", "0.50", "2.00", "—", "—"]
+    assert systems[("hmt", "125m")][-2:] == ["40.0 (32–64)", "2.00e-02"]  # 6×32 + 2×64 over 8 refreshes
 
 
 def test_absent_keys_show_a_dash_and_failures_are_listed(results_dir: Path) -> None:
@@ -160,7 +166,7 @@ def test_plain_schema_for_ranks_and_activations(tmp_path: Path) -> None:
 def test_latex_escapes_and_markdown_pipes() -> None:
     table = tables.Table("t", "a_b & c", ["Run", "Val"], [["x_1|2", "3.1 ± 0.2"], ["50%", "—"]])
     tex = tables.to_latex(table)
-    assert r"x\_1|2 & 3.1 $\pm$ 0.2 \\" in tex and r"50\% & --- \\" in tex and r"a\_b \& c" in tex
+    assert r"x\_1\textbar{}2 & 3.1 $\pm$ 0.2 \\" in tex and r"50\% & --- \\" in tex and r"a\_b \& c" in tex
     assert "| x_1\\|2 | 3.1 ± 0.2 |" in tables.to_markdown(table)
 
 
@@ -169,7 +175,8 @@ def test_one_colour_per_method_in_every_figure(results_dir: Path) -> None:
     colors = figures.method_colors(results.runs["method"].dropna().unique())
     assert colors["hmt"] == figures.FIXED_COLORS["hmt"] and colors["newopt"] not in figures.FIXED_COLORS.values()
     seen: dict[str, set] = {}
-    for make in (figures.loss_curves_figure, figures.pareto_figure, figures.activation_error_figure,
+    for make in (figures.loss_curves_figure, figures.loss_memory_figure, figures.pareto_figure,
+                 figures.activation_error_figure,
                  figures.transfer_figure, figures.rank_figures, figures.memory_category_figure):
         for name, fig in make(results, colors).items():
             for ax in fig.axes:
@@ -181,9 +188,10 @@ def test_one_colour_per_method_in_every_figure(results_dir: Path) -> None:
                 assert legends or name.startswith("rank_heatmap"), f"{name}: no legend"
                 for legend in legends:
                     for handle, text in zip(legend.legend_handles, legend.get_texts()):
-                        if text.get_text() in colors:
+                        method = text.get_text().split(": ")[-1].split(" (")[0].split(",")[0]  # "3: hmt (x), …"
+                        if method in colors:
                             color = handle.get_color() if hasattr(handle, "get_color") else handle.get_facecolor()
-                            seen.setdefault(text.get_text(), set()).add(matplotlib_hex(color))
+                            seen.setdefault(method, set()).add(matplotlib_hex(color))
     assert seen and all(found == {colors[m].lower()} for m, found in seen.items()), seen
 
 
@@ -220,7 +228,8 @@ def test_readme_block_roundtrip(results_dir: Path, tmp_path: Path) -> None:
     assert report.main([str(results_dir), "--out", out, *fast, "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# HMT\n\nintro\n\n") and text.endswith(f"{report.README_END}\n\nmore text\n")
-    assert "| adamw | 125m | 2 | 4.00 |" in text and "old table" not in text
+    assert "| adamw | 125m | 2 | — | 3.100 ± 0.141 | 22.2 | — | 4.00 | 1.00× | 1.00× |" in text, text
+    assert "old table" not in text
     assert report.main([str(results_dir), "--out", out, *fast, "--check-readme", str(readme)]) == 0
     summary = results_dir / "hmt-125m-s0" / "summary.json"
     summary.write_text(summary.read_text().replace('"val_loss": 3.0', '"val_loss": 2.5'))

@@ -5,7 +5,7 @@ Every bad input must end in one line ``error: ...`` on stderr that names the cul
 value), a non-zero exit status, no Python traceback, and no change to what was there before (a previous report,
 the README, the user's files). Damaged runs in a results tree are skipped with a ``warning:`` naming the file
 while the report goes on. Also proven: runs are found at any depth, and the report averages only runs of one
-setting (two seeds of one setting are "Seeds 2"; two ranks are two rows told apart by a Variant column).
+setting (two seeds of one setting are "Seeds 2"; two ranks are two rows told apart by a Setting column).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import yaml
 from test_analysis import write_run
 
-from analysis import tables
 from analysis.load import load_results
+from analysis.main_table import main_table
 from analysis.report import README_BEGIN, README_END
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +113,9 @@ def test_report_finds_runs_at_depth_two_and_skips_decoy_folders(nested_results: 
     runs = pd.read_parquet(tmp_path / "report" / "data" / "runs.parquet")
     assert sorted(runs["run_id"]) == ["adamw-tiny-s0", "adamw-tiny-s1", "hmt-tiny-s0"]
     main = (tmp_path / "report" / "tables" / "main.md").read_text()
-    assert "| adamw | tiny | 2 | 0.50 |" in main and "| hmt | tiny | 1 | 0.25 |" in main
+    # seeds, lr, val loss, perplexity, optimizer state, peak memory
+    assert "| adamw | tiny | 2 | — | 3.000 ± 0.000 | 20.1 | — | 0.50 |" in main, main
+    assert "| hmt | tiny | 1 | — | 3.000 | 20.1 | — | 0.25 |" in main, main
     assert no_leftovers(tmp_path)
 
 
@@ -164,7 +166,7 @@ def test_missing_and_torn_metrics_are_warned_about(results_copy: Path, tmp_path:
     assert f"warning: {torn}: line 5 is cut short" in done.stderr
     metrics = pd.read_parquet(tmp_path / "report" / "data" / "metrics.parquet")
     assert metrics.groupby("run_id").size().to_dict() == {"adamw-tiny-s0": 4, "adamw-tiny-s1": 4}
-    assert "| hmt | tiny | 1 | 0.25 |" in (tmp_path / "report" / "tables" / "main.md").read_text()
+    assert "| hmt | tiny | 1 | — | 3.000 | 20.1 | — | 0.25 |" in (tmp_path / "report" / "tables" / "main.md").read_text()
 
 
 # ---- analysis.report: where it writes ---------------------------------------------------------------------------
@@ -211,7 +213,8 @@ def test_a_previous_report_is_replaced_whole(previous_report: Path, results_copy
     done = report(results_copy, "--out", previous_report, "--readme", readme)
     assert done.returncode == 0, done.stderr
     assert not (previous_report / "tables" / "stale.md").exists() and (previous_report / "index.md").exists()
-    assert "| adamw | tiny | 2 | 0.50 |" in readme.read_text() and no_leftovers(tmp_path)
+    assert "| adamw | tiny | 2 | — | 3.000 ± 0.000 | 20.1 | — | 0.50 |" in readme.read_text()
+    assert no_leftovers(tmp_path)
 
 
 # ---- analysis: grouping by setting ------------------------------------------------------------------------------
@@ -219,8 +222,8 @@ def test_runs_differing_only_in_seed_are_one_row(tmp_path: Path) -> None:
     for seed in (0, 1):
         run = write_run(tmp_path, f"hmt-tiny-s{seed}", method="hmt", model="tiny", seed=seed)
         set_config(run, method={"rank": 32}, train={"steps": 4, "progress": seed == 0}, results_dir=f"r{seed}")
-    table = tables.main_table(load_results(tmp_path))
-    assert "Variant" not in table.columns
+    table = main_table(load_results(tmp_path))
+    assert "Setting" not in table.columns and "Variant" not in table.columns
     assert [row[:3] for row in table.rows] == [["hmt", "tiny", "2"]]
 
 
@@ -231,11 +234,11 @@ def test_runs_differing_in_a_setting_are_separate_rows(tmp_path: Path) -> None:
                             val=3.0 + rank / 100)
             set_config(run, method={"rank": rank, "tau": 0.95})
     write_run(tmp_path, "adamw-tiny-s0", method="adamw", model="tiny", seed=0)
-    table = tables.main_table(load_results(tmp_path))
-    assert table.columns[:4] == ["Method", "Model", "Variant", "Seeds"]
+    table = main_table(load_results(tmp_path))
+    assert table.columns[:4] == ["Method", "Model", "Setting", "Seeds"]
     assert [row[:4] for row in table.rows] == [["adamw", "tiny", "", "1"], ["hmt", "tiny", "method.rank=8", "1"],
                                                ["hmt", "tiny", "method.rank=32", "2"]]
-    assert [row[-1] for row in table.rows[1:]] == ["3.080", "3.320 ± 0.000"]
+    assert [row[5] for row in table.rows[1:]] == ["3.080", "3.320 ± 0.000"]  # validation loss
 
 
 def test_ignored_keys_match_the_runners_run_identity() -> None:

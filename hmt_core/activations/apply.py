@@ -81,7 +81,11 @@ class _State:
         self.params = {StorageWeakRef(p.untyped_storage()) for p in self.model.parameters()}
 
     def is_param(self, t: Tensor) -> bool:
-        return isinstance(t, nn.Parameter) or StorageWeakRef(t.untyped_storage()) in self.params
+        """A parameter or a view of one (``F.linear`` saves ``weight.t()``). Under FSDP2 ``model.parameters()``
+        are the sharded DTensors, whose storage is not that of the all-gathered parameter a layer runs with: the
+        view's ``_base`` (that unsharded ``nn.Parameter``) identifies it instead."""
+        return (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+                or StorageWeakRef(t.untyped_storage()) in self.params)
 
     def count_retained(self, component: str, args: Any, kwargs: Any) -> None:
         self.counter.add(component, [t for t in _tensors((args, kwargs)) if not self.is_param(t)])
