@@ -83,16 +83,21 @@ def _value(setting: Mapping[str, Any], key: str) -> Any:
     return setting.get(key, ADDED_METHOD_KEY_DEFAULTS.get(setting.get("method.name"), {}).get(key, _ABSENT))
 
 
+def _setting_groups(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable]):
+    """Per group: (its run ids sorted, {setting id: setting} of the distinct settings among them)."""
+    members: dict[Hashable, list[str]] = {}
+    for run_id in sorted(settings):
+        members.setdefault(group_of[run_id], []).append(run_id)
+    for run_ids in members.values():
+        yield run_ids, {setting_id(settings[r]): settings[r] for r in run_ids}
+
+
 def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable]) -> dict[str, str]:
     """``{run_id: label}``: ``""`` when the run's group (e.g. method, model, mode) holds a single setting, else
     ``key=value, ...`` over the keys whose values differ among that group's settings (sorted). Distinct settings
     always get distinct labels (a label that would repeat gets the setting id appended)."""
-    members: dict[Hashable, list[str]] = {}
-    for run_id in sorted(settings):
-        members.setdefault(group_of[run_id], []).append(run_id)
     labels: dict[str, str] = {}
-    for run_ids in members.values():
-        distinct = {setting_id(settings[r]): settings[r] for r in run_ids}
+    for run_ids, distinct in _setting_groups(settings, group_of):
         if len(distinct) == 1:
             labels.update({r: "" for r in run_ids})
             continue
@@ -147,12 +152,8 @@ def compact_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[
     an activation preset's keys as ``activation=<preset>``. ``hidden`` keys (the learning rate, a column of its
     own) are shown only where labels would otherwise repeat; distinct settings always get distinct labels (a
     setting id is appended as a last resort)."""
-    members: dict[Hashable, list[str]] = {}
-    for run_id in sorted(settings):
-        members.setdefault(group_of[run_id], []).append(run_id)
     labels: dict[str, str] = {}
-    for run_ids in members.values():
-        distinct = {setting_id(settings[r]): settings[r] for r in run_ids}
+    for run_ids, distinct in _setting_groups(settings, group_of):
         if len(distinct) == 1:
             labels.update({r: "" for r in run_ids})
             continue
