@@ -186,6 +186,10 @@ class Checkpointer:
         self.pause_s = float(os.environ.get(PAUSE_ENV, "0") or 0)
 
     # ---- resume ---------------------------------------------------------------------------------------------
+    def check_resume(self, point: ResumePoint) -> None:
+        """Refuse ``point`` with a one-line ``UserError`` before anything is written (the single-process format
+        has nothing to check beyond ``find_resume``'s config check; ``DistCheckpointer`` checks the world size)."""
+
     def restore(self, point: ResumePoint, device: torch.device) -> LoopState:
         """Load weights, method state and RNG states from ``point``; returns the loop state to continue from."""
         manifest, payload = ck.load_checkpoint(point.path, map_location=device)

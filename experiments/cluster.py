@@ -6,6 +6,9 @@
   (``hydra_plugins/hmt_sweeper/slurm_launcher.py``). A multirun is submitted as one Slurm job array.
   Knobs, set on the command line as ``hydra.launcher.<knob>=...``: see ``SlurmSettings``; every other
   ``submitit_slurm`` field (qos, account, constraint, gres, additional_parameters, ...) works too.
+* Multi-process runs: ``hydra.launcher.nodes=N hydra.launcher.tasks_per_node=T`` with ``dist=ddp|fsdp2`` runs
+  each run as N × T Slurm tasks (srun, one per GPU) forming one torch.distributed job; each task takes its
+  rank and rendezvous from Slurm (``submitit.helpers.TorchDistributedEnvironment``) before the runner starts.
 
 The cluster options only touch ``hydra.*``, never the run's own config, so they never change a ``run_id``.
 
@@ -31,6 +34,8 @@ class SlurmSettings:
     """Defaults of ``cluster=slurm`` (one training run per array task)."""
 
     partition: Optional[str] = None
+    nodes: int = 1  # nodes × tasks_per_node > 1: one torch.distributed job of that many processes (dist=ddp|fsdp2)
+    tasks_per_node: int = 1  # processes per node (srun), one per GPU: each trains on cuda:LOCAL_RANK
     gpus_per_node: Optional[int] = 1
     cpus_per_task: Optional[int] = 8
     mem_gb: Optional[int] = 64

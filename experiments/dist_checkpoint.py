@@ -51,7 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from experiments.checkpointing import Checkpointer, LoopState, ResumePoint
+from experiments.checkpointing import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from hmt_core import checkpoint as ck
 from hmt_core.optim import sharded_state
@@ -217,3 +217,13 @@ class DistCheckpointer(Checkpointer):
                 self.signal_received = signal.SIGTERM
             return True
         return False
+
+    def preempt(self, state: LoopState) -> None:
+        """Every rank writes the checkpoint (collective); rank 0 alone asks Slurm to requeue the job, so a job of
+        several tasks (``hydra.launcher.tasks_per_node``) is requeued once, not once per rank."""
+        if self.ctx.is_main or self.signal_received == signal.SIGINT:
+            super().preempt(state)
+            return
+        saved = self.save(state)
+        raise Preempted(f"preempted by {signal.Signals(self.signal_received).name} after step {state.next_step}; "
+                        f"checkpoint {saved.path} written; rank 0 requests the requeue")

@@ -57,7 +57,7 @@ install_packages() {
 
 write_conf() {
   local cpus mem_mb
-  cpus="$(nproc)"
+  cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc obeys OMP_NUM_THREADS; slurmd counts all
   mem_mb="$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)"
   cat >"$CONF" <<EOF
 # Written by slurm/local_slurm.sh; one node, no accounting, no cgroups.
@@ -123,13 +123,13 @@ cmd_up() {
   local state=""
   for _ in $(seq 300); do
     state="$(sinfo -h -N -o %T 2>/dev/null | head -n1 || true)"
-    [[ "$state" == idle* ]] && break
+    [[ "$state" == idle ]] && break  # not "idle*": the controller's default before slurmd has registered
     for name in munged slurmctld slurmd; do
       pid_alive "$name" || { log "$name exited; see $LOG_DIR"; tail -n 20 "$LOG_DIR/$name"* >&2 || true; return 1; }
     done
     sleep 0.1
   done
-  if [[ "$state" != idle* ]]; then
+  if [[ "$state" != idle ]]; then
     log "node not idle after 30 s (state: '${state}'); see $LOG_DIR"
     return 1
   fi

@@ -5,7 +5,11 @@ munge/slurmctld/slurmd/slurm-client with apt-get when missing), then real ``expe
 Proven here: a sweep submitted with ``cluster=slurm`` is one Slurm job array and the launching command returns
 without waiting; every run writes its own summary; a run made to fail is reported failed in results/ (Slurm's own
 state for it is irrelevant); re-submitting the sweep skips the completed runs; the hand-submitted
-``slurm/array.sbatch`` maps array task ids to the sweep's runs and only resubmits what is not completed.
+``slurm/array.sbatch`` maps array task ids to the sweep's runs and only resubmits what is not completed; a run
+submitted with ``hydra.launcher.tasks_per_node=2`` and ``dist=ddp`` is one torch.distributed job of two Slurm
+tasks (gloo), written once by rank 0, whose losses equal the single-process run's bit for bit (fp32, no autocast:
+DDP's 2-term gradient mean rounds as the single process's, ``tests/test_distributed.py``); a task count the run
+cannot use is refused with one line before anything is submitted (no Slurm needed for that one).
 
 Needs root and apt-get (Debian/Ubuntu) unless Slurm is already up. With ``CI=true`` a Slurm that cannot be brought
 up FAILS the tests; elsewhere they are skipped on machines that cannot run it.
@@ -179,3 +183,66 @@ def test_hand_submitted_array_sbatch_runs_the_sweep_by_task_id(slurm_env: dict, 
     again = subprocess.run([sys.executable, "-m", "experiments.sweep", "array", str(sweep_file), results], cwd=REPO,
                            env=slurm_env, capture_output=True, text=True, check=True).stdout.strip()
     assert again == "1", "only the failed run is left to resubmit"
+
+
+# ------------------------------------------------------------------------------ multi-task (torch.distributed)
+EXACT = ["model=tiny", "model.dtype=fp32", "train.autocast=false", "method=adamw", "train.steps=3",
+         "train.eval_every=3", "train.eval_batches=1", "train.progress=false", "device=cpu"]
+
+
+def test_two_task_ddp_run_is_one_torch_distributed_job_equal_to_one_process(slurm_env: dict, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    command = [sys.executable, "-m", "experiments.run", "-m", "dist=ddp", *EXACT, f"results_dir={results}",
+               *SLURM_OPTIONS, "hydra.launcher.tasks_per_node=2", "hydra.launcher.setup=['export OMP_NUM_THREADS=1']"]
+    launch = subprocess.run(command, cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=300)
+    log = launch.stdout + launch.stderr
+    assert launch.returncode == 0 and "submitted 1 runs as Slurm array" in log, log
+    array_id = log.split("as Slurm array ")[1].split(";")[0]
+    jobs = sweep.sweep_jobs(None, ["dist=ddp", *EXACT, f"results_dir={results}"])
+    states = _wait_until_settled(jobs, timeout_s=300)
+    run_dir = sweep.run_ref_for(jobs[0]).path
+    task_logs = sorted((results / ".multirun" / ".submitit").glob(f"{array_id}*/*_log.*"))  # one run: no "_0"
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in task_logs)
+    error = run_dir / "error.txt"
+    assert states == ["completed"], f"{states}: {error.read_text() if error.exists() else ''}{logs}"
+    assert sum(p.name.endswith("_log.out") for p in task_logs) == 2, f"two Slurm tasks expected:\n{logs}"
+    assert "task 0 of 2" in logs and "task 1 of 2" in logs, logs
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dist"]["world_size"] == 2 and len(summary["dist"]["peak_bytes_by_rank"]) == 2, summary["dist"]
+    assert [p.name for p in results.iterdir() if not p.name.startswith(".")] == [run_dir.name]
+
+    single = subprocess.run([sys.executable, "-m", "experiments.run", *EXACT, f"results_dir={tmp_path / 'single'}",
+                             "run_id=single"], cwd=REPO, env={**slurm_env, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    alone = json.loads((tmp_path / "single" / "single" / "summary.json").read_text())
+    steps = [[json.loads(line)["step"] for line in (path / "metrics.jsonl").read_text().splitlines()]
+             for path in (run_dir, tmp_path / "single" / "single")]
+    assert steps[0] == steps[1], f"metrics must be written once (rank 0): {steps}"
+    print(f"2 Slurm tasks: train {summary['train_loss']!r} val {summary['val_loss']!r}; "
+          f"1 process: train {alone['train_loss']!r} val {alone['val_loss']!r}")
+    assert (summary["train_loss"], summary["val_loss"]) == (alone["train_loss"], alone["val_loss"])
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["hydra.launcher.tasks_per_node=2"], ["tasks_per_node=2 = 2 tasks per run but dist=none"]),
+    (["hydra.launcher.nodes=2"], ["nodes=2 × tasks_per_node=1 = 2 tasks per run but dist=none"]),
+    (["dist=ddp", "hydra.launcher.tasks_per_node=2", "train.batch_size=3"], ["train.batch_size=3", "=2"]),
+    (["dist=ddp", "hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=2"],
+     ["tasks_per_node=4 > gpus_per_node=2"]),
+    (["dist=fsdp2", "method=galore", "hydra.launcher.tasks_per_node=2"], ["dist=fsdp2 supports method=adamw"]),
+])
+def test_a_task_count_the_run_cannot_use_is_refused_before_submitting(tmp_path: Path, overrides, fragments) -> None:
+    """No Slurm needed: the sweep validates every run against the launcher's task count before submitting."""
+    results = tmp_path / "results"
+    launcher = [o for o in SLURM_OPTIONS if o != "hydra.launcher.gpus_per_node=null"]
+    launcher += [] if any("gpus_per_node" in o for o in overrides) else ["hydra.launcher.gpus_per_node=null"]
+    command = [sys.executable, "-m", "experiments.run", "-m", *EXACT, f"results_dir={results}", *launcher,
+               *overrides]
+    proc = subprocess.run(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout + proc.stderr
+    assert all(f in errors[0] for f in fragments), errors[0]
+    assert "Traceback" not in proc.stderr and not results.exists(), proc.stderr

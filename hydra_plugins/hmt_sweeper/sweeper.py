@@ -52,8 +52,13 @@ class HMTSweeper(Sweeper):
         """(jobs, their runs): every job of the sweep, composed and validated, duplicates dropped."""
         loader, label = self.hydra_context.config_loader, sweep_label(self.file)
 
+        check_run = getattr(self.launcher, "check_run", None)  # the launcher's own limits (Slurm: task count)
+
         def ref_of(job: list) -> Any:
-            return run_ref_from_config(loader.load_sweep_config(self.config, job))
+            cfg = loader.load_sweep_config(self.config, job)
+            if check_run is not None:
+                check_run(cfg)
+            return run_ref_from_config(cfg)
 
         jobs, refs, seen = [], [], set()
         for index, job in enumerate(sweep_jobs(self.file, arguments, loader, lookup=run_lookup(ref_of))):
