@@ -5,6 +5,7 @@ from the same state) comparison of HMT with a reference optimizer."""
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -319,3 +320,12 @@ def lm_step(model: nn.Module, step: Callable[[], object], zero: Callable[[], Non
         return out
 
     return run
+
+
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """A spawned test worker joins a ``world``-process gloo group on localhost:``port`` with one torch thread."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -59,9 +58,9 @@ def _figures(rep) -> dict:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from helpers import join_gloo
+
+    join_gloo(rank, world, port)
     try:
         results = {name: _figures(_trace(_run(*o, f"dist.world_size={world}"), fake=False)["report"])
                    for name, o in CASES.items()}

@@ -142,9 +142,9 @@ def _worker(rank: int, world: int, port: int, out: str, other: int | None) -> No
     from experiments.distributed import DistContext
     from hmt_core import checkpoint as ck
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from helpers import join_gloo
+
+    join_gloo(rank, world, port)
     root = Path(out)
     try:
         gen = torch.Generator().manual_seed(7)

@@ -217,9 +217,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     from experiments.distributed import DistContext
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from helpers import join_gloo
+
+    join_gloo(rank, world, port)
     try:
         gen = torch.Generator().manual_seed(7)
         data = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(STEPS)]
