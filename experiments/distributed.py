@@ -24,7 +24,10 @@ Semantics:
 Which collective each step issues (besides one all-reduce of the loss and of the preemption flag per step, and an
 all-gather of the peak memory on logged steps):
 - ``ddp``, every method but per-layer hmt: DDP's bucketed all-reduce of the gradients during backward (grads
-  divided by W, then summed), once per micro-batch; the optimizer then steps on identical gradients.
+  divided by W, then summed), once per micro-batch; the optimizer then steps on identical gradients. qlora: DDP
+  reduces only the LoRA gradients; its frozen NF4 base is quantized identically on every rank from the same seeded
+  weights, so only the trainable parameters are broadcast from rank 0 at start (DDP's own broadcast cannot copy
+  bitsandbytes' packed 4-bit weights).
 - ``ddp`` + hmt with ``per_layer=true``: HMT updates each weight inside backward from its
   ``register_post_accumulate_grad_hook``, which would see the *local* gradient before DDP's bucket all-reduce. So
   the model is not wrapped in DDP; HMT's engine averages each gradient itself in that hook (``reduce_grad``: divide
@@ -203,9 +206,6 @@ def check_combination(run, world: int) -> None:
         if run.train.save_model:
             raise UserError("dist=fsdp2 with train.save_model=true is not supported (the weights are sharded); "
                             "use dist=ddp")
-    if name == "qlora":
-        raise UserError("method=qlora under dist=ddp is not supported (bitsandbytes' 4-bit weights are not "
-                        "broadcast by DDP); run it single-process")
     if run.dist.lowrank_comm:
         check_lowrank_comm(run.method)
 
@@ -384,8 +384,14 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_
     if ctx.lowrank_comm:  # check_launch refuses it first; a direct caller gets the same message
         raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    frozen_4bit = any(type(p).__name__ == "Params4bit" for p in model.parameters())  # qlora (bitsandbytes NF4)
     with setup_scope:
-        wrapped = _DDP(model, device_ids=ids, forward_sync_buffers=False, init_sync=init_sync)  # identical buffers: no per-forward sync
+        if frozen_4bit and init_sync:  # DDP's broadcast cannot copy packed 4-bit weights (and their quant_state);
+            for p in model.parameters():  # every rank quantized the same seeded base, so only the trainable
+                if p.requires_grad:  # (LoRA) parameters are taken from rank 0, as DDP would
+                    dist.broadcast(p.data, src=0)
+        wrapped = _DDP(model, device_ids=ids, forward_sync_buffers=False,  # identical buffers: no per-forward sync
+                       init_sync=init_sync and not frozen_4bit)
     if ctx.comm is not None:  # counts each bucket, then DDP's default all-reduce (same arithmetic)
         wrapped.register_comm_hook(None, ctx.comm.ddp_hook)
     elif ctx.backend == "fake":
