@@ -84,12 +84,13 @@ def _value(setting: Mapping[str, Any], key: str) -> Any:
 
 
 def _setting_groups(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable]):
-    """Per group: (its run ids sorted, {setting id: setting} of the distinct settings among them)."""
+    """Per group: (its run ids sorted, {setting id: setting} of the distinct settings among them, their keys)."""
     members: dict[Hashable, list[str]] = {}
     for run_id in sorted(settings):
         members.setdefault(group_of[run_id], []).append(run_id)
     for run_ids in members.values():
-        yield run_ids, {setting_id(settings[r]): settings[r] for r in run_ids}
+        distinct = {setting_id(settings[r]): settings[r] for r in run_ids}
+        yield run_ids, distinct, sorted({k for s in distinct.values() for k in s})
 
 
 def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[str, Hashable]) -> dict[str, str]:
@@ -97,11 +98,10 @@ def variant_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[
     ``key=value, ...`` over the keys whose values differ among that group's settings (sorted). Distinct settings
     always get distinct labels (a label that would repeat gets the setting id appended)."""
     labels: dict[str, str] = {}
-    for run_ids, distinct in _setting_groups(settings, group_of):
+    for run_ids, distinct, keys in _setting_groups(settings, group_of):
         if len(distinct) == 1:
             labels.update({r: "" for r in run_ids})
             continue
-        keys = sorted({k for s in distinct.values() for k in s})
         differing = [k for k in keys if len({render_value(_value(s, k)) for s in distinct.values()}) > 1]
         by_id = {sid: ", ".join(f"{k}={render_value(_value(s, k))}" for k in differing)
                  for sid, s in distinct.items()}
@@ -153,11 +153,10 @@ def compact_labels(settings: Mapping[str, Mapping[str, Any]], group_of: Mapping[
     own) are shown only where labels would otherwise repeat; distinct settings always get distinct labels (a
     setting id is appended as a last resort)."""
     labels: dict[str, str] = {}
-    for run_ids, distinct in _setting_groups(settings, group_of):
+    for run_ids, distinct, keys in _setting_groups(settings, group_of):
         if len(distinct) == 1:
             labels.update({r: "" for r in run_ids})
             continue
-        keys = sorted({k for s in distinct.values() for k in s})
         values = {sid: {k: render_value(_value(s, k)) for k in keys} for sid, s in distinct.items()}
         differing = [k for k in keys if len({v[k] for v in values.values()}) > 1]
         method = next(iter(distinct.values())).get("method.name")

@@ -329,3 +329,9 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def seeded_token_batches(steps: int, batch: int = 4, seq: int = 16, vocab: int = 256) -> list[torch.Tensor]:
+    """The distributed workers' global batches: ``steps`` × (batch, seq) token ids from generator seed 7."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]

@@ -74,12 +74,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
     from experiments.distributed import DistContext
 
-    from helpers import join_gloo
+    from helpers import join_gloo, seeded_token_batches
 
     join_gloo(rank, world, port)
     try:
-        gen = torch.Generator().manual_seed(7)
-        data = [torch.randint(0, 256, (4, 16), generator=gen) for _ in range(STEPS)]
+        data = seeded_token_batches(STEPS)
         results = {}
         for case, (mode, overrides, policies) in CASES.items():
             ctx = DistContext(mode=mode, rank=rank, world_size=world, local_rank=rank, backend="gloo",
