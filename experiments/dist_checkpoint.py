@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from experiments.checkpointing import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from hmt_core import checkpoint as ck
-from hmt_core.optim import sharded_state
+from hmt_core.optim import sharded, sharded_state
 
 
 PAUSE_SEALED_ENV = "HMT_DIST_CHECKPOINT_PAUSE_S"
@@ -114,7 +114,7 @@ class DistCheckpointer(Checkpointer):
 
     def _row_sharded(self) -> bool:
         """FSDP2 + hmt: some moments are per-rank row shards (``hmt_core.optim.sharded_state``)."""
-        return type(getattr(self.method, "engine", None)).__name__ == "ShardedEngine"
+        return isinstance(getattr(self.method, "engine", None), sharded.ShardedEngine)
 
     def check_resume(self, point: ResumePoint) -> None:
         """A checkpoint written by another number of ranks: accepted where DCP reshards every entry, else one
