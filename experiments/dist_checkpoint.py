@@ -14,7 +14,9 @@ What is saved (one state dict, each entry through DCP):
 - ``optim``: ``get_optimizer_state_dict`` for torch's AdamW (sharded with the weights under FSDP2);
 - ``method``: every other method's own ``state_dict()`` (hmt bases and low-rank moments, galore-torch/apollo-torch
   optimizer state with their projector objects), one serialized entry: it is identical on every rank (each rank
-  computes the same update from the all-reduced gradient), so DCP writes it once;
+  computes the same update from the all-reduced gradient), so DCP writes it once; under FSDP2 galore-torch's and
+  apollo-torch's state holds DTensors (also inside projector objects), gathered to full values first
+  (``experiments.dtensor_state``) and put back on the reading run's mesh;
 - ``hmt_rows`` (FSDP2 + hmt only, ``hmt_core.optim.sharded_state``): the moments that are row shards of a
   parameter (right-sided and dense ones) as ``Shard(0)`` DTensors of their global shape, each rank writing its rows;
   ``method`` then holds placeholders in their place. Restoring reads ``method`` first, builds this rank's empty
@@ -51,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from experiments import dtensor_state
 from experiments.checkpointing import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from hmt_core import checkpoint as ck
@@ -108,6 +111,8 @@ class DistCheckpointer(Checkpointer):
         elif self._row_sharded():
             replicated, sd["hmt_rows"] = sharded_state.split_state(self.method.state_dict(), self.method.opt.slots)
             sd["method"] = _blob(replicated)
+        elif self.ctx.mode == "fsdp2":  # galore-torch/apollo-torch on DTensors: gathered, any world size reads it
+            sd["method"] = _blob(dtensor_state.gather(self.method.state_dict()))
         else:
             sd["method"] = _blob(self.method.state_dict())
         return sd
@@ -115,6 +120,12 @@ class DistCheckpointer(Checkpointer):
     def _row_sharded(self) -> bool:
         """FSDP2 + hmt: some moments are per-rank row shards (``hmt_core.optim.sharded_state``)."""
         return isinstance(getattr(self.method, "engine", None), sharded.ShardedEngine)
+
+    def _mesh(self):
+        """The device mesh FSDP2 shards this model's parameters on."""
+        from torch.distributed.tensor import DTensor
+
+        return next(p.device_mesh for p in self.model.parameters() if isinstance(p, DTensor))
 
     def check_resume(self, point: ResumePoint) -> None:
         """A checkpoint written by another number of ranks: accepted where DCP reshards every entry, else one
@@ -154,6 +165,8 @@ class DistCheckpointer(Checkpointer):
                 if rows:
                     dcp.load({"hmt_rows": rows}, checkpoint_id=str(point.path))
                 method_state = sharded_state.join_state(method_state, rows)
+            elif self.ctx.mode == "fsdp2":
+                method_state = dtensor_state.distribute(method_state, self._mesh())
             self.method.load_state_dict(method_state)
         if loop["base_lrs"] is not None:
             self.method.driver.base_lrs = list(loop["base_lrs"])

@@ -51,8 +51,18 @@ with totals in ``summary.dist.comm``.
   local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
   Mode B, two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
   bases, ``grad_accum > 1``, ``lowrank_comm``. Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
-  (``hmt_core.optim.sharded_state``). galore and apollo are refused: their optimizers project whole weight
-  matrices.
+  (``hmt_core.optim.sharded_state``).
+- ``fsdp2`` + galore/apollo: galore-torch's and apollo-torch's optimizers step the DTensor shards unchanged, after
+  backward, and DTensor's operator dispatch issues their collectives (``experiments.dtensor_state``): a
+  right-projected weight (rows ≥ cols) none (G_k Qᵀ and its moments on its own rows); a left-projected one
+  (rows < cols) three all-reduces of its r × n partial projection Σ_k P_kᵀ G_k (DTensor keeps it ``Partial`` and
+  resolves it at each of its three uses in the Adam update: a communication, not an arithmetic, cost); galore-torch's
+  SVD, every ``update_proj_gap`` steps, one all-gather of that gradient (every rank then factors the same matrix);
+  APOLLO's seeded random bases none (drawn identically on every rank), its norm-growth limiter three scalar
+  all-reduces per projected weight, its channel norms of a left-projected weight one r × n all-reduce; clipping one
+  all-reduce of the vector of per-parameter local norms (traced op by op with ``CommDebugMode``, counts in
+  ``tests/test_fsdp2_baselines.py``).
+  Checkpoints gather their state to full values (``experiments.dtensor_state``).
 """
 
 from __future__ import annotations
@@ -188,6 +198,11 @@ def check_launch(run, device: torch.device) -> None:
     check_combination(run, world)
 
 
+# methods whose optimizer steps FSDP2's DTensor shards as is: torch AdamW, and galore-torch/apollo-torch through
+# DTensor's operator dispatch (``experiments.dtensor_state``); hmt has its own sharded engine
+FSDP2_METHODS = ("adamw", "galore", "apollo")
+
+
 def check_combination(run, world: int) -> None:
     """What ``dist``, ``world`` ranks and the rest of the config must agree on (training and dry run alike)."""
     mode, name = run.dist.mode, run.method.name
@@ -198,11 +213,15 @@ def check_combination(run, world: int) -> None:
     if mode == "fsdp2":
         if name == "hmt":
             check_fsdp2_hmt(run)
-        elif name != "adamw" or run.method.master_weights or run.method.stochastic_rounding:
-            raise UserError(f"dist=fsdp2 supports method=adamw and method=hmt, got method={name}"
-                            + (" with master_weights/stochastic_rounding" if name == "adamw" else
-                               ": galore-torch/apollo-torch project whole weight matrices (their optimizers "
-                               "cannot step row-shard DTensors)") + "; use dist=ddp")
+        elif name not in FSDP2_METHODS:
+            raise UserError(f"dist=fsdp2 supports method={','.join(FSDP2_METHODS)} and hmt, got method={name}; "
+                            "use dist=ddp")
+        elif name == "adamw" and (run.method.master_weights or run.method.stochastic_rounding):
+            raise UserError("dist=fsdp2 with method=adamw supports neither method.master_weights nor "
+                            "method.stochastic_rounding (the fp32 copy is not sharded); use dist=ddp")
+        elif name == "galore" and run.method.eight_bit:
+            raise UserError("dist=fsdp2 with method=galore does not support method.eight_bit=true "
+                            "(bitsandbytes' 8-bit state does not step DTensor shards); use dist=ddp")
         if run.train.save_model:
             raise UserError("dist=fsdp2 with train.save_model=true is not supported (the weights are sharded); "
                             "use dist=ddp")

@@ -7,6 +7,7 @@ whole ``Method`` built on it from a baseline's ``prepare``/``build`` functions (
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -31,6 +32,19 @@ def iter_state_tensors(state: Any) -> Iterator[torch.Tensor]:
             yield from iter_state_tensors(attrs)
 
 
+def _plain_tensors_replicated(params: list[torch.Tensor]):
+    """Around a step of DTensor parameters (FSDP2's shards): DTensor's ``implicit_replication``, so a reference
+    optimizer's own plain tensors (apollo-torch's seeded projection matrices, drawn identically on every rank)
+    count as replicated; otherwise nothing."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in params):
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
+    return contextlib.nullcontext()
+
+
 class OptimizerDriver:
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None) -> None:
         self.optimizer = optimizer
@@ -44,7 +58,8 @@ class OptimizerDriver:
         params = [p for p in self.params() if p.grad is not None]
         limit = self.max_grad_norm if self.max_grad_norm else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.zeros(())
-        self.optimizer.step()
+        with _plain_tensors_replicated(params):
+            self.optimizer.step()
         return None if is_fake(norm) else float(norm)  # a fake tensor (dry run) has no value
 
     def zero_grad(self) -> None:

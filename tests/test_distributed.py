@@ -378,7 +378,7 @@ TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": 
     ({}, ["dist=ddp"], ["dist=ddp needs torchrun's environment", "RANK", "torchrun --nproc_per_node"]),
     (TORCHRUN_2, [], ["WORLD_SIZE=2", "dist=none"]),
     (TORCHRUN_2, ["dist=ddp", "train.batch_size=3"], ["train.batch_size=3", "WORLD_SIZE=2"]),
-    (TORCHRUN_2, ["dist=fsdp2", "method=apollo"], ["dist=fsdp2 supports method=adamw", "method=apollo"]),
+    (TORCHRUN_2, ["dist=fsdp2", "method=qlora"], ["dist=fsdp2 supports method=adamw", "method=qlora"]),
     (TORCHRUN_2, ["dist=ddp", "dist.backend=nccl", "device=cpu"], ["dist.backend=nccl needs CUDA"]),
 ])
 def test_bad_launches_fail_with_one_line_before_anything_is_written(capsys, monkeypatch, results, env, overrides,

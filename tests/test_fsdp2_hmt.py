@@ -243,7 +243,7 @@ def test_unsupported_fsdp2_hmt_combinations_fail_with_one_line(capsys, monkeypat
     assert_one_line_error(capsys, results, ["dist=fsdp2", "method=hmt", *overrides], *fragments)
 
 
-def test_galore_under_fsdp2_is_refused_with_the_reason(capsys, monkeypatch, results):
+def test_qlora_under_fsdp2_is_refused_with_the_reason(capsys, monkeypatch, results):
     for key, value in TORCHRUN_2.items():
         monkeypatch.setenv(key, value)
-    assert_one_line_error(capsys, results, ["dist=fsdp2", "method=galore"], "method=galore", "whole weight")
+    assert_one_line_error(capsys, results, ["dist=fsdp2", "method=qlora"], "method=qlora", "use dist=ddp")

@@ -231,7 +231,7 @@ def test_two_task_ddp_run_is_one_torch_distributed_job_equal_to_one_process(slur
     (["dist=ddp", "hydra.launcher.tasks_per_node=2", "train.batch_size=3"], ["train.batch_size=3", "=2"]),
     (["dist=ddp", "hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=2"],
      ["tasks_per_node=4 > gpus_per_node=2"]),
-    (["dist=fsdp2", "method=galore", "hydra.launcher.tasks_per_node=2"], ["dist=fsdp2 supports method=adamw"]),
+    (["dist=fsdp2", "method=qlora", "hydra.launcher.tasks_per_node=2"], ["dist=fsdp2 supports method=adamw"]),
 ])
 def test_a_task_count_the_run_cannot_use_is_refused_before_submitting(tmp_path: Path, overrides, fragments) -> None:
     """No Slurm needed: the sweep validates every run against the launcher's task count before submitting."""
