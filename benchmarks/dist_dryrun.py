@@ -9,8 +9,8 @@ Rows: adamw under FSDP2 (params, grads and AdamW state sharded 1/W), hmt under F
 shards, ``hmt_core.optim.sharded``) with no activation policy and with ``activation=full_ckpt`` (every decoder layer
 recomputed from its input; Korthikanti et al. 2022, Sec. 4: only the 2·s·b·h layer inputs kept), hmt and galore
 under DDP (replicated: the per-rank figure does not depend on W, so they run at W=8 only unless ``--ddp-worlds``
-says otherwise). galore (and apollo) are refused under FSDP2 (their optimizers project whole weight matrices), so
-they have no FSDP2 row; the table says so. Seq 2048, per-rank batch 1 (``train.batch_size=W``, the global batch).
+says otherwise), galore and apollo under FSDP2 (galore-torch's and apollo-torch's optimizers on the DTensor shards,
+``experiments.dtensor_state``). Seq 2048, per-rank batch 1 (``train.batch_size=W``, the global batch).
 """
 
 from __future__ import annotations
@@ -30,13 +30,18 @@ SETUPS = {  # name -> (dist, method overrides)
     "adamw-fsdp2": ("fsdp2", ["method=adamw"]),
     "hmt-fsdp2": ("fsdp2", ["method=hmt"]),
     "hmt-fsdp2-ckpt": ("fsdp2", ["method=hmt", "activation=full_ckpt"]),
+    "adamw-fsdp2-ckpt": ("fsdp2", ["method=adamw", "activation=full_ckpt"]),
+    "galore-fsdp2": ("fsdp2", ["method=galore"]),
+    "galore-fsdp2-ckpt": ("fsdp2", ["method=galore", "activation=full_ckpt"]),
+    "apollo-fsdp2": ("fsdp2", ["method=apollo"]),
     "hmt-ddp": ("ddp", ["method=hmt"]),
     "galore-ddp": ("ddp", ["method=galore"]),
 }
 CATS = ("params", "grads", "optimizer", "activations", "temp")
-NOTES = ("galore-fsdp2 / apollo-fsdp2: refused (`dist=fsdp2 supports method=adamw and method=hmt`): galore-torch "
-         "and apollo-torch project whole weight matrices and cannot step row-shard DTensors; use dist=ddp.",
-         "hmt-fsdp2-ckpt: `activation=full_ckpt`; the single-process activation probe is skipped under dist "
+NOTES = ("galore-fsdp2 / apollo-fsdp2: galore-torch's and apollo-torch's optimizers stepping FSDP2's DTensor shards "
+         "after backward (`experiments.dtensor_state`); their defaults (galore rank 128, apollo rank d/4) with "
+         "galore-torch's SVD on the all-gathered gradient in the traced step (step 0 refreshes).",
+         "*-ckpt: `activation=full_ckpt`; the single-process activation probe is skipped under dist "
          "(`experiments.distributed.probe_skipped`).")
 
 
@@ -57,6 +62,20 @@ def run_case(model: str, setup: str, world: int, seq: int, timeout_s: float) -> 
             "peak_bytes": mem["peak_bytes"], "peak_by_category_bytes": mem["peak_by_category_bytes"],
             "trace_wall_s": summary["dryrun"]["wall_s"], "subprocess_wall_s": wall, "command": " ".join(cmd[1:-3]),
             "dist_summary": summary["dist"]}
+
+
+def pivot(rows: list[dict]) -> str:
+    """Per-rank peak (GiB) with one row per setup and one column per (model, W): the question "what fits" at a
+    glance; '—' where a case did not run or failed."""
+    order = {"7b": 0, "13b": 1, "70b": 2}
+    cols = sorted({(r["model"], r["world_size"]) for r in rows}, key=lambda c: (order.get(c[0], 9), c[1]))
+    peak = {(r["setup"], r["model"], r["world_size"]): r.get("peak_bytes") for r in rows}
+    head = "| setup | " + " | ".join(f"{m.upper()} W={w}" for m, w in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 1)]
+    for setup in [s for s in SETUPS if any(r["setup"] == s for r in rows)]:
+        cells = [peak.get((setup, m, w)) for m, w in cols]
+        lines.append(f"| {setup} | " + " | ".join("—" if b is None else f"{b / GIB:.2f}" for b in cells) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -93,7 +112,8 @@ def main() -> None:
                     print(f"{model} {setup} W={world}: "
                           + (f"{row['peak_bytes'] / GIB:.2f} GiB in {row['trace_wall_s']:.0f} s" if "error" not in row
                              else "error: " + row["error"][-200:]), flush=True)
-    print(table([json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]))
+    rows = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
+    print("Per-rank peak (GiB):\n\n" + pivot(rows) + "\n\nBy category:\n\n" + table(rows))
 
 
 if __name__ == "__main__":

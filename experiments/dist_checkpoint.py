@@ -147,6 +147,10 @@ class DistCheckpointer(Checkpointer):
         return None
 
     def restore(self, point: ResumePoint, device: torch.device) -> LoopState:
+        with self.ctx.counted_as("checkpoint"):
+            return self._restore(point, device)
+
+    def _restore(self, point: ResumePoint, device: torch.device) -> LoopState:
         expected = point.manifest["meta"].get("frozen_fingerprint")
         if expected is not None and expected != self.fingerprint():
             raise ck.CheckpointError(f"{point.path}: the frozen (not checkpointed) weights differ from the ones "
@@ -182,7 +186,8 @@ class DistCheckpointer(Checkpointer):
             ck._remove_leftovers(self.root)
             tmp.mkdir()
         self.ctx.barrier()
-        dcp.save(self._state_dict(state), checkpoint_id=str(tmp))
+        with self.ctx.counted_as("checkpoint"):
+            dcp.save(self._state_dict(state), checkpoint_id=str(tmp))
         final = self.root / ck.step_dir_name(step)
         sizes: dict[str, int] = {}
         if self.ctx.is_main:

@@ -14,7 +14,14 @@ default ``allreduce_hook`` uncounted (so a bucket is counted once). A count is t
 tensor handed to the collective (all-reduce, broadcast: the tensor; all-gather: the gathered output; reduce-scatter:
 the input), not the bytes on the wire (a ring all-reduce sends ≈ 2(W−1)/W of the payload per rank). Each count goes
 to the current scope: ``grad`` (the default: gradient traffic), ``control`` (the loop's loss mean, finite flag and
-memory gather), ``setup`` (the initial parameter broadcast). FSDP2's own collectives are not counted.
+memory gather), ``setup`` (the initial parameter broadcast), ``param`` (FSDP2's all-gathers of the weights in
+training steps), ``eval`` (evaluation's forwards), ``checkpoint`` (gathering state for a save).
+
+Under FSDP2 two more kinds of call are counted: FSDP2's own ``dist.all_gather_single`` (the weights, forward and
+backward: scope ``param``) and ``dist.reduce_scatter_single`` (the gradients: ``grad``), and the functional
+collectives DTensor issues when it redistributes (``torch.distributed._functional_collectives``' ``all_reduce``,
+``all_gather_single``, ``reduce_scatter_single``: galore-torch's and apollo-torch's optimizers on shards, hmt's
+gathered refresh gradient, clipping norms), counted in the current scope.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from torch import Tensor
 
 MIB = 2**20
 COUNTED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-           "reduce_scatter", "all_to_all_single")
+           "reduce_scatter", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
+FUNCTIONAL = ("all_reduce", "all_gather_single", "reduce_scatter_single")  # what DTensor's redistribution calls
+SCOPE_OF = {"all_gather_single": "param"}  # FSDP2's weight all-gathers (the only caller of dist.all_gather_single)
 
 
 def _nbytes(t) -> int:
@@ -45,7 +54,30 @@ def payload_bytes(name: str, args: tuple, kwargs: dict) -> int:
         return _nbytes(args[1] if len(args) > 1 else kwargs.get("input"))
     if name == "reduce_scatter":
         return _nbytes(args[1] if len(args) > 1 else kwargs.get("input_list"))
+    if name == "reduce_scatter_single":
+        return _nbytes(args[1] if len(args) > 1 else kwargs.get("input"))
     return _nbytes(args[0] if args else next(iter(kwargs.values()), None))
+
+
+def _group_size(group) -> int:
+    """Ranks in a functional collective's ``group``: a (DeviceMesh, dim) pair, a mesh, a process group, a rank list."""
+    if isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "size"):
+        return group[0].size(group[1])
+    if hasattr(group, "size") and callable(group.size):
+        return group.size()
+    if isinstance(group, (list, tuple)):
+        return len(group)
+    return dist.get_world_size()
+
+
+def functional_payload_bytes(name: str, args: tuple, kwargs: dict) -> int:
+    """The payload of a functional collective (``self`` is the input): the input for all-reduce and
+    reduce-scatter, the gathered output (input × group size) for all-gather."""
+    tensor = args[0] if args else kwargs.get("self")
+    if name == "all_gather_single":
+        group = args[2] if len(args) > 2 else kwargs.get("group")
+        return _nbytes(tensor) * _group_size(group)
+    return _nbytes(tensor)
 
 
 class CommCounter:
@@ -53,10 +85,10 @@ class CommCounter:
     ``uninstall``. One per process."""
 
     def __init__(self) -> None:
-        self.bytes: dict[str, int] = {"grad": 0, "control": 0, "setup": 0}
+        self.bytes: dict[str, int] = {"grad": 0, "param": 0, "control": 0, "setup": 0}
         self.calls: dict[str, int] = {k: 0 for k in self.bytes}
         self._scope: str | None = "grad"
-        self._originals: dict[str, object] = {}
+        self._originals: dict[tuple[object, str], object] = {}
 
     # ---- scopes
     @contextlib.contextmanager
@@ -75,23 +107,31 @@ class CommCounter:
 
     # ---- wrapping torch.distributed
     def install(self) -> CommCounter:
-        for name in COUNTED:
-            original = getattr(dist, name, None)
-            if original is None or name in self._originals:
-                continue
-            self._originals[name] = original
-            setattr(dist, name, self._wrap(name, original))
+        import torch.distributed._functional_collectives as funcol
+
+        for module, names, payload in ((dist, COUNTED, payload_bytes), (funcol, FUNCTIONAL, functional_payload_bytes)):
+            for name in names:
+                original = getattr(module, name, None)
+                if original is None or (module, name) in self._originals:
+                    continue
+                self._originals[(module, name)] = original
+                scope = SCOPE_OF.get(name) if module is dist else None
+                setattr(module, name, self._wrap(name, original, payload, scope))
         return self
 
     def uninstall(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
         self._originals = {}
 
-    def _wrap(self, name: str, original):
+    def _wrap(self, name: str, original, payload, scope: str | None):
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            self.add(payload_bytes(name, args, kwargs))
+            if scope is not None and self._scope == "grad":  # training's default scope; eval etc. keep theirs
+                with self.scope(scope):
+                    self.add(payload(name, args, kwargs))
+            else:
+                self.add(payload(name, args, kwargs))
             return original(*args, **kwargs)
 
         return counted
@@ -130,20 +170,25 @@ class StepBytes:
 
     def __init__(self, counter: CommCounter) -> None:
         self.counter, self.steps = counter, 0
-        self._mark_bytes, self._mark_steps = 0, 0
+        self._mark_bytes, self._mark_param, self._mark_steps = 0, 0, 0
 
     def step(self) -> None:
         self.steps += 1
 
     def metrics(self) -> dict[str, float]:
         """Gradient bytes per step since the previous call (a logged step), in MiB and bytes."""
-        grad, steps = self.counter.bytes["grad"], self.steps
-        per = (grad - self._mark_bytes) / max(1, steps - self._mark_steps)
-        self._mark_bytes, self._mark_steps = grad, steps
-        return {"comm/grad_bytes_per_step": per, "comm/grad(MiB)": per / MIB}
+        grad, param, steps = self.counter.bytes["grad"], self.counter.bytes["param"], self.steps
+        n = max(1, steps - self._mark_steps)
+        per, per_param = (grad - self._mark_bytes) / n, (param - self._mark_param) / n
+        self._mark_bytes, self._mark_param, self._mark_steps = grad, param, steps
+        out = {"comm/grad_bytes_per_step": per, "comm/grad(MiB)": per / MIB}
+        if param:  # FSDP2: the weights' all-gathers
+            out.update({"comm/param_bytes_per_step": per_param, "comm/param(MiB)": per_param / MIB})
+        return out
 
     def summary(self) -> dict:
         c = self.counter
         return {"grad_bytes_total": c.bytes["grad"], "grad_bytes_per_step": c.bytes["grad"] // max(1, self.steps),
+                "param_bytes_total": c.bytes["param"], "param_bytes_per_step": c.bytes["param"] // max(1, self.steps),
                 "control_bytes_total": c.bytes["control"], "setup_bytes_total": c.bytes["setup"],
                 "steps": self.steps, "counted": "payload bytes handed to collectives (not wire bytes)"}

@@ -108,7 +108,11 @@ class DistContext:
 
     def _control(self):
         """The loop's own collectives are counted apart from gradient traffic."""
-        return self.comm.scope("control") if self.comm is not None else contextlib.nullcontext()
+        return self.counted_as("control")
+
+    def counted_as(self, scope: str):
+        """Collectives inside are counted under ``scope`` (``experiments.dist_comm``), not as training traffic."""
+        return self.comm.scope(scope) if self.comm is not None else contextlib.nullcontext()
 
     def barrier(self) -> None:
         dist.barrier()

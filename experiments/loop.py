@@ -207,8 +207,9 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                 record["skipped"] = True
             record["skipped_steps"] = state.skipped_steps
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                state.val_loss = evaluate(model, val_batches, device, autocast, fused_ce=cfg.fused_ce,
-                                          ce_chunk_tokens=cfg.ce_chunk_tokens)
+                with sync.counted_as("eval") if sync is not None else contextlib.nullcontext():
+                    state.val_loss = evaluate(model, val_batches, device, autocast, fused_ce=cfg.fused_ce,
+                                              ce_chunk_tokens=cfg.ce_chunk_tokens)
                 record["loss/val"] = state.val_loss
             if step % cfg.log_every == 0 or "loss/val" in record or step + 1 == cfg.steps or skipped:
                 record["memory/peak(GiB)"] = peak_mib / 1024

@@ -40,6 +40,8 @@ CASES = {
     "fsdp2-adamw": ["dist=fsdp2", "method=adamw"],
     "ddp-adamw": ["dist=ddp", "method=adamw"],
     "ddp-hmt": ["dist=ddp", "method=hmt", "method.rank=8", "method.update_interval=1"],  # hmt's own all-reduce
+    "fsdp2-galore": ["dist=fsdp2", "method=galore", "method.rank=8", "method.update_proj_gap=1"],  # SVD each step
+    "fsdp2-apollo": ["dist=fsdp2", "method=apollo", "method.rank=8"],
 }
 
 

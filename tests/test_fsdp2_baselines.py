@@ -12,6 +12,8 @@ that this is the single-process method, and what it communicates:
 3. The gradient is gathered only where the method factors it: galore-torch's SVD at refresh steps (one all-gather
    per projected weight), never between refreshes, never for APOLLO's seeded random bases (DTensor's
    ``CommDebugMode`` counts the collectives of each optimizer step).
+4. The harness's byte counter (``experiments.dist_comm``) counts under FSDP2 exactly the payloads the collectives'
+   shapes give: FSDP2's weight all-gathers, its gradient reduce-scatters, and galore's extra traffic.
 
 Tolerance. Everything is fp32 and clipping is off (a sharded norm is another summation order). FSDP2's
 reduce-scatter mean of 2 terms rounds like the reference's autograd sum of halves (``tests/test_distributed.py``),
@@ -114,6 +116,32 @@ def _case(ctx, overrides: dict, data) -> dict:
     return out
 
 
+def _comm_case(ctx, overrides: dict, data) -> dict:
+    """Bytes counted per training step (``experiments.dist_comm.CommCounter``: FSDP2's all-gathers as ``param``,
+    its reduce-scatters and DTensor's collectives as ``grad``) and the shapes they should equal."""
+    from experiments import distributed
+    from experiments.dist_comm import CommCounter
+    from experiments.loop import lm_loss
+    from helpers import tiny_llama
+
+    counter = CommCounter().install()
+    try:
+        model = distributed.shard_model(tiny_llama(seed=0), ctx)
+        method = _build(overrides, model)
+        rows = data[0].shape[0] // ctx.world_size
+        steps = []
+        for x in data[:2]:
+            before = counter.snapshot()
+            lm_loss(model, x[ctx.rank * rows:(ctx.rank + 1) * rows]).backward()
+            method.step()
+            method.zero_grad()
+            steps.append({k: v - before.get(k, 0) for k, v in counter.snapshot().items()})
+    finally:
+        counter.uninstall()
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {"steps": steps, "shapes": full}
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -126,6 +154,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                           device=torch.device("cpu"))
         data = seeded_token_batches(STEPS)
         results = {name: _case(ctx, overrides, data) for name, overrides in CASES.items()}
+        results["comm"] = {name: _comm_case(ctx, overrides, data)
+                           for name, overrides in (("adamw", {"name": "adamw"}), ("galore", CASES["galore"]))}
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -166,3 +196,37 @@ def test_the_gradient_is_gathered_only_for_galores_svd_at_refresh_steps(runs, ca
             assert gathers == [14, 0, 14, 0], gathers
         else:
             assert gathers == [0] * STEPS, gathers
+
+
+def test_counted_bytes_per_step_under_fsdp2_are_the_collectives_shapes(runs):
+    """FSDP2 all-gathers every weight in forward and every decoder layer's again in backward (the root —
+    embeddings, final norm, lm_head — is not resharded after forward), and reduce-scatters each gradient once:
+    fp32 payloads of the full shapes (tiny Llama's dims are even: no padding). Clipping's norm (computed even
+    without a limit) all-reduces one fp32 per parameter. galore adds, at a refresh, the all-gather of every
+    projected gradient for galore-torch's SVD, and on every step three all-reduces of each left-projected
+    weight's r × n partial projection (DTensor resolves the ``Partial`` sum at each of its three uses)."""
+    import math
+
+    r = CASES["galore"]["rank"]
+    for who, res in runs.items():
+        comm = res["comm"]
+        shapes = comm["adamw"]["shapes"]
+        numel = {n: math.prod(s) for n, s in shapes.items()}
+        layer = sum(v for n, v in numel.items() if ".layers." in n)
+        root = sum(v for n, v in numel.items() if ".layers." not in n)
+        projected = {n: s for n, s in shapes.items() if (".self_attn." in n or ".mlp." in n)}
+        left = [s for s in projected.values() if s[0] < s[1]]
+        want_param = 4 * (2 * layer + root)
+        want_grad = 4 * sum(numel.values()) + 4 * len(shapes)
+        gather = 4 * sum(math.prod(s) for s in projected.values())
+        left_reduce = 3 * 4 * sum(r * s[1] for s in left)
+        for step, counted in enumerate(comm["adamw"]["steps"]):
+            print(f"rank {who} adamw step {step}: param {counted['param']:,} B (want {want_param:,}), "
+                  f"grad {counted['grad']:,} B (want {want_grad:,})")
+            assert counted["param"] == want_param and counted["grad"] == want_grad, counted
+        for step, counted in enumerate(comm["galore"]["steps"]):
+            want = want_grad + left_reduce + (gather if step == 0 else 0)
+            print(f"rank {who} galore step {step}: param {counted['param']:,} B, grad {counted['grad']:,} B "
+                  f"(want {want:,}: + {left_reduce:,} left-projected all-reduces"
+                  + (f" + {gather:,} gathered for the SVD)" if step == 0 else ")"))
+            assert counted["param"] == want_param and counted["grad"] == want, counted
