@@ -32,6 +32,15 @@ def iter_state_tensors(state: Any) -> Iterator[torch.Tensor]:
             yield from iter_state_tensors(attrs)
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this process holds for ``t``: a DTensor's local shard (its ``numel`` is the global one)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
 def _plain_tensors_replicated(params: list[torch.Tensor]):
     """Around a step of DTensor parameters (FSDP2's shards): DTensor's ``implicit_replication``, so a reference
     optimizer's own plain tensors (apollo-torch's seeded projection matrices, drawn identically on every rank)
@@ -131,7 +140,7 @@ class OptimizerMethod:
     def summary(self) -> dict[str, Any]:
         if self.built is None:
             return {}
-        state_bytes = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        state_bytes = sum(local_bytes(t) for t in self.state_tensors())  # per rank under FSDP2
         return {**self.built.summary, "optim/state_bytes": state_bytes}
 
     def state_dict(self) -> dict[str, Any]:

@@ -62,17 +62,22 @@ def _build(overrides: dict, model):
     return method
 
 
-def _state_bytes(method, model, name: str, *, local: bool) -> int:
-    """Bytes of the optimizer-state tensors of parameter ``name`` (a DTensor's local shard when ``local``)."""
+def _state_bytes(method, model, name: str, *, local: bool, everything: bool = False) -> int:
+    """Bytes of the optimizer-state matrices of parameter ``name`` (a DTensor's local shard when ``local``, its full
+    value otherwise); ``everything``: also the projector objects' matrices (galore-torch's ``ortho_matrix``) and
+    scalar tensors (APOLLO's previous update norm)."""
     from torch.distributed.tensor import DTensor
 
     param = dict(model.named_parameters())[name]
     state = method.driver.optimizer.state[param]
+    values = [v for value in state.values() for v in ([value] if isinstance(value, torch.Tensor) else
+                                                      list(getattr(value, "__dict__", {}).values()) if everything
+                                                      else [])]
     total = 0
-    for value in state.values():
+    for value in values:
         if isinstance(value, DTensor):
             value = value._local_tensor if local else value.full_tensor()
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if isinstance(value, torch.Tensor) and (everything or value.dim() > 0):
             total += value.numel() * value.element_size()
     return total
 
@@ -109,6 +114,9 @@ def _case(ctx, overrides: dict, data) -> dict:
         out["reduces"].append(sum(n for op, n in counts.items() if "all_reduce" in op))
         after, expected = get_model_state_dict(model, options=full), reference.state_dict()
         out["diff"].append({k: float((after[k].double() - v.double()).abs().max()) for k, v in expected.items()})
+        if len(out["diff"]) == 2:  # the state after a step: what the summary reports is this rank's share
+            local = sum(_state_bytes(method, model, n, local=True, everything=True) for n, _ in model.named_parameters())
+            out["summary_bytes"] = (method.summary()["optim/state_bytes"], local, ref.summary()["optim/state_bytes"])
         if len(out["diff"]) == 1:
             out["bytes"] = {kind: (_state_bytes(method, model, name, local=True),
                                    _state_bytes(method, model, name, local=False))
@@ -185,6 +193,14 @@ def test_right_projected_state_is_a_row_shard_and_left_projected_state_is_replic
         assert right_full > 0 and left_full > 0, results[case]["bytes"]
         assert 2 * right_local == right_full, f"{case} rank {rank}: right-projected state {right_local} of {right_full} B"
         assert left_local == left_full, f"{case} rank {rank}: left-projected state {left_local} of {left_full} B"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_summarys_optimizer_state_is_this_ranks_share(runs, case):
+    for rank, results in runs.items():
+        reported, local, single = results[case]["summary_bytes"]
+        print(f"{case} rank {rank}: optim/state_bytes {reported:,} (local tensors {local:,}; one process {single:,})")
+        assert reported == local < single, (reported, local, single)
 
 
 @pytest.mark.parametrize("case", CASES)
