@@ -1,7 +1,8 @@
 """APOLLO baseline (Zhu et al., 2024, "APOLLO: SGD-like Memory, AdamW-level Performance", Alg. 1):
 apollo-torch 1.0.3's ``APOLLOAdamW`` used as published, not re-implemented.
 
-Presets (``variant``): ``apollo`` — rank d_model/4, channel-wise scaling, scale 1; ``mini`` (APOLLO-Mini) —
+Presets (``variant``): ``apollo`` — rank d_model/4 (capped at the smallest projected weight's min(out, in):
+a grouped-query k/v projection can be narrower than d/4, e.g. 1024 rows at 70B), channel-wise scaling, scale 1; ``mini`` (APOLLO-Mini) —
 rank 1, tensor-wise scaling, scale 128. Both: seeded random projection refreshed every 200 steps, lr 0.01,
 norm-growth limiter on. apollo-torch multiplies the update by ``√scale`` (``np.sqrt(group["scale"])``), so
 Mini's effective factor is √128 ≈ 11.3; HMT's Mode B does the same. Only the 2-D weights of ``nn.Linear``
@@ -62,8 +63,8 @@ class Config:
         """(rank, scaling, scale) after applying the variant's defaults."""
         preset = PRESETS[self.variant]
         rank = self.rank
-        if rank is None:
-            rank = 1 if self.variant == "mini" else max(1, _d_model(model) // 4)
+        if rank is None:  # d/4, capped at the smallest projected weight's min(out, in) (GQA k/v at 70B: 1024)
+            rank = 1 if self.variant == "mini" else max(1, min(_d_model(model) // 4, _smallest_side(model)))
         return rank, self.scaling or preset["scaling"], self.scale if self.scale is not None else preset["scale"]
 
 
@@ -71,6 +72,10 @@ def _d_model(model: nn.Module) -> int:
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden:
         return int(hidden)
+    return _smallest_side(model)
+
+
+def _smallest_side(model: nn.Module) -> int:
     return min(min(m.weight.shape) for _, m in projectable_modules(model))
 
 

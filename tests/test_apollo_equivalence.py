@@ -163,3 +163,19 @@ def test_apollo_baseline_method_wraps_apollo_torch(variant, expected):
     assert max_rel_diff(init, model) > 1e-3
     with pytest.raises(ValueError, match="method.variant"):
         apollo.Config(variant="maxi")
+
+
+def test_apollo_default_rank_is_capped_by_a_narrow_grouped_query_projection():
+    """d/4 exceeds a grouped-query k/v projection's rows when the KV width is below d/4 (70B: 8192/4 = 2048 > 1024):
+    the default rank is capped at the smallest projected weight's min(out, in); an explicit rank is not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from baselines import apollo
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=16, num_key_value_heads=2)  # k/v: (16, 128), d/4 = 32
+    model = LlamaForCausalLM(cfg)
+    assert apollo.Config().resolved(model)[0] == 16
+    assert apollo.Config(rank=8).resolved(model)[0] == 8
+    with pytest.raises(ValueError, match="exceeds min"):
+        apollo.make(apollo.Config(rank=32)).attach(model, max_grad_norm=None)
