@@ -5,7 +5,8 @@
    backward, non-reentrant ``torch.utils.checkpoint`` inside the layer's ``forward``, FSDP2's hooks outside it)
    gives the same weights after 3 steps as the same run with ``activation=none``: adamw under DDP and FSDP2, hmt
    (per-layer Mode A, basis refreshed at steps 0 and 2) under DDP and FSDP2; ``activation=selective`` (attention
-   core recomputed) too for adamw under both and for fsdp2 + hmt.
+   core recomputed) too for adamw under both and for fsdp2 + hmt; full_ckpt for galore-torch on FSDP2 shards
+   (projection refreshed at steps 0 and 2).
 2. The policy is in force on every rank and keeps, component by component, the same bytes under FSDP2 as under
    DDP — for the lossy ``activation=hmt`` preset (INT8 codecs) too: FSDP2's all-gathered weights, which a layer
    saves for backward (``F.linear`` saves ``weight.t()``), are recognized as parameters, never counted or encoded.
@@ -41,6 +42,7 @@ CASES = {  # case -> (dist mode, method overrides, policies compared with none)
     "fsdp2-adamw": ("fsdp2", {"name": "adamw"}, ("full_ckpt", "selective", "hmt")),
     "ddp-hmt": ("ddp", HMT, ("full_ckpt",)),
     "fsdp2-hmt": ("fsdp2", HMT, ("full_ckpt", "selective")),
+    "fsdp2-galore": ("fsdp2", {"name": "galore", "rank": 8, "update_proj_gap": 2}, ("full_ckpt",)),
 }
 LOSSY = ("hmt",)  # INT8 codecs: compared for saved bytes, not for weights
 
