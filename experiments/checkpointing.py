@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS
+from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, without_added_defaults
 from experiments.errors import UserError
 from hmt_core import checkpoint as ck
 
@@ -157,7 +157,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     if name_a != name_b:
         rest = config_differences({**saved, "method": {}}, {**current, "method": {}})
         return [f"method: {name_a!r} -> {name_b!r}", *rest]
-    a, b = _flatten(saved), _flatten(current)
+    a, b = _flatten(without_added_defaults(saved)), _flatten(without_added_defaults(current))
     keep = lambda k: not any(k == r or k.startswith(r + ".") for r in RESUMABLE_KEYS)  # noqa: E731
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}"
             for k in sorted(set(a) | set(b)) if keep(k) and a.get(k) != b.get(k)]

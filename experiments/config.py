@@ -27,6 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_MODES = ("none", "ddp", "fsdp2")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+DIST_REFRESH = ("gather", "sketch")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -156,6 +157,20 @@ class TrainConfig:
 RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
                              "max_bad_steps")
 
+# Options added after results were recorded, with the default that computes what runs without them computed: at
+# that default they are left out of the run id and of the resume check, so existing runs keep their ids and
+# checkpoints (a configuration with another value is a different run, as usual).
+ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather"}
+
+
+def without_added_defaults(plain: dict) -> dict:
+    """``plain`` (a run config as nested dicts) without the ``ADDED_WITH_DEFAULT`` keys that hold their default."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in plain.items()}
+    for (section, key), default in ADDED_WITH_DEFAULT.items():
+        if isinstance(out.get(section), dict) and out[section].get(key, default) == default:
+            out[section].pop(key, None)
+    return out
+
 
 @dataclass(frozen=True, kw_only=True)
 class DryrunConfig:
@@ -190,10 +205,12 @@ class DistConfig:
     timeout_s: int = 600  # collective timeout: a hung peer fails the job after this long
     lowrank_comm: bool = False  # per-layer hmt Mode A under ddp: all-reduce Ĝ = Pᵀ G between refreshes, not G
     world_size: int | None = None  # mode=dryrun only: trace rank 0 of this many (fake process group, one process)
+    refresh: str = "gather"  # fsdp2 + hmt basis refresh: "gather" the gradient (exact) | "sketch" (distributed rsvd)
 
     def __post_init__(self) -> None:
         _one_of("dist", "mode", self.mode, DIST_MODES)
         _one_of("dist", "backend", self.backend, DIST_BACKENDS)
+        _one_of("dist", "refresh", self.refresh, DIST_REFRESH)
         _positive("dist", self, "timeout_s")
         if self.world_size is not None:
             _positive("dist", self, "world_size")

@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 from experiments import methods
 from experiments.checkpointing import INTERRUPTED_EXIT_CODE
-from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config
+from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config,
+                                without_added_defaults)
 from experiments.errors import UserError, exit_with_error, one_line_errors
 from experiments.models import load_hf_config, max_positions, model_source
 from experiments.results import RunDir, check_writable, dumps, read_status
@@ -43,7 +44,7 @@ def resolve_device(name: str) -> torch.device:
 
 def default_run_id(run: RunConfig) -> str:
     """<method>-<model>-<mode>-<8 hex of the config without run_id/results_dir/force/wandb/progress>."""
-    plain = to_plain_dict(run)
+    plain = without_added_defaults(to_plain_dict(run))
     for key in ("run_id", "results_dir", "force", "wandb", "profile"):
         plain.pop(key, None)
     for key in RUN_ID_IGNORED_TRAIN_KEYS:

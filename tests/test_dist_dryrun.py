@@ -184,7 +184,7 @@ def test_summary_reports_the_world_size_and_per_rank_batch(tmp_path):
 @pytest.mark.parametrize("overrides,fragments", [
     (["mode=train", "dist=fsdp2", "dist.world_size=8"], ["dist.world_size=8", "mode=dryrun"]),
     (["mode=dryrun", "dist=fsdp2", "dist.world_size=3"], ["train.batch_size=4", "dist.world_size=3"]),
-    (["mode=dryrun", "dist=fsdp2", "method=galore", "dist.world_size=2"], ["dist=fsdp2", "method=galore"]),
+    (["mode=dryrun", "dist=fsdp2", "method=qlora", "dist.world_size=2"], ["dist=fsdp2", "method=qlora"]),
     (["mode=dryrun", "dist=ddp"], ["dist.world_size=N"]),
     (["mode=dryrun", "dist.world_size=2"], ["dist.world_size=2", "dist=ddp"]),
 ])

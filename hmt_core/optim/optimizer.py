@@ -121,13 +121,19 @@ class LowRankOptimizer:
         return s.projected and (s.basis is None or s.step % self.cfg.update_interval == 0)
 
     @torch.no_grad()
-    def refresh(self, s: Slot, grad: Tensor) -> None:  # grad: (out, in), unclipped
-        """New basis (and rank) from ``grad``; moments moved to it per ``moment_policy``."""
+    def refresh(self, s: Slot, grad: Tensor | None, *, sketch: Any = None) -> None:  # grad: (out, in), unclipped
+        """New basis (and rank) from ``grad``; moments moved to it per ``moment_policy``. ``sketch`` (FSDP2 with
+        ``dist.refresh=sketch``: ``hmt_core.optim.sharded_sketch.RowSketch``, ``grad`` None) stands in for a gradient
+        that is never gathered: its shape, the randomized SVD's factors and the projection error come from it,
+        computed across ranks (``method.basis=rsvd`` only)."""
         c = self.cfg
-        shape = tuple(grad.shape)
+        if sketch is not None and (c.basis != "rsvd" or c.sides == "identity"):
+            raise ValueError(f"a sketched refresh needs method.basis=rsvd (got basis={c.basis}, sides={c.sides})")
+        src = grad if sketch is None else sketch
+        shape = tuple(src.shape)
         use_left, use_right = proj.which_sides(shape, c.sides)
         max_rank = min(shape)
-        dtype, device = grad.dtype, grad.device
+        dtype, device = src.dtype, src.device
         orthonormal = c.basis != "random"
         factors = curve = tau_rank = None  # curve: E(r) on the budget's rank grid
         if c.sides == "identity":
@@ -139,8 +145,8 @@ class LowRankOptimizer:
             elif c.basis == "rsvd" or (c.rank is None and c.random_rank == "spectrum"):  # legacy: a sketch
                 gen = torch.Generator().manual_seed(c.seed * 1_000_003 + s.index * 7919 + s.step)
                 warm = s.basis if c.basis == "rsvd" else None
-                factors = proj.randomized_svd(grad, k, power_iters=c.power_iters, oversample=c.oversample,
-                                              warm=warm, generator=gen)
+                kw = dict(power_iters=c.power_iters, oversample=c.oversample, warm=warm, generator=gen)
+                factors = proj.randomized_svd(grad, k, **kw) if sketch is None else sketch.randomized_svd(k, **kw)
             if c.rank is not None:
                 rank = c.rank
             elif c.basis == "random" and c.random_rank == "captured":
@@ -156,7 +162,8 @@ class LowRankOptimizer:
             if self.budget is not None:  # dynamic rank only (a fixed rank has no budget)
                 rank = self.budget.choose(s.name, s.step, tau_rank, curve)
             if factors is not None and c.basis == "rsvd" and rank > factors.s.numel():  # full rank: every vector
-                factors = proj.exact_svd(grad, rank) or factors
+                exact = proj.exact_svd(grad, rank) if sketch is None else sketch.randomized_svd(rank, **kw)
+                factors = exact or factors
             if c.basis == "random":
                 basis, s.seed = proj.random_basis(shape, rank, use_left, use_right, s.seed, device, dtype)
             elif factors is not None and factors.s.numel() >= rank:
@@ -180,7 +187,9 @@ class LowRankOptimizer:
         if self.budget is not None:
             self.budget.commit(s.name, rank)
         self.refreshes += 1
-        self.history.record(s.name, s.step, rank, proj.relative_projection_error(grad, basis, orthonormal), tau_rank)
+        error = (proj.relative_projection_error(grad, basis, orthonormal) if sketch is None
+                 else sketch.relative_error(basis, orthonormal))
+        self.history.record(s.name, s.step, rank, error, tau_rank)
 
     def _random_rank(self, s: Slot, grad: Tensor, use_left: bool, use_right: bool) -> int:  # grad: (out, in)
         """Smallest rank whose seeded Gaussian basis (the one ``random_basis`` would draw now) captures

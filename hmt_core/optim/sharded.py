@@ -10,12 +10,15 @@ GaLore's one-sided projection (Zhao et al., 2024, Eq. 2-3 / Alg. 2) restricted t
   ((b−a) × r) are sharded with the weight and the update ``W_k −= α·lr·f(D_k) Qᵀ`` needs no communication;
 - left basis P (m × r) when m < n (down_proj): Ĝ = Pᵀ G = Σ_k P_kᵀ G_k with P_k = P[a:b]: one all-reduce SUM of the
   r × n partial projection (G is already averaged by FSDP's reduce-scatter), moments r × n replicated identically on
-  every rank, update ``W_k −= α·lr·P_k f(D)``. At a refresh step Ĝ = Pᵀ G is taken from the gathered G instead.
+  every rank, update ``W_k −= α·lr·P_k f(D)``. At a gathered refresh Ĝ = Pᵀ G is taken from the gathered G.
 - dense parameters (embeddings, norms, lm_head — sharded by FSDP's root): element-wise AdamW on the local shard.
 
 Basis refresh (every ``update_interval`` steps): G is all-gathered (``DTensor.full_tensor``) and HMT's own
 ``LowRankOptimizer.refresh`` runs on it, so every rank computes the same basis and rank from the same input (its
-generators are seeded identically on every rank); moments created or moved by a refresh keep the local row count
+generators are seeded identically on every rank). With ``refresh_mode="sketch"`` (``dist.refresh=sketch``,
+``method.basis=rsvd``) G is never gathered: ``hmt_core.optim.sharded_sketch`` runs the same randomized SVD across
+ranks on the row shards (Halko et al. 2011, Alg. 4.4, distributed as in GaLore 2), and the left-sided Ĝ comes from
+the partial projection's all-reduce as between refreshes; moments created or moved by a refresh keep the local row count
 (``Slot.state_shape``). Gradient clipping (``torch.nn.utils.clip_grad_norm_``'s rule): row shards partition each
 gradient, so ‖g‖² = all-reduce SUM over ranks of Σ_p ‖G_p,k‖² — every local norm is of a shard, never of a replicated
 tensor, so nothing is counted W times. All updates are deferred to ``finish_step`` (also without clipping), so the
@@ -35,6 +38,7 @@ from torch import Tensor, nn
 from hmt_core.kernels import ops as kops
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
+from hmt_core.optim.sharded_sketch import RowSketch
 
 
 def is_sharded(param: Tensor) -> bool:
@@ -96,6 +100,7 @@ class ShardedEngine(PerLayerEngine):
         super().__init__(opt, max_grad_norm=max_grad_norm)
         mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
+        self.refresh_mode = "gather"  # dist.refresh (set by experiments.distributed): "gather" | "sketch"
 
     def start_micro_batch(self, index: int, count: int) -> None:
         if count != 1:
@@ -119,7 +124,14 @@ class ShardedEngine(PerLayerEngine):
             param.grad = None
             return
         opt = self.opt
-        if opt.refresh_due(s):
+        if opt.refresh_due(s) and self.refresh_mode == "sketch":  # distributed range finder: G never gathered
+            sketch = RowSketch(local, rows=s.rows, shape=s.full_shape, group=self.group, kernels=opt.kernels)
+            if not self._finite(sketch.energy):  # the all-reduced ‖G‖²: every rank skips alike
+                param.grad = None
+                return
+            opt.refresh(s, None, sketch=sketch)
+            low = sketch.low  # Ĝ as between refreshes (G_k Q, or the all-reduced Σ_k P_kᵀ G_k), from the diagnostic
+        elif opt.refresh_due(s):
             full = g.full_tensor()  # (m, n): all-gather, then the single-process refresh on the global gradient
             if not self._finite(full):
                 param.grad = None

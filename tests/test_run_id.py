@@ -1,0 +1,44 @@
+"""Default run ids are stable: an option added later (``experiments.config.ADDED_WITH_DEFAULT``) does not rename
+existing runs at its default, nor make their checkpoints refuse to resume; another value is another run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from experiments.checkpointing import config_differences
+from experiments.config import register_configs, to_plain_dict, to_run_config
+from experiments.run import default_run_id
+
+CAMPAIGN = Path(__file__).resolve().parent.parent / "results" / "campaign"
+
+
+def _recorded_runs() -> list[Path]:
+    return sorted(p for p in CAMPAIGN.iterdir() if (p / "config.yaml").exists())
+
+
+def test_every_committed_campaign_run_recomputes_its_own_id():
+    register_configs()
+    runs = _recorded_runs()
+    assert len(runs) >= 40, runs
+    wrong = {}
+    for d in runs:
+        run = to_run_config(OmegaConf.load(d / "config.yaml"))
+        if default_run_id(run) != d.name:
+            wrong[d.name] = default_run_id(run)
+    assert not wrong, f"{len(wrong)} of {len(runs)} committed runs would be renamed: {wrong}"
+
+
+def test_an_added_option_changes_the_id_and_the_resume_check_only_away_from_its_default():
+    register_configs()
+    d = _recorded_runs()[0]
+    recorded = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"))
+    assert "refresh" not in recorded["dist"], recorded["dist"]  # recorded before dist.refresh existed
+    run = to_run_config(OmegaConf.load(d / "config.yaml"))
+    assert run.dist.refresh == "gather"
+    assert config_differences(recorded, to_plain_dict(run)) == []
+    sketch = replace(run, dist=replace(run.dist, refresh="sketch"))
+    assert default_run_id(sketch) != default_run_id(run) == d.name
+    assert config_differences(recorded, to_plain_dict(sketch)) == ["dist.refresh: '(unset)' -> 'sketch'"]
