@@ -30,6 +30,7 @@ SETUPS = {  # name -> (dist, method overrides)
     "adamw-fsdp2": ("fsdp2", ["method=adamw"]),
     "hmt-fsdp2": ("fsdp2", ["method=hmt"]),
     "hmt-fsdp2-ckpt": ("fsdp2", ["method=hmt", "activation=full_ckpt"]),
+    "hmt-fsdp2-sketch": ("fsdp2", ["method=hmt", "dist.refresh=sketch"]),
     "adamw-fsdp2-ckpt": ("fsdp2", ["method=adamw", "activation=full_ckpt"]),
     "galore-fsdp2": ("fsdp2", ["method=galore"]),
     "galore-fsdp2-ckpt": ("fsdp2", ["method=galore", "activation=full_ckpt"]),

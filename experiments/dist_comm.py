@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -40,6 +41,8 @@ SCOPE_OF = {"all_gather_single": "param"}  # FSDP2's weight all-gathers (the onl
 
 
 def _nbytes(t) -> int:
+    if isinstance(t, Tensor) and t.is_sparse:  # what is sent: the indices and the values, not the dense shape
+        return _nbytes(t._indices()) + _nbytes(t._values())
     if isinstance(t, Tensor):
         return t.numel() * t.element_size()
     if isinstance(t, (list, tuple)):
@@ -151,18 +154,47 @@ class CommCounter:
 
 class GradAverager:
     """Per-layer HMT's ``reduce_grad`` (``hmt_core.optim.hooks.GradReducer``): DDP's arithmetic, divide by W,
-    then all-reduce SUM, in place — on the full gradient, or (``lowrank``) on a Mode A weight's projection."""
+    then all-reduce SUM, in place — on the full gradient, or (``lowrank``) on a Mode A weight's projection.
 
-    def __init__(self, world_size: int, *, lowrank: bool = False) -> None:
-        self.world_size, self.lowrank = world_size, lowrank
+    ``row_sparse`` (with ``lowrank``): names of parameters whose gradient is row-sparse — an ``nn.Embedding``'s
+    weight (not tied to an output layer) has non-zero rows only for the tokens in the batch. Those gradients are
+    all-reduced as a sparse COO tensor of their non-zero rows (``torch.distributed``'s sparse all-reduce, which
+    gloo implements; NCCL does not, so on NCCL they stay dense). Exact: rows that are zero on every rank stay zero,
+    the others are summed like the dense all-reduce sums them."""
 
-    def full(self, grad: Tensor) -> None:  # grad: (out, in) or any parameter's shape
+    def __init__(self, world_size: int, *, lowrank: bool = False, row_sparse: frozenset[str] = frozenset()) -> None:
+        self.world_size, self.lowrank, self.row_sparse = world_size, lowrank, frozenset(row_sparse)
+
+    def full(self, grad: Tensor, name: str = "") -> None:  # grad: (out, in) or any parameter's shape
         grad.div_(self.world_size)
+        if self.lowrank and name in self.row_sparse and grad.dim() == 2:
+            return all_reduce_rows(grad)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
 
     def projected(self, low: Tensor) -> None:  # low: Ĝ = project(G_local), (out, r) | (r, in) | (r, r) fp32
         low.div_(self.world_size)
         dist.all_reduce(low, op=dist.ReduceOp.SUM)
+
+
+def all_reduce_rows(grad: Tensor) -> None:  # grad: (rows, cols), most rows zero
+    """All-reduce SUM of ``grad`` in place, sending only its non-zero rows (sparse COO all-reduce)."""
+    rows = grad.abs().amax(dim=1).nonzero().flatten()  # (nnz_rows,)
+    sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), grad.index_select(0, rows), grad.shape,
+                                     check_invariants=False, is_coalesced=True)
+    dist.all_reduce(sparse, op=dist.ReduceOp.SUM)
+    sparse = sparse.coalesce()
+    grad.zero_().index_copy_(0, sparse.indices()[0], sparse.values())
+
+
+def row_sparse_names(model) -> frozenset[str]:
+    """Parameter names of the model's ``nn.Embedding`` weights that no other module shares (a tied LM head makes the
+    gradient dense), as ``GradAverager.row_sparse`` expects them."""
+    from torch import nn
+
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    shared = {id(m.weight) for m in model.modules() if not isinstance(m, nn.Embedding) and
+              isinstance(getattr(m, "weight", None), Tensor)}
+    return frozenset(n for n, p in model.named_parameters() if id(p) in embedding - shared)
 
 
 class StepBytes:

@@ -52,6 +52,14 @@ with totals in ``summary.dist.comm``.
   Mode B, two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
   bases, ``grad_accum > 1``, ``lowrank_comm``. Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
   (``hmt_core.optim.sharded_state``).
+- ``fsdp2`` + hmt with ``dist.refresh=sketch`` (``method.basis=rsvd`` only; ``hmt_core.optim.sharded_sketch``): a
+  refresh gathers nothing of size m × n; the randomized SVD runs on the row shards instead (w = min(k + oversample,
+  m, n), q = ``method.power_iters``, fp32 unless noted): one all-reduce of a fp64 scalar (‖G‖², also the
+  finiteness decision); a left-sided weight with a previous basis one n × r (the warm start Gᵀ P); per
+  orthonormalization (q + 1 of them) two fp64 all-reduces of w × w (CholeskyQR2; the last one's second is
+  2w × w; a numerically rank-deficient Y all-gathers it instead, m × w); q all-reduces n × w (Gᵀ Y); one w × n
+  (Qᵀ G); a left-sided weight one all-gather of U's k columns (W × ⌈m/W⌉ × k) and its usual r × n all-reduce of
+  Ĝ; one fp64 scalar (the projection-error diagnostic).
 - ``fsdp2`` + galore/apollo: galore-torch's and apollo-torch's optimizers step the DTensor shards unchanged, after
   backward, and DTensor's operator dispatch issues their collectives (``experiments.dtensor_state``): a
   right-projected weight (rows ≥ cols) none (G_k Qᵀ and its moments on its own rows); a left-projected one
@@ -77,7 +85,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments.dist_comm import CommCounter, GradAverager, StepBytes
+from experiments.dist_comm import CommCounter, GradAverager, StepBytes, row_sparse_names
 from experiments.errors import UserError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -98,6 +106,7 @@ class DistContext:
     lowrank_comm: bool = False  # dist.lowrank_comm: per-layer hmt reduces Ĝ between refreshes
     comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist_comm), installed by setup
     mesh: object | None = None  # fsdp2's DeviceMesh (None: fully_shard builds the default one)
+    refresh: str = "gather"  # dist.refresh: fsdp2 + hmt basis refresh, "gather" | "sketch" (hmt_core.optim.sharded)
 
     def __post_init__(self) -> None:
         self.step_bytes = StepBytes(self.comm) if self.comm is not None else None
@@ -162,7 +171,8 @@ class DistContext:
 
     def summary(self) -> dict:
         out = {"mode": self.mode, "world_size": self.world_size, "backend": self.backend,
-               "batch_semantics": "global", "device": str(self.device), "lowrank_comm": self.lowrank_comm}
+               "batch_semantics": "global", "device": str(self.device), "lowrank_comm": self.lowrank_comm,
+               "refresh": self.refresh}
         if self.step_bytes is not None:
             out["comm"] = self.step_bytes.summary()
         return out
@@ -177,6 +187,7 @@ def torchrun_world_size() -> int | None:
 def check_launch(run, device: torch.device) -> None:
     """Bad combinations of ``dist``, the launcher and the rest of the config, as one-line ``UserError``s."""
     mode, world = run.dist.mode, torchrun_world_size()
+    check_refresh(run)
     if run.dist.world_size is not None and run.mode != "dryrun":
         raise UserError(f"dist.world_size={run.dist.world_size} is for mode=dryrun (one process tracing rank 0 of "
                         "a fake process group); a training run takes its world size from torchrun")
@@ -233,6 +244,20 @@ def check_combination(run, world: int) -> None:
         check_lowrank_comm(run.method)
 
 
+def check_refresh(run) -> None:
+    """``dist.refresh=sketch``: hmt's randomized-SVD refresh on FSDP2's row shards, nothing else."""
+    if run.dist.refresh == "gather":
+        return
+    method = run.method
+    if run.dist.mode != "fsdp2":
+        raise UserError(f"dist.refresh={run.dist.refresh} needs dist=fsdp2 (got dist={run.dist.mode}): only FSDP2 "
+                        "shards the gradient a basis refresh reads; drop dist.refresh")
+    if method.name != "hmt" or method.basis != "rsvd":
+        got = f"method={method.name}" if method.name != "hmt" else f"method.basis={method.basis}"
+        raise UserError(f"dist.refresh={run.dist.refresh} needs method=hmt with method.basis=rsvd (got {got}): the "
+                        "distributed sketch is the randomized SVD's; use dist.refresh=gather")
+
+
 def probe_skipped(mode: str) -> str:
     """Why ``mode=train``/``mode=dryrun`` skip the activation probe under ``dist=ddp|fsdp2`` (the policy is applied)."""
     return (f"dist={mode}: the activation probe is single-process (it runs forward and autograd.grad on one "
@@ -283,7 +308,8 @@ def setup(run, device: torch.device) -> DistContext | None:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=run.dist.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=local, backend=backend,
-                       device=device, lowrank_comm=run.dist.lowrank_comm, comm=CommCounter().install())
+                       device=device, lowrank_comm=run.dist.lowrank_comm, comm=CommCounter().install(),
+                       refresh=run.dist.refresh)
 
 
 def teardown(ctx: DistContext | None) -> None:
@@ -380,7 +406,7 @@ def dryrun_context(run):
 
             mesh = init_device_mesh("cpu", (world,))
         yield DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=rank,
-                          backend=dist.get_backend(), device=torch.device("cpu"), mesh=mesh)
+                          backend=dist.get_backend(), device=torch.device("cpu"), mesh=mesh, refresh=run.dist.refresh)
     finally:
         if own:
             dist.destroy_process_group()
@@ -393,7 +419,15 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_
     (a dry run on fake tensors, which have no values to compare or broadcast): skip the initial broadcast of
     rank 0's weights, an in-place copy that allocates nothing. ``rebuild_buckets=False`` (the dry run, on real
     and fake tensors alike): keep the construction-time gradient buckets; DDP's re-bucketing in the second forward
-    reads bucket indices that a fake tensor has no values for."""
+    reads bucket indices that a fake tensor has no values for. ``fsdp2`` + hmt: the model itself; the sharded
+    engine is told ``dist.refresh``."""
+    if ctx is not None and ctx.mode == "fsdp2" and ctx.refresh != "gather":
+        from hmt_core.optim.sharded import ShardedEngine
+
+        engine = getattr(method, "engine", None)
+        if not isinstance(engine, ShardedEngine):  # check_launch refuses it first; a direct caller gets a message
+            raise ValueError(f"dist.refresh={ctx.refresh} needs method=hmt on FSDP2 shards (its sharded engine)")
+        engine.refresh_mode = ctx.refresh
     if ctx is None or ctx.mode != "ddp":
         return model
     engine = getattr(method, "engine", None)  # hmt with per_layer=true
@@ -402,7 +436,8 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_
         if init_sync:
             with setup_scope:
                 broadcast_module(model)
-        engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm)
+        sparse = row_sparse_names(model) if ctx.backend == "gloo" else frozenset()  # NCCL: no sparse all-reduce
+        engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm, row_sparse=sparse)
         return model
     if ctx.lowrank_comm:  # check_launch refuses it first; a direct caller gets the same message
         raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")

@@ -183,18 +183,28 @@ def _exact(rank: int, world: int, data) -> list[dict]:
     return out
 
 
-def expected_bytes(model, slots, rank: int) -> dict:
-    """From shapes: every trainable parameter's fp32 bytes (a refresh step, DDP adamw), and a non-refresh step
-    with lowrank_comm: r·max(out, in)·4 per projected weight (one-sided: Ĝ is (out, r) or (r, in)) + the rest."""
-    projected = {s.name for s in slots if s.projected}
-    full = low = 0
+def expected_bytes(model, slots, rank: int, local_batches: list[torch.Tensor]) -> dict:
+    """From shapes: every trainable parameter's fp32 bytes (DDP adamw: ``full``), and with lowrank_comm per step
+    (step 0 refreshes every basis, step 1 does not): a projected weight's full gradient at the refresh, r·max(out,
+    in)·4 after it (one-sided: Ĝ is (out, r) or (r, in)); the embedding's non-zero rows as a sparse tensor on every
+    step — the tokens of this rank's batch but its last position (whose hidden state no label reads): int64 row
+    indices + fp32 rows; the rest dense."""
+    from experiments.dist_comm import row_sparse_names
+
+    projected, sparse = {s.name for s in slots if s.projected}, row_sparse_names(model)
+    full, steps = 0, [0] * len(local_batches)
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         nbytes = p.numel() * 4
         full += nbytes
-        low += rank * max(p.shape) * 4 if name in projected else nbytes
-    return {"full": full, "lowrank": low}
+        for i, x in enumerate(local_batches):
+            if name in sparse:
+                rows = torch.unique(x[:, :-1]).numel()
+                steps[i] += rows * 8 + rows * p.shape[1] * 4
+            else:
+                steps[i] += rank * max(p.shape) * 4 if name in projected and i > 0 else nbytes
+    return {"full": full, "steps": steps}
 
 
 def _bytes(rank: int, world: int, data, model_fn, hmt_rank: int) -> dict:
@@ -213,7 +223,9 @@ def _bytes(rank: int, world: int, data, model_fn, hmt_rank: int) -> dict:
             _step(forward, method, ctx, x)
             per_step.append(counter.bytes["grad"] - g0)
             control.append(counter.bytes["control"] - c0)
-        expected = expected_bytes(model, method.engine.opt.slots, hmt_rank)
+        rows = data[0].shape[0] // world
+        expected = expected_bytes(model, method.engine.opt.slots, hmt_rank,
+                                  [x[rank * rows:(rank + 1) * rows] for x in data[:2]])
 
         adamw_model = model_fn()
         adamw_ctx = _ctx(rank, world, comm=counter)
@@ -290,7 +302,7 @@ def test_counted_bytes_equal_the_shapes(spawned):
             b = res[case]
             print(f"rank {rank} {case}: counted per step {b['per_step']}, expected {b['expected']}, "
                   f"adamw {b['adamw']} (expected {b['adamw_expected']}), control {b['control']}")
-            assert b["per_step"] == [b["expected"]["full"], b["expected"]["lowrank"]], b
+            assert b["per_step"] == b["expected"]["steps"], b
             assert b["adamw"] == b["adamw_expected"] == b["expected"]["full"], b
             assert b["control"] == [4, 4], b  # the finite-loss flag (one fp32) per micro-batch, not gradient bytes
 

@@ -72,7 +72,7 @@ class GradReducer(Protocol):
 
     lowrank: bool  # Mode A weights between refreshes: reduce Ĝ = project(G_local) instead of G
 
-    def full(self, grad: Tensor) -> None: ...  # grad: (out, in), any parameter
+    def full(self, grad: Tensor, name: str) -> None: ...  # grad: (out, in), any parameter; name: its slot
 
     def projected(self, low: Tensor) -> None: ...  # low: Ĝ, (out, r) | (r, in) | (r, r), fp32
 
@@ -143,7 +143,7 @@ class PerLayerEngine:
             refresh = (self.index == 0 or s.basis is None) and opt.refresh_due(s)
             lowrank = self.lowrank_comm
             if refresh or not lowrank:
-                self._reduce(g)
+                self._reduce(g, s)
             if refresh:
                 if not self._finite(g):
                     param.grad = None
@@ -168,7 +168,7 @@ class PerLayerEngine:
             return
         if not last:
             return  # p.grad keeps accumulating
-        self._reduce(g)
+        self._reduce(g, s)
         self.norms[s.index] = torch.linalg.vector_norm(g)
         if (s.projected or not self.clipping) and not self._finite(self.norms[s.index]):
             param.grad = None
@@ -188,9 +188,9 @@ class PerLayerEngine:
     def lowrank_comm(self) -> bool:
         return self.reduce_grad is not None and bool(getattr(self.reduce_grad, "lowrank", False))
 
-    def _reduce(self, g: Tensor) -> None:
+    def _reduce(self, g: Tensor, s: Slot) -> None:
         if self.reduce_grad is not None:
-            self.reduce_grad.full(g)
+            self.reduce_grad.full(g, s.name)
 
     def _finite(self, t: Tensor) -> bool:
         """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass."""
