@@ -50,7 +50,8 @@ with totals in ``summary.dist.comm``.
   which also gives the left-sided Ĝ (no all-reduce then). In ``finish_step`` one all-reduce SUM of a scalar, the
   local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
   Mode B, two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
-  bases, ``grad_accum > 1``, ``lowrank_comm``. Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
+  bases, ``lowrank_comm``. With ``train.grad_accum > 1`` a left-sided weight all-reduces the sum of its
+  micro-batches' partial projections once, on the last micro-batch (``hmt_core.optim.sharded``). Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
   (``hmt_core.optim.sharded_state``).
 - ``fsdp2`` + hmt with ``dist.refresh=sketch`` (``method.basis=rsvd`` only; ``hmt_core.optim.sharded_sketch``): a
   refresh gathers nothing of size m × n; the randomized SVD runs on the row shards instead (w = min(k + oversample,
@@ -271,8 +272,6 @@ def check_fsdp2_hmt(run) -> None:
     from hmt_core.optim.sharded import sharded_config_error
 
     why = sharded_config_error(run.method)
-    if why is None and run.train.grad_accum != 1:
-        why = f"train.grad_accum={run.train.grad_accum} is not supported with dist=fsdp2 + method=hmt (use 1)"
     if why is None and run.dist.lowrank_comm:
         why = "dist.lowrank_comm=true is not supported with dist=fsdp2 (a left-sided Ĝ is already all-reduced)"
     if why is not None:

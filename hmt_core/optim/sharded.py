@@ -25,8 +25,16 @@ tensor, so nothing is counted W times. All updates are deferred to ``finish_step
 non-finite decision is taken only on identical quantities (a gathered gradient, the all-reduced norm) and every rank
 issues the same collectives in the same order.
 
-Scope: Mode A, one-sided, per-layer, no gradient accumulation, bf16/fp32 weights updated in place
-(``sharded_config_error`` names what is refused).
+Gradient accumulation (``train.grad_accum = n > 1``; FSDP2 reduce-scatters every micro-batch's gradient): the
+rule of the single-process engine (``hmt_core.optim.hooks``): a due refresh at micro-batch 0 from its gradient, then
+each micro-batch's local projection is added to a low-rank accumulator and the shard's gradient freed — a
+left-sided weight accumulates its *partial* projections Σ_i P_kᵀ G_ik and all-reduces the sum once, on the last
+micro-batch (linear: Σ_k Σ_i P_kᵀ G_ik = Pᵀ Σ_i G_i), so accumulation adds no communication; dense parameters
+let FSDP2 accumulate their shard until the last micro-batch. A Mode A weight contributes ‖Σ_i Ĝ_i‖ to the clipping
+norm (rows of a right-sided Ĝ are this rank's; a left-sided Ĝ is replicated, so rank 0 alone counts it).
+
+Scope: Mode A, one-sided, per-layer, bf16/fp32 weights updated in place (``sharded_config_error`` names what is
+refused).
 """
 
 from __future__ import annotations
@@ -102,14 +110,9 @@ class ShardedEngine(PerLayerEngine):
         self.group = mesh.get_group() if mesh is not None else None
         self.refresh_mode = "gather"  # dist.refresh (set by experiments.distributed): "gather" | "sketch"
 
-    def start_micro_batch(self, index: int, count: int) -> None:
-        if count != 1:
-            raise ValueError(f"sharded HMT does not accumulate gradients (train.grad_accum={count}); use 1")
-        super().start_micro_batch(index, count)
-
     @torch.no_grad()
     def _on_grad_body(self, s: Slot, param: Tensor) -> None:
-        g = param.grad  # DTensor: the averaged gradient's local rows
+        g = param.grad  # DTensor: the averaged gradient's local rows (summed over this step's micro-batches so far)
         if g is None:
             return
         if self.nonfinite:  # decided on a gathered (identical) gradient: every rank skips alike
@@ -117,38 +120,61 @@ class ShardedEngine(PerLayerEngine):
             return
         s.param = param._local_tensor  # FSDP2 may re-pad (reset_sharded_param): always the current storage
         local = g._local_tensor  # (b−a, n)
-        self.norms[s.index] = torch.linalg.vector_norm(local)  # a row shard: ‖G‖² = Σ_ranks ‖G_k‖²
-        if not s.projected:  # kept until finish_step: a copy, unless it owns its storage (a view of FSDP's flat
-            s.pending = local if local.untyped_storage().nbytes() == local.nbytes else local.clone()  # RS buffer)
-            self.deferred_dense.append(s)
+        last = self.index == self.count - 1
+        if not s.projected:
+            if not last:
+                return  # FSDP2 accumulates the next micro-batch's shard into param.grad
+            self.norms[s.index] = torch.linalg.vector_norm(local)  # a row shard: ‖G‖² = Σ_ranks ‖G_k‖²
+            s.pending = local if local.untyped_storage().nbytes() == local.nbytes else local.clone()  # kept until
+            self.deferred_dense.append(s)  # finish_step: a copy, unless it owns its storage (FSDP's RS buffer)
             param.grad = None
             return
+        if self.count == 1:
+            self.norms[s.index] = torch.linalg.vector_norm(local)
+        low = self._refresh_if_due(s, g, local) if self.index == 0 else None
+        if self.nonfinite:  # a refresh met a non-finite gradient: the step is skipped on every rank
+            param.grad = None
+            return
+        if low is None or self.count > 1:  # accumulating: local partial projections, summed over ranks once
+            low = kops.project(local, s.local_basis(), backend=self.opt.kernels).float()  # G_k Q, or P_kᵀ G_k
+            if s.basis.left is not None and self.count == 1:
+                dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group)  # Pᵀ G = Σ_k P_kᵀ G_k: r × n
+        s.pending = low.float() if s.pending is None else s.pending.add_(low)
+        param.grad = None
+        if not last:
+            return
+        if self.count > 1:
+            if s.basis.left is not None:  # Σ_i Σ_k P_kᵀ G_ik: one r × n all-reduce per step, not per micro-batch
+                dist.all_reduce(s.pending, op=dist.ReduceOp.SUM, group=self.group)
+            self.norms[s.index] = self._accumulated_norm(s)
+        self.deferred_low.append(s)  # updated in finish_step, after the global norm (clipping or not)
+
+    def _refresh_if_due(self, s: Slot, g: Tensor, local: Tensor) -> Tensor | None:
+        """A due basis refresh from this (first) micro-batch's gradient; returns Ĝ when the refresh produced it
+        (a gathered left-sided one, or the sketch's), else None (also when the gradient is not finite, which
+        ``self.nonfinite`` then records)."""
         opt = self.opt
-        if opt.refresh_due(s) and self.refresh_mode == "sketch":  # distributed range finder: G never gathered
+        if not opt.refresh_due(s):
+            return None
+        if self.refresh_mode == "sketch":  # distributed range finder: G never gathered
             sketch = RowSketch(local, rows=s.rows, shape=s.full_shape, group=self.group, kernels=opt.kernels)
             if not self._finite(sketch.energy):  # the all-reduced ‖G‖²: every rank skips alike
-                param.grad = None
-                return
+                return None
             opt.refresh(s, None, sketch=sketch)
-            low = sketch.low  # Ĝ as between refreshes (G_k Q, or the all-reduced Σ_k P_kᵀ G_k), from the diagnostic
-        elif opt.refresh_due(s):
-            full = g.full_tensor()  # (m, n): all-gather, then the single-process refresh on the global gradient
-            if not self._finite(full):
-                param.grad = None
-                return
-            opt.refresh(s, full)
-            low = kops.project(full, s.basis, backend=opt.kernels) if s.basis.left is not None else None
-            del full
-        else:
-            low = None
-        if low is None:
-            low = kops.project(local, s.local_basis(), backend=opt.kernels)  # G_k Q, or the partial P_kᵀ G_k
-            if s.basis.left is not None:
-                low = low.float()
-                dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group)  # Pᵀ G = Σ_k P_kᵀ G_k: r × n
-        s.pending = low.float()
-        self.deferred_low.append(s)  # updated in finish_step, after the global norm (clipping or not)
-        param.grad = None
+            return sketch.low  # Ĝ as between refreshes (G_k Q, or the all-reduced Σ_k P_kᵀ G_k)
+        full = g.full_tensor()  # (m, n): all-gather, then the single-process refresh on the global gradient
+        if not self._finite(full):
+            return None
+        opt.refresh(s, full)
+        return kops.project(full, s.basis, backend=opt.kernels) if s.basis.left is not None else None
+
+    def _accumulated_norm(self, s: Slot) -> Tensor:  # (): this rank's share of ‖Σ_i Ĝ_i‖
+        """With accumulation a Mode A weight contributes ‖Σ_i Ĝ_i‖ (``hmt_core.optim.hooks``, rule 4): Ĝ's rows
+        are this rank's rows for a right-sided weight; a left-sided Ĝ is replicated, so only rank 0 counts it."""
+        norm = torch.linalg.vector_norm(s.pending)
+        if s.basis.left is not None and dist.get_rank(self.group) != 0:
+            return torch.zeros_like(norm)
+        return norm
 
     def _global_norm(self) -> Tensor:  # (): √(all-reduce SUM of Σ_p ‖G_p,k‖²)
         local = torch.stack([self.norms[i] for i in sorted(self.norms)]).float()
