@@ -42,6 +42,8 @@ CATS = ("params", "grads", "optimizer", "activations", "temp")
 NOTES = ("galore-fsdp2 / apollo-fsdp2: galore-torch's and apollo-torch's optimizers stepping FSDP2's DTensor shards "
          "after backward (`experiments.dtensor_state`); their defaults (galore rank 128, apollo rank d/4) with "
          "galore-torch's SVD on the all-gathered gradient in the traced step (step 0 refreshes).",
+         "hmt-fsdp2-sketch: `dist.refresh=sketch` (no gathered gradient at a refresh); the same peak, which is set at "
+         "the start of backward, not in a refresh hook (one refresh's own memory: `benchmarks/refresh_memory.py`).",
          "*-ckpt: `activation=full_ckpt`; the single-process activation probe is skipped under dist "
          "(`experiments.distributed.probe_skipped`).")
 
