@@ -77,8 +77,16 @@ def _method(name: str, overrides: dict, model):
     return method
 
 
-def _reference(name: str, overrides: dict, data: list[torch.Tensor]) -> list[dict]:
-    """Single process, global batch: the state before each step and the weights after it."""
+def micro_rows(rank: int, world: int, rows: int, micro: int) -> list[list[int]]:
+    """The global rows of each of ``micro`` micro-batches of ``rank`` (its rows [rank·rows, (rank+1)·rows))."""
+    per = rows // micro
+    return [list(range(rank * rows + i * per, rank * rows + (i + 1) * per)) for i in range(micro)]
+
+
+def _reference(name: str, overrides: dict, data: list[torch.Tensor], micro: int = 1) -> list[dict]:
+    """Single process, global batch: the state before each step and the weights after it. Micro-batch i of
+    ``micro`` is the union of the 2 ranks' micro-batches i, its loss the mean of their means (the arithmetic of the
+    ranks' averaged gradient; with ``micro=1``, ``(loss(first half) + loss(second half)) / 2``)."""
     from experiments.loop import lm_loss
     from helpers import tiny_llama
 
@@ -87,10 +95,11 @@ def _reference(name: str, overrides: dict, data: list[torch.Tensor]) -> list[dic
     snaps = []
     for x in data:
         snap = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "method": _state_bytes(method)}
-        half = x.shape[0] // 2
-        method.start_micro_batch(0, 1)
-        loss = (lm_loss(model, x[:half]) + lm_loss(model, x[half:])) / 2
-        loss.backward()
+        parts = [micro_rows(r, 2, x.shape[0] // 2, micro) for r in range(2)]
+        for i in range(micro):
+            method.start_micro_batch(i, micro)
+            loss = sum(lm_loss(model, x[parts[r][i]]) / micro for r in range(2)) / 2
+            loss.backward()
         method.step()
         method.zero_grad()
         snap["after"] = {k: v.clone() for k, v in model.state_dict().items()}

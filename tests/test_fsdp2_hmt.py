@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import TORCHRUN_2, _method, _reference, spawn_pair  # noqa: E402
+from test_distributed import TORCHRUN_2, _method, _reference, micro_rows, spawn_pair  # noqa: E402
 from test_bad_inputs import assert_one_line_error, results  # noqa: E402,F401  (the fixture: an earlier run)
 
 STEPS = 4  # refreshes at steps 0 and 2 (update interval 2)
@@ -66,37 +66,6 @@ RIGHT, LEFT = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down
 # micro-batch changes the update by tens of percent at every step.
 MICRO = 2
 ACCUM_CASES = {"accum-fixed": CASES["fixed"], "accum-dynamic": CASES["dynamic"]}
-
-
-def _micro_rows(rank: int, world: int, rows: int) -> list[list[int]]:
-    """The global rows of each micro-batch of ``rank`` (its rows [rank·rows, (rank+1)·rows) cut into MICRO)."""
-    per = rows // MICRO
-    return [list(range(rank * rows + i * per, rank * rows + (i + 1) * per)) for i in range(MICRO)]
-
-
-def _reference_accum(overrides: dict, data: list[torch.Tensor], world: int = 2) -> list[dict]:
-    """Single-process hmt with MICRO micro-batches, micro-batch i the union of every rank's micro-batch i, its loss
-    the mean of the ranks' means (the arithmetic of FSDP2's averaged reduce-scatter, see the module docstring)."""
-    from experiments.loop import lm_loss
-    from helpers import tiny_llama
-    from test_distributed import _state_bytes
-
-    model = tiny_llama()
-    method = _method("hmt", overrides, model)
-    rows = data[0].shape[0] // world
-    snaps = []
-    for x in data:
-        snap = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "method": _state_bytes(method)}
-        parts = [_micro_rows(r, world, rows) for r in range(world)]
-        for i in range(MICRO):
-            method.start_micro_batch(i, MICRO)
-            loss = sum(lm_loss(model, x[parts[r][i]]) / MICRO for r in range(world)) / world
-            loss.backward()
-        method.step()
-        method.zero_grad()
-        snap["after"] = {k: v.clone() for k, v in model.state_dict().items()}
-        snaps.append(snap)
-    return snaps
 
 
 def _kind(name: str, slots: dict) -> str:
@@ -136,7 +105,7 @@ def _fsdp2_case(ctx, overrides: dict, data, snaps, micro: int = 1) -> list[dict]
         set_model_state_dict(model, {k: v.clone() for k, v in snap["weights"].items()}, options=full)  # it keeps them
         method.load_state_dict(_local_state(torch.load(io.BytesIO(snap["method"]), weights_only=False), slots))
         batches = [x[ctx.rank * rows:(ctx.rank + 1) * rows]] if micro == 1 else \
-            [x[r] for r in _micro_rows(ctx.rank, ctx.world_size, rows)]
+            [x[r] for r in micro_rows(ctx.rank, ctx.world_size, rows, MICRO)]
         train_step(model, method, batches, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True,
                    all_finite=ctx.all_finite)
         after = get_model_state_dict(model, options=full)
@@ -223,7 +192,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             results[case] = {"steps": _fsdp2_case(ctx, overrides, data, snaps), "reference": _reference_view(snaps),
                              "resume": _resume_case(ctx, overrides, data, Path(out, f"ckpt-{case}"))}
         for case, overrides in ACCUM_CASES.items():
-            snaps = _reference_accum(overrides, data, world)
+            snaps = _reference("hmt", overrides, data, micro=MICRO)
             results[case] = {"steps": _fsdp2_case(ctx, overrides, data, snaps, micro=MICRO),
                              "reference": _reference_view(snaps)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
