@@ -45,7 +45,7 @@ NOTES = ("galore-fsdp2 / apollo-fsdp2: galore-torch's and apollo-torch's optimiz
          "hmt-fsdp2-sketch: `dist.refresh=sketch` (no gathered gradient at a refresh); the same peak, which is set at "
          "the start of backward, not in a refresh hook (one refresh's own memory: `benchmarks/refresh_memory.py`).",
          "*-ckpt: `activation=full_ckpt`; the single-process activation probe is skipped under dist "
-         "(`experiments.distributed.probe_skipped`).")
+         "(`experiments.dist_checks.probe_skipped`).")
 
 
 def run_case(model: str, setup: str, world: int, seq: int, timeout_s: float) -> dict:

@@ -6,7 +6,7 @@ Model construction, the method's ``prepare``/``attach`` (quantization, adapters,
 traced (an op without a fake implementation) fails the run loudly; it never reports a partial number. With an
 activation policy, the activation probe that ``mode=train`` runs before step 0 (``metered_probe``) is traced too,
 in the same order (after ``attach``, before the policy is applied), under its own meter — except under
-``dist=ddp|fsdp2``, where training skips it (``experiments.distributed.probe_skipped``) and so does the trace.
+``dist=ddp|fsdp2``, where training skips it (``experiments.dist_checks.probe_skipped``) and so does the trace.
 
 The report adds, beside the usual summary: peak bytes by category at each phase's peak, the modules retaining the
 most forward bytes (what their forward left alive: saved activations and outputs), and a fits/does-not-fit
@@ -27,7 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from experiments import distributed
+from experiments import dist_checks, distributed
 from experiments.config import RunConfig
 from experiments.errors import UserError
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
@@ -220,7 +220,7 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
 def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                    build_summary, print_summary) -> dict:
     """Trace first, write after: a bad setting fails before anything in ``run_dir`` is touched."""
-    distributed.check_launch(run, device)  # dist=ddp|fsdp2: dist.world_size, the method, the batch split
+    dist_checks.check_launch(run, device)  # dist=ddp|fsdp2: dist.world_size, the method, the batch split
     start = time.perf_counter()
     try:
         traced = trace_steps(run, method)
@@ -251,7 +251,7 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
         activation_summary=None if run.activation.is_identity() else {
             "policy": run.activation.to_dict(), "saved_bytes": traced["activation_saved_bytes"],
             "probe_peak_bytes": traced["probe_peak_bytes"], "probe_tokens": traced["probe_tokens"],
-            **({"probe_skipped": distributed.probe_skipped(run.dist.mode)} if traced["dist"] else {})},
+            **({"probe_skipped": dist_checks.probe_skipped(run.dist.mode)} if traced["dist"] else {})},
         **({"dist": traced["dist"]} if traced["dist"] else {}),
         dryrun={"traceable": True, "wall_s": wall, "seq_len": t.seq_len, "batch_size": t.batch_size,
                 "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from experiments import distributed, gpu_stats
+from experiments import dist_checks, distributed, gpu_stats
 from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
 from experiments.data import build_corpus, has_tokenizer
@@ -117,7 +117,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         activation_summary, act_handle = None, None
         if not run.activation.is_identity() and ctx is not None:  # dist=ddp|fsdp2: the policy, no probe
             activation_summary = {"policy": run.activation.to_dict(), "probe": None,
-                                  "probe_skipped": distributed.probe_skipped(ctx.mode)}
+                                  "probe_skipped": dist_checks.probe_skipped(ctx.mode)}
             act_handle = apply_policy(model, run.activation)
         elif not run.activation.is_identity():
             # bounded probe (one short sequence, one layer's gradients, taken with autograd.grad so no update hook

@@ -42,7 +42,7 @@ class HMTSlurmLauncher(SlurmLauncher):
     # ---- before submitting (every job of the sweep, composed) ----------------------------------------------
     def check_run(self, cfg: DictConfig) -> None:
         """One-line ``UserError`` when the run cannot use ``nodes`` × ``tasks_per_node`` processes."""
-        from experiments.distributed import check_combination
+        from experiments.dist_checks import check_combination
         from experiments.errors import UserError
         from experiments.sweep import validated_run_config
 
