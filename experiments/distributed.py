@@ -42,17 +42,20 @@ functions wrapped, plus a counting DDP comm hook) and logged as ``comm/grad_byte
 with totals in ``summary.dist.comm``.
 - ``fsdp2``: FSDP2's per-layer all-gather of the weights in forward and backward, reduce-scatter (mean) of the
   gradients in backward; ``method=adamw``: torch AdamW steps on each rank's shard (DTensors).
-- ``fsdp2`` + hmt (per-layer Mode A, one-sided; ``hmt_core.optim.sharded``): FSDP2's collectives above, then in
+- ``fsdp2`` + hmt (per-layer, one-sided; ``hmt_core.optim.sharded``): FSDP2's collectives above, then in
   each sharded parameter's post-accumulate-grad hook (inside FSDP's post-backward, in the same order on every
   rank): a right-sided weight (rows ≥ cols) nothing (Ĝ_k = G_k Q on its own rows); a left-sided weight (rows < cols)
   one all-reduce SUM of its r × n partial projection P_kᵀ G_k; a dense parameter nothing. At a basis refresh
   (every ``method.update_interval`` steps) one all-gather of that weight's gradient (``DTensor.full_tensor``),
   which also gives the left-sided Ĝ (no all-reduce then). In ``finish_step`` one all-reduce SUM of a scalar, the
   local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
-  Mode B, two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
+  two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
   bases, ``lowrank_comm``. With ``train.grad_accum > 1`` a left-sided weight all-reduces the sum of its
   micro-batches' partial projections once, on the last micro-batch (``hmt_core.optim.sharded``). Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
   (``hmt_core.optim.sharded_state``).
+- ``fsdp2`` + hmt in Mode B (APOLLO scaling): per weight and step a scalar all-reduce of ‖G_k‖² (the identical skip
+  decision), a left-sided weight its r × n all-reduce of Σ_k P_kᵀ G_k, tensor scaling one 2-element all-reduce of a
+  right-sided weight's ‖N‖², ‖R‖², the norm-growth limiter one scalar all-reduce; a refresh all-gathers the gradient.
 - ``fsdp2`` + hmt with ``dist.refresh=sketch`` (``method.basis=rsvd`` only; ``hmt_core.optim.sharded_sketch``): a
   refresh gathers nothing of size m × n; the randomized SVD runs on the row shards instead (w = min(k + oversample,
   m, n), q = ``method.power_iters``, fp32 unless noted): one all-reduce of a fp64 scalar (‖G‖², also the

@@ -2,7 +2,9 @@
 
 1. One step at a time from the same state (teacher forcing), fsdp2 + hmt equals single-process hmt on the same
    global batch, over 4 steps with ``update_interval=2`` (bases refreshed at steps 0 and 2, moments carried across
-   the refresh), for a fixed rank and a dynamic rank, with clipping on (``max_grad_norm=1``: the all-reduced norm);
+   the refresh), for a fixed rank and a dynamic rank in Mode A, and Mode B with APOLLO's channel scaling (rank 8)
+   and APOLLO-Mini's tensor scaling (rank 1, scale 128; seeded random bases, lagged clipping, norm-growth limiter
+   summed over ranks), with clipping on (``max_grad_norm=1``: the all-reduced norm);
    checked on right-sided weights (q/k/v/o, gate/up), left-sided ones (down_proj) and dense parameters.
 2. Every rank holds the same basis after each refresh, equal to the single-process basis.
 3. A right-sided weight's moments on a rank are 1/W of the single-process ones (bytes of the tensors held).
@@ -25,7 +27,10 @@ its input moves D by ≲ 2δ·|D|, with |D| ≤ 1 on these first steps (bias-cor
 moves by ≤ lr·α·Σ_j |P_ij|·|δD_j| ≤ lr·α·√r·2δ: with lr = 1e-2, α = 0.25, r ≤ 16, δ ≤ 3.8e-6: ≤ 7.6e-8; plus one
 rounding of the stored weight itself, which may land on the other side of a tie: one ulp of |w|, ≤ 1.2e-7 for
 |w| < 2 (norm weights are ≈ 1, linear weights ≈ 0.02, ulp 1.9e-9). Bound ≈ 2e-7; we assert ATOL = 1e-6 (5× margin).
-Measured (4 steps, both ranks): 0 at refresh steps for projected weights; max|a − b| ≤ 7.5e-9 for right- and
+Mode B adds two reorderings of the same kind: APOLLO's tensor scaling ‖N‖/‖R‖ of a right-sided R and the
+norm-growth limiter's ‖s ⊙ G‖ are square roots of two partial sums of squares (relative δ ≤ γ_n ≈ 1e-5 for
+n ≤ 176), which scale the whole update u by 1 + O(δ): |δw| ≤ lr·√scale·|u|·2δ, ≲ 5e-8 for these updates (≤ 2e-3),
+plus the ulp of the stored weight — inside the same ATOL. Measured (4 steps, both ranks): 0 at refresh steps for projected weights; max|a − b| ≤ 7.5e-9 for right- and
 left-sided weights (2–4 ulps of a 0.02 weight) and ≤ 1.2e-7 for dense parameters (1 ulp of a norm weight ≈ 1), against
 updates of ~2e-3 (projected) and ~1e-2 (dense). The measured maxima by kind are printed (``-s``) and on failure.
 """
@@ -53,6 +58,8 @@ ATOL = 1e-6  # see the module docstring
 CASES = {
     "fixed": {"name": "hmt", "rank": 8, "update_interval": 2},
     "dynamic": {"name": "hmt", "rank": None, "rank_candidates": [4, 8, 16], "update_interval": 2, "tau": 0.5},
+    "B-channel": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2},  # APOLLO: seeded random bases
+    "B-tensor": {"name": "hmt", "mode": "B", "rank": 1, "scaling": "tensor", "scale": 128.0, "update_interval": 2},
 }
 RIGHT, LEFT = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"
 # Gradient accumulation (2 micro-batches of 1 row per rank), against single-process hmt whose micro-batch i is the
@@ -65,7 +72,7 @@ RIGHT, LEFT = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down
 # moments make the direction well conditioned — and step 0's difference is printed. A dropped or doubled
 # micro-batch changes the update by tens of percent at every step.
 MICRO = 2
-ACCUM_CASES = {"accum-fixed": CASES["fixed"], "accum-dynamic": CASES["dynamic"]}
+ACCUM_CASES = {"accum-fixed": CASES["fixed"], "accum-dynamic": CASES["dynamic"], "accum-B": CASES["B-channel"]}
 
 
 def _kind(name: str, slots: dict) -> str:
@@ -253,7 +260,6 @@ def test_a_dcp_checkpoint_of_fsdp2_hmt_resumes_and_continues_identically(runs, c
 
 
 @pytest.mark.parametrize("overrides, fragments", [
-    (["method.mode=B"], ["method.mode=B", "dist=fsdp2"]),
     (["method.sides=two_sided"], ["method.sides=two_sided"]),
     (["method.weight_dtype=int8"], ["method.weight_dtype=int8"]),
 ])

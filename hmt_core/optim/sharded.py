@@ -33,17 +33,25 @@ micro-batch (linear: Σ_k Σ_i P_kᵀ G_ik = Pᵀ Σ_i G_i), so accumulation add
 let FSDP2 accumulate their shard until the last micro-batch. A Mode A weight contributes ‖Σ_i Ĝ_i‖ to the clipping
 norm (rows of a right-sided Ĝ are this rank's; a left-sided Ĝ is replicated, so rank 0 alone counts it).
 
-Scope: Mode A, one-sided, per-layer, bf16/fp32 weights updated in place (``sharded_config_error`` names what is
-refused).
+Mode B (APOLLO scaling of the full gradient, ``method.mode=B``) updates in the hook of the last micro-batch like the
+single-process engine (lagged clipping): R = G_k Q on this rank's rows (a left-sided R = Σ_k P_kᵀ G_k all-reduced),
+channel norms per row of a right-sided R (local) or per column of a replicated left-sided R, and the tensor scaling
+and norm-growth limiter as sums of squares over ranks (scalar all-reduces); one more scalar all-reduce, ‖G‖², makes
+the skip decision for a non-finite gradient identical on every rank.
+
+Scope: one-sided, per-layer, bf16/fp32 weights updated in place (``sharded_config_error`` names what is refused).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from hmt_core.kernels import ops as kops
+from hmt_core.optim import update as upd
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.sharded_sketch import RowSketch
@@ -58,8 +66,7 @@ def is_sharded(param: Tensor) -> bool:
 
 def sharded_config_error(cfg) -> str | None:
     """Why ``cfg`` (hmt's Config) cannot run on row-sharded weights, naming the key; None when it can."""
-    fixed = (("mode", "A", "Mode B's APOLLO scaling of the full gradient needs whole rows and columns"),
-             ("sides", "one_sided", "two-sided and identity projections are not sharded"),
+    fixed = (("sides", "one_sided", "two-sided and identity projections are not sharded"),
              ("per_layer", True, "the sharded engine is the per-layer one"),
              ("weight_dtype", "bf16", "INT8 weights are not FSDP2 parameters"),
              ("master_weights", False, "fp32 masters are not sharded"),
@@ -103,8 +110,6 @@ class ShardedEngine(PerLayerEngine):
     """``PerLayerEngine`` on FSDP2 shards: hooks read the local gradient rows (see the module docstring)."""
 
     def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None) -> None:
-        if opt.cfg.mode != "A":
-            raise ValueError("sharded HMT supports method.mode=A only")
         super().__init__(opt, max_grad_norm=max_grad_norm)
         mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
@@ -129,6 +134,12 @@ class ShardedEngine(PerLayerEngine):
             self.deferred_dense.append(s)  # finish_step: a copy, unless it owns its storage (FSDP's RS buffer)
             param.grad = None
             return
+        if self.opt.cfg.mode == "B":
+            if not last:
+                return  # Mode B scales the full gradient: FSDP2 accumulates its shard until the last micro-batch
+            self._mode_b_in_hook(s, g, local)
+            param.grad = None
+            return
         if self.count == 1:
             self.norms[s.index] = torch.linalg.vector_norm(local)
         low = self._refresh_if_due(s, g, local) if self.index == 0 else None
@@ -148,6 +159,50 @@ class ShardedEngine(PerLayerEngine):
                 dist.all_reduce(s.pending, op=dist.ReduceOp.SUM, group=self.group)
             self.norms[s.index] = self._accumulated_norm(s)
         self.deferred_low.append(s)  # updated in finish_step, after the global norm (clipping or not)
+
+    def _mode_b_in_hook(self, s: Slot, g: Tensor, local: Tensor) -> None:
+        """Mode B (APOLLO, Zhu et al. 2024, Alg. 1) in the hook, as the single-process per-layer engine does it:
+        a due refresh from the gathered gradient, then ``s ⊙ G`` on this rank's rows, clipped by the previous
+        step's coefficient (lagged clipping, ``hmt_core.optim.hooks`` rule 3). The global ‖G‖² is all-reduced first
+        (one scalar): the skip decision for a non-finite gradient must be the same on every rank."""
+        opt = self.opt
+        norm = torch.linalg.vector_norm(local)
+        self.norms[s.index] = norm
+        total = norm.float().square()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        if not self._finite(total):
+            return
+        if opt.refresh_due(s):
+            full = g.full_tensor()  # (m, n): the seeded random basis (and a captured rank) as in one process
+            opt.refresh(s, full)
+            del full
+        self._mode_b_update(s, local, self.lagged_coef)
+
+    def _mode_b_update(self, s: Slot, local: Tensor, coef: Tensor | None) -> None:  # local: (b−a, n)
+        """``LowRankOptimizer.update_full``'s Mode B on row shards: R = G_k Q on this rank's rows (a left-sided
+        R = Σ_k P_kᵀ G_k all-reduced); the channel scaling of a right-sided R is per row (local), of a left-sided
+        one per column of a replicated R; the tensor scaling and the norm-growth limiter sum squares over ranks."""
+        opt, c = self.opt, self.opt.cfg
+        grad = local if coef is None else local * coef
+        low = kops.project(grad, s.local_basis(), backend=opt.kernels)
+        right_sided = s.basis.left is None
+        if not right_sided:
+            low = low.float()
+            dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group)  # Pᵀ G: r × n, replicated
+        direction, step_size = opt._adam(s, low.float(), for_scaling=True)
+        if c.scaling == "tensor" and right_sided:  # ‖N‖ / ‖R‖ of row-sharded tensors
+            sq = torch.stack([torch.norm(direction), torch.norm(low.float())]).square()
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+            factor = sq[0].sqrt() / (sq[1].sqrt() + 1e-8)
+        else:
+            factor = upd.apollo_scaling(direction, low, right_sided=right_sided, kind=c.scaling)
+        scaled = grad * factor
+        if c.norm_limiter:
+            sq = torch.norm(scaled).square()
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+            limiter, s.limiter_prev = upd.growth_divisor(sq.sqrt(), s.limiter_prev, c.limiter_gamma)
+            scaled = scaled if limiter is None else scaled / limiter
+        opt._apply(s, scaled * math.sqrt(c.scale), step_size)
 
     def _refresh_if_due(self, s: Slot, g: Tensor, local: Tensor) -> Tensor | None:
         """A due basis refresh from this (first) micro-batch's gradient; returns Ĝ when the refresh produced it

@@ -102,11 +102,18 @@ def apollo_scaling(direction: Tensor, low: Tensor, *, right_sided: bool,  # dire
 def norm_growth_limit(update: Tensor, prev_norm: Tensor | None,  # update: (out, in); prev_norm: ()
                       gamma: float) -> tuple[Tensor, Tensor]:
     """Fira/APOLLO limiter: if ‖u‖ > γ·prev, rescale u to γ·prev. Returns (u, norm to remember)."""
-    norm = torch.norm(update)
+    limiter, remembered = growth_divisor(torch.norm(update), prev_norm, gamma)
+    return (update if limiter is None else update / limiter), remembered
+
+
+def growth_divisor(norm: Tensor, prev_norm: Tensor | None,  # norm, prev_norm: ()
+                   gamma: float) -> tuple[Tensor | None, Tensor]:
+    """The limiter of Fira (Chen et al., 2024, Eq. 9) from ‖u‖ (however it was summed): (divisor of u, or None on
+    the first step; the norm to remember, ‖u‖ after the division)."""
     if prev_norm is None:
-        return update, norm
+        return None, norm
     limiter = torch.clamp(norm / (prev_norm + 1e-8), min=gamma) / gamma
-    return update / limiter, norm / limiter
+    return limiter, norm / limiter
 
 
 def transfer_moments(m: Tensor, v: Tensor, old: Basis, new: Basis,  # m, v: low-rank in old basis
@@ -168,11 +175,7 @@ def limiter_for_rows(grad: Tensor, factor: Tensor, *, prev_norm: Tensor | None, 
         return None, prev_norm
     spans = [(i, min(i + rows, grad.shape[0])) for i in range(0, grad.shape[0], rows)]
     sq = sum(torch.linalg.vector_norm(grad[a:b] * _rows_of(factor, a, b)).square() for a, b in spans)
-    norm = sq.sqrt()
-    if prev_norm is None:
-        return None, norm
-    limiter = torch.clamp(norm / (prev_norm + 1e-8), min=gamma) / gamma
-    return limiter, norm / limiter
+    return growth_divisor(sq.sqrt(), prev_norm, gamma)
 
 
 def scaled_rows(grad: Tensor, factor: Tensor, index, limiter: Tensor | None,  # grad: (out, in) -> (rows, in)
