@@ -44,13 +44,17 @@ def resolve_device(name: str) -> torch.device:
 
 def default_run_id(run: RunConfig) -> str:
     """<method>-<model>-<mode>-<8 hex of the config without run_id/results_dir/force/wandb/progress>."""
-    plain = without_added_defaults(to_plain_dict(run))
+    return run_id_of(to_plain_dict(run))
+
+
+def run_id_of(config: dict) -> str:
+    """``default_run_id`` of a complete configuration as plain dicts (what a run directory's config.yaml records)."""
+    plain = without_added_defaults(config)
     for key in ("run_id", "results_dir", "force", "wandb", "profile"):
         plain.pop(key, None)
-    for key in RUN_ID_IGNORED_TRAIN_KEYS:
-        plain["train"].pop(key, None)
+    plain["train"] = {k: v for k, v in plain["train"].items() if k not in RUN_ID_IGNORED_TRAIN_KEYS}
     digest = hashlib.sha256(dumps(plain).encode()).hexdigest()[:8]
-    return f"{run.method.name}-{run.model.name}-{run.mode}-s{run.seed}-{digest}"
+    return f"{plain['method']['name']}-{plain['model']['name']}-{plain['mode']}-s{plain['seed']}-{digest}"
 
 
 def git_sha() -> str | None:
