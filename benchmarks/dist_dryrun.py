@@ -31,6 +31,8 @@ SETUPS = {  # name -> (dist, method overrides)
     "hmt-fsdp2": ("fsdp2", ["method=hmt"]),
     "hmt-fsdp2-ckpt": ("fsdp2", ["method=hmt", "activation=full_ckpt"]),
     "hmt-fsdp2-sketch": ("fsdp2", ["method=hmt", "dist.refresh=sketch"]),
+    "hmt-mini-fsdp2-ckpt": ("fsdp2", ["method=hmt", "method.mode=B", "method.rank=1", "method.scaling=tensor",
+                                      "method.scale=128", "activation=full_ckpt"]),
     "adamw-fsdp2-ckpt": ("fsdp2", ["method=adamw", "activation=full_ckpt"]),
     "galore-fsdp2": ("fsdp2", ["method=galore"]),
     "galore-fsdp2-ckpt": ("fsdp2", ["method=galore", "activation=full_ckpt"]),
@@ -44,6 +46,7 @@ NOTES = ("galore-fsdp2 / apollo-fsdp2: galore-torch's and apollo-torch's optimiz
          "galore-torch's SVD on the all-gathered gradient in the traced step (step 0 refreshes).",
          "hmt-fsdp2-sketch: `dist.refresh=sketch` (no gathered gradient at a refresh); the same peak, which is set at "
          "the start of backward, not in a refresh hook (one refresh's own memory: `benchmarks/refresh_memory.py`).",
+         "hmt-mini-fsdp2-ckpt: Mode B rank 1 with tensor scaling (APOLLO-Mini's update) and `activation=full_ckpt`.",
          "*-ckpt: `activation=full_ckpt`; the single-process activation probe is skipped under dist "
          "(`experiments.dist_checks.probe_skipped`).")
 
