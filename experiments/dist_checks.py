@@ -91,6 +91,10 @@ def check_refresh(run) -> None:
         got = f"method={method.name}" if method.name != "hmt" else f"method.basis={method.basis}"
         raise UserError(f"dist.refresh={run.dist.refresh} needs method=hmt with method.basis=rsvd (got {got}): the "
                         "distributed sketch is the randomized SVD's; use dist.refresh=gather")
+    if method.sides != "one_sided":
+        raise UserError(f"dist.refresh={run.dist.refresh} needs method.sides=one_sided (got "
+                        f"method.sides={method.sides}): the "
+                        "distributed sketch keeps one side's basis; use dist.refresh=gather")
 
 
 def probe_skipped(mode: str) -> str:

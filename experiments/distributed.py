@@ -49,7 +49,7 @@ with totals in ``summary.dist.comm``.
   (every ``method.update_interval`` steps) one all-gather of that weight's gradient (``DTensor.full_tensor``),
   which also gives the left-sided Ĝ (no all-reduce then). In ``finish_step`` one all-reduce SUM of a scalar, the
   local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
-  two-sided/identity, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
+  ``sides=identity``, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
   bases, ``lowrank_comm``. With ``train.grad_accum > 1`` a left-sided weight all-reduces the sum of its
   micro-batches' partial projections once, on the last micro-batch (``hmt_core.optim.sharded``). Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
   (``hmt_core.optim.sharded_state``).

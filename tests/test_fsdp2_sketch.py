@@ -406,6 +406,8 @@ def test_the_recorded_projection_error_is_the_single_process_one(runs, case):
 @pytest.mark.parametrize("overrides, fragments", [
     (["dist=fsdp2", "method=hmt", "method.basis=svd", "dist.refresh=sketch"],
      ["dist.refresh=sketch", "method.basis=svd", "method.basis=rsvd"]),
+    (["dist=fsdp2", "method=hmt", "method.sides=two_sided", "dist.refresh=sketch"],
+     ["dist.refresh=sketch", "method.sides=two_sided", "dist.refresh=gather"]),
     (["dist=fsdp2", "method=adamw", "dist.refresh=sketch"], ["dist.refresh=sketch", "method=adamw"]),
     (["dist=ddp", "method=hmt", "dist.refresh=sketch"], ["dist.refresh=sketch", "dist=fsdp2", "dist=ddp"]),
     (["dist=fsdp2", "method=hmt", "dist.refresh=all"], ["dist.refresh", "gather", "sketch", "all"]),

@@ -39,7 +39,12 @@ channel norms per row of a right-sided R (local) or per column of a replicated l
 and norm-growth limiter as sums of squares over ranks (scalar all-reduces); one more scalar all-reduce, ‖G‖², makes
 the skip decision for a non-finite gradient identical on every rank.
 
-Scope: one-sided, per-layer, bf16/fp32 weights updated in place (``sharded_config_error`` names what is refused).
+Two-sided projection (``method.sides=two_sided``, Ĝ = Pᵀ G Q, r × r): P's rows are sharded like a left basis, so
+Ĝ = Σ_k P_kᵀ G_k Q is one r × r all-reduce, the moments are replicated and the update ``W_k −= α·lr·P_k f(D) Qᵀ``
+is local — the left-sided path with a right factor.
+
+Scope: one- or two-sided, per-layer, bf16/fp32 weights updated in place (``sharded_config_error`` names what is
+refused).
 """
 
 from __future__ import annotations
@@ -66,8 +71,9 @@ def is_sharded(param: Tensor) -> bool:
 
 def sharded_config_error(cfg) -> str | None:
     """Why ``cfg`` (hmt's Config) cannot run on row-sharded weights, naming the key; None when it can."""
-    fixed = (("sides", "one_sided", "two-sided and identity projections are not sharded"),
-             ("per_layer", True, "the sharded engine is the per-layer one"),
+    if cfg.sides == "identity":
+        return "method.sides=identity is not supported with sharded weights (dist=fsdp2): a test-only full-rank basis"
+    fixed = (("per_layer", True, "the sharded engine is the per-layer one"),
              ("weight_dtype", "bf16", "INT8 weights are not FSDP2 parameters"),
              ("master_weights", False, "fp32 masters are not sharded"),
              ("stochastic_rounding", False, "not supported on shards"),
