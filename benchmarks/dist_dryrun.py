@@ -5,7 +5,7 @@ the table is printed from those files (``--table`` prints it without running any
     python benchmarks/dist_dryrun.py --models 7b 13b --worlds 1 8 64
     python benchmarks/dist_dryrun.py --table
 
-Rows: adamw under FSDP2 (params, grads and AdamW state sharded 1/W), hmt under FSDP2 (per-layer Mode A on row
+Rows: adamw under FSDP2 (params, grads and AdamW state sharded 1/W), hmt under FSDP2 (per-layer updates on row
 shards, ``hmt_core.optim.sharded``) with no activation policy and with ``activation=full_ckpt`` (every decoder layer
 recomputed from its input; Korthikanti et al. 2022, Sec. 4: only the 2·s·b·h layer inputs kept), hmt and galore
 under DDP (replicated: the per-rank figure does not depend on W, so they run at W=8 only unless ``--ddp-worlds``

@@ -106,7 +106,7 @@ def probe_skipped(mode: str) -> str:
 
 
 def check_fsdp2_hmt(run) -> None:
-    """``dist=fsdp2`` + hmt: per-layer Mode A on row shards (``hmt_core.optim.sharded``) and nothing else."""
+    """``dist=fsdp2`` + hmt: the per-layer engine on row shards (``hmt_core.optim.sharded``) and what it supports."""
     from hmt_core.optim.sharded import sharded_config_error
 
     why = sharded_config_error(run.method)
