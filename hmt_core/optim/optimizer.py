@@ -23,7 +23,7 @@ Every weight write goes through ``hmt_core.precision.UpdateWriter``: in place (d
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,8 +293,11 @@ class LowRankOptimizer:
                                     backend=self.kernels)
 
     @torch.no_grad()
-    def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None) -> None:  # grad: (out, in) full gradient
-        """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (APOLLO scaling of ``grad``)."""
+    def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
+                    reduce: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (APOLLO scaling of ``grad``). ``reduce``
+        (Mode B on a row shard, ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k
+        and the tensor-scaling and limiter norms are summed over ranks; the update touches this rank's rows."""
         if coef is not None:
             grad = grad * coef
         if not s.projected:
@@ -309,18 +312,21 @@ class LowRankOptimizer:
             direction, step_size = self._adam(s, grad.float())
             self._apply(s, direction, step_size)
             return
-        low = kops.project(grad, s.basis, backend=self.kernels)
+        low = kops.project(grad, s.local_basis(), backend=self.kernels)
         if self.cfg.mode == "A":
             self.update_low_rank(s, low)
             return
         c = self.cfg
+        if reduce is not None and s.basis.left is not None:
+            low = reduce(low.float())  # Pᵀ G = Σ_k P_kᵀ G_k, replicated
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
-                                    kind=c.scaling)
+                                    kind=c.scaling, reduce=reduce)
         rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32)
-        if rows < grad.shape[0]:  # a large weight: row-chunked, at most one chunk of the fp32 update alive
+        if rows < grad.shape[0] or reduce is not None:  # row-chunked: at most one chunk of the fp32 update alive
             limiter, s.limiter_prev = upd.limiter_for_rows(grad, factor, prev_norm=s.limiter_prev, rows=rows,
-                                                           gamma=c.limiter_gamma if c.norm_limiter else None)
+                                                           gamma=c.limiter_gamma if c.norm_limiter else None,
+                                                           reduce=reduce)
             for a in range(0, grad.shape[0], rows):  # the ops of upd.scaled_update_rows_, through the writer
                 index = slice(a, min(a + rows, grad.shape[0]))
                 with self.writer.rows(s.param.data, s.master, index) as w:

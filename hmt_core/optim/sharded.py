@@ -49,14 +49,11 @@ refused).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from hmt_core.kernels import ops as kops
-from hmt_core.optim import update as upd
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.sharded_sketch import RowSketch
@@ -155,14 +152,14 @@ class ShardedEngine(PerLayerEngine):
         if low is None or self.count > 1:  # accumulating: local partial projections, summed over ranks once
             low = kops.project(local, s.local_basis(), backend=self.opt.kernels).float()  # G_k Q, or P_kᵀ G_k
             if s.basis.left is not None and self.count == 1:
-                dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group)  # Pᵀ G = Σ_k P_kᵀ G_k: r × n
+                self._sum(low)  # Pᵀ G = Σ_k P_kᵀ G_k: r × n
         s.pending = low.float() if s.pending is None else s.pending.add_(low)
         param.grad = None
         if not last:
             return
         if self.count > 1:
             if s.basis.left is not None:  # Σ_i Σ_k P_kᵀ G_ik: one r × n all-reduce per step, not per micro-batch
-                dist.all_reduce(s.pending, op=dist.ReduceOp.SUM, group=self.group)
+                self._sum(s.pending)
             self.norms[s.index] = self._accumulated_norm(s)
         self.deferred_low.append(s)  # updated in finish_step, after the global norm (clipping or not)
 
@@ -174,41 +171,18 @@ class ShardedEngine(PerLayerEngine):
         opt = self.opt
         norm = torch.linalg.vector_norm(local)
         self.norms[s.index] = norm
-        total = norm.float().square()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-        if not self._finite(total):
+        if not self._finite(self._sum(norm.float().square())):
             return
         if opt.refresh_due(s):
             full = g.full_tensor()  # (m, n): the seeded random basis (and a captured rank) as in one process
             opt.refresh(s, full)
             del full
-        self._mode_b_update(s, local, self.lagged_coef)
+        opt.update_full(s, local, self.lagged_coef, reduce=self._sum)  # R, the tensor and limiter norms: summed
 
-    def _mode_b_update(self, s: Slot, local: Tensor, coef: Tensor | None) -> None:  # local: (b−a, n)
-        """``LowRankOptimizer.update_full``'s Mode B on row shards: R = G_k Q on this rank's rows (a left-sided
-        R = Σ_k P_kᵀ G_k all-reduced); the channel scaling of a right-sided R is per row (local), of a left-sided
-        one per column of a replicated R; the tensor scaling and the norm-growth limiter sum squares over ranks."""
-        opt, c = self.opt, self.opt.cfg
-        grad = local if coef is None else local * coef
-        low = kops.project(grad, s.local_basis(), backend=opt.kernels)
-        right_sided = s.basis.left is None
-        if not right_sided:
-            low = low.float()
-            dist.all_reduce(low, op=dist.ReduceOp.SUM, group=self.group)  # Pᵀ G: r × n, replicated
-        direction, step_size = opt._adam(s, low.float(), for_scaling=True)
-        if c.scaling == "tensor" and right_sided:  # ‖N‖ / ‖R‖ of row-sharded tensors
-            sq = torch.stack([torch.norm(direction), torch.norm(low.float())]).square()
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-            factor = sq[0].sqrt() / (sq[1].sqrt() + 1e-8)
-        else:
-            factor = upd.apollo_scaling(direction, low, right_sided=right_sided, kind=c.scaling)
-        scaled = grad * factor
-        if c.norm_limiter:
-            sq = torch.norm(scaled).square()
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-            limiter, s.limiter_prev = upd.growth_divisor(sq.sqrt(), s.limiter_prev, c.limiter_gamma)
-            scaled = scaled if limiter is None else scaled / limiter
-        opt._apply(s, scaled * math.sqrt(c.scale), step_size)
+    def _sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over ranks, in place (what ``LowRankOptimizer.update_full`` needs on row shards)."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
 
     def _refresh_if_due(self, s: Slot, g: Tensor, local: Tensor) -> Tensor | None:
         """A due basis refresh from this (first) micro-batch's gradient; returns Ĝ when the refresh produced it
@@ -239,6 +213,4 @@ class ShardedEngine(PerLayerEngine):
 
     def _global_norm(self) -> Tensor:  # (): √(all-reduce SUM of Σ_p ‖G_p,k‖²)
         local = torch.stack([self.norms[i] for i in sorted(self.norms)]).float()
-        total = local.square().sum()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-        return total.sqrt()
+        return self._sum(local.square().sum()).sqrt()

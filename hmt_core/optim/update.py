@@ -30,6 +30,7 @@ Two AdamW formula styles (``style``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -90,8 +91,13 @@ def apply_update_(param: Tensor, update: Tensor, *, step_size: float, lr: float,
 
 
 def apollo_scaling(direction: Tensor, low: Tensor, *, right_sided: bool,  # direction, low: (out, r) | (r, in)
-                   kind: str) -> Tensor:
-    """APOLLO's s = ‖N‖/‖R‖: (out, 1) or (in,) per channel for one-sided bases, or a 0-d tensor."""
+                   kind: str, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """APOLLO's s = ‖N‖/‖R‖: (out, 1) or (in,) per channel for one-sided bases, or a 0-d tensor. ``reduce`` (row
+    shards of a right-sided N and R: a sum over ranks, in place) makes the tensor norms global; a channel's norm
+    is along its own row, local either way."""
+    if kind == "tensor" and reduce is not None and right_sided:
+        sq = reduce(torch.stack([torch.norm(direction), torch.norm(low.float())]).square())
+        return sq[0].sqrt() / (sq[1].sqrt() + 1e-8)
     if kind == "tensor":
         return torch.norm(direction) / (torch.norm(low) + 1e-8)
     dim = 1 if right_sided else 0
@@ -168,14 +174,16 @@ def _basis_dtype(b: Basis) -> torch.dtype:
 
 
 def limiter_for_rows(grad: Tensor, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
-                     gamma: float | None, rows: int) -> tuple[Tensor | None, Tensor | None]:
+                     gamma: float | None, rows: int,
+                     reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Mode B's norm-growth limiter for ``u = G ⊙ s`` with ‖u‖ summed over row chunks of ``rows`` (no full-size
-    temporary): (divisor to apply to u or None, norm to remember for the next step). ``gamma`` None: no limiter."""
+    temporary): (divisor to apply to u or None, norm to remember for the next step). ``gamma`` None: no limiter.
+    ``reduce`` (``grad`` a row shard: a sum over ranks, in place) adds the other ranks' rows to ‖u‖²."""
     if gamma is None:
         return None, prev_norm
     spans = [(i, min(i + rows, grad.shape[0])) for i in range(0, grad.shape[0], rows)]
     sq = sum(torch.linalg.vector_norm(grad[a:b] * _rows_of(factor, a, b)).square() for a, b in spans)
-    return growth_divisor(sq.sqrt(), prev_norm, gamma)
+    return growth_divisor((sq if reduce is None else reduce(sq)).sqrt(), prev_norm, gamma)
 
 
 def scaled_rows(grad: Tensor, factor: Tensor, index, limiter: Tensor | None,  # grad: (out, in) -> (rows, in)
