@@ -81,23 +81,12 @@ def distribute(state: Any, mesh) -> Any:
     return _map(state, leaf, {})
 
 
-def has_dtensor(state: Any) -> bool:
-    """True when ``state`` holds a DTensor anywhere (a method stepping FSDP2 shards)."""
-    from torch.distributed.tensor import DTensor
-
-    found = []
-
-    def leaf(x):
-        if isinstance(x, DTensor):
-            found.append(True)
-            return x
-        return None
-
-    _map(state, leaf, {})
-    return bool(found)
-
-
 def to_full(state: Any) -> Any:
     """``state`` with every DTensor replaced by its full value as a plain tensor (collective, like ``gather``): the
     single-process form of a sharded optimizer's state."""
-    return _map(gather(state), lambda x: x.full if isinstance(x, Gathered) else None, {})
+    return full_values(gather(state))
+
+
+def full_values(state: Any) -> Any:
+    """A ``gather``-ed state (e.g. read from a checkpoint) with each ``Gathered`` replaced by its full tensor."""
+    return _map(state, lambda x: x.full if isinstance(x, Gathered) else None, {})

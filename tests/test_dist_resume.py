@@ -291,8 +291,7 @@ def _dcp_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
     if "method" in state:
         state["method"].seek(0)
         blob = torch.load(state["method"], weights_only=False)
-        out["method"] = dtensor_state._map(blob, lambda x: x.full if isinstance(x, dtensor_state.Gathered) else None,
-                                           {})
+        out["method"] = dtensor_state.full_values(blob)
     return {k: v for k, v in _flatten(out).items() if isinstance(v, torch.Tensor)}
 
 
