@@ -88,14 +88,14 @@ def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tenso
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     if meter is not None:
         meter.track(micro_batches, "other")
-    total = torch.zeros(())
+    total = torch.zeros((), device=micro_batches[0].device)  # the loss stays on its device: no host sync per step
     count = len(micro_batches)
     for i, ids in enumerate(micro_batches):
         method.start_micro_batch(i, count)
         with phase("forward"), autocast():
             loss = lm_loss(model, ids, fused_ce=fused_ce, ce_chunk_tokens=ce_chunk_tokens) / count
         if skip_nonfinite and not (all_finite(loss) if all_finite else bool(torch.isfinite(loss))):
-            return _discard_step(method, torch.tensor(float("nan")))
+            return _discard_step(method, torch.full((), float("nan"), device=loss.device))
         with phase("backward"):
             loss.backward()
         total += loss.detach()
