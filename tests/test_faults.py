@@ -1,19 +1,24 @@
 """Faults, on CPU: a corrupted newest checkpoint, SIGTERM/SIGUSR1 preemption (checkpoint, exit 75, Slurm
 requeue), non-finite loss/gradient (skipped and counted; too many in a row stops the run), an unwritable
-checkpoint directory and a full disk (clear error, earlier checkpoints intact)."""
+checkpoint directory and a full disk (clear error, earlier checkpoints intact); a step's loss stays on the
+model's device (a CPU accumulator breaks on a GPU)."""
 
+import contextlib
 import json
 import resource
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from experiments import methods
 from experiments.checkpointing import PREEMPTED_EXIT_CODE, Checkpointer, TooManyBadSteps
 from experiments.config import ModelConfig, TrainConfig
 from experiments.data import build_corpus
-from experiments.loop import run_training
+from experiments.loop import run_training, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model
 from hmt_core import checkpoint as ck
@@ -172,3 +177,41 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         signal.signal(signal.SIGXFSZ, old_handler)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]  # no temp directory left behind
     assert ck.verify(tmp_path / "step-00000002")["step"] == 2
+
+
+class _TinyLM(nn.Module):
+    """Embedding + head with the Hugging Face ``labels=`` interface, free of host syncs (a transformers Llama
+    builds its attention mask with some, which a ``meta`` tensor cannot answer)."""
+
+    def __init__(self, vocab: int, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, device=device)
+        self.head = nn.Linear(hidden, vocab, device=device)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        logits = self.head(self.embed(input_ids))  # (B, T, V)
+        return SimpleNamespace(loss=F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
+
+
+class _NoUpdate:
+    """A method that updates nothing: the test is about where ``train_step`` keeps the loss, not the update."""
+
+    def start_micro_batch(self, index: int, count: int) -> None: ...
+
+    def step(self) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["step", "skipped-step"])
+def test_train_step_keeps_the_loss_on_the_models_device(skipped):
+    """The step's loss (summed over micro-batches, or a skipped step's NaN) stays on the device the loss was computed
+    on: a CPU accumulator is a same-device error on a GPU and under fake CUDA. The ``meta`` device stands in for the
+    GPU here (it runs on any CPU); a CPU accumulator would silently come back as a CPU tensor."""
+    meta = torch.device("meta")
+    ids = torch.zeros(2, 8, dtype=torch.long, device=meta)
+    loss, norm = train_step(_TinyLM(16, 8, meta), _NoUpdate(), [ids, ids], meter=None, fused_ce=False,
+                            autocast=contextlib.nullcontext, skip_nonfinite=skipped,
+                            all_finite=lambda _: False)  # meta has no values: the check says "not finite"
+    assert loss.device == meta and loss.shape == (), (loss.device, loss.shape)
+    assert (norm != norm) if skipped else norm is None, norm  # a skipped step's grad norm is NaN
