@@ -92,6 +92,7 @@ from torch.nn.parallel import DistributedDataParallel
 from experiments.dist_comm import CommCounter, GradAverager, StepBytes, row_sparse_names
 from experiments.dist_checks import check_launch, resolve_backend
 from experiments.errors import UserError
+from hmt_core.int8_weights import is_phantom
 
 GIB = 2**30
 
@@ -331,13 +332,16 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_
         raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     frozen_4bit = any(type(p).__name__ == "Params4bit" for p in model.parameters())  # qlora (bitsandbytes NF4)
-    with setup_scope:
+    phantoms = any(is_phantom(p) for p in model.parameters())  # INT8 weights: DDP's broadcast would write into one
+    with setup_scope:  # element (see broadcast_module)
         if frozen_4bit and init_sync:  # DDP's broadcast cannot copy packed 4-bit weights (and their quant_state);
             for p in model.parameters():  # every rank quantized the same seeded base, so only the trainable
                 if p.requires_grad:  # (LoRA) parameters are taken from rank 0, as DDP would
                     dist.broadcast(p.data, src=0)
+        elif phantoms and init_sync:
+            broadcast_module(model)
         wrapped = _DDP(model, device_ids=ids, forward_sync_buffers=False,  # identical buffers: no per-forward sync
-                       init_sync=init_sync and not frozen_4bit)
+                       init_sync=init_sync and not frozen_4bit and not phantoms)
     if ctx.comm is not None:  # counts each bucket, then DDP's default all-reduce (same arithmetic)
         wrapped.register_comm_hook(None, ctx.comm.ddp_hook)
     elif ctx.backend == "fake":
@@ -381,9 +385,13 @@ class _DDP(DistributedDataParallel):
 
 @torch.no_grad()
 def broadcast_module(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (what DDP does at construction)."""
+    """Rank 0's parameters and buffers on every rank (what DDP does at construction). An INT8 layer's value is its
+    codes and scales (parameters, broadcast like any); its phantom ``weight`` holds no value (a one-element storage
+    expanded to the weight's shape, ``hmt_core.int8_weights``) and is skipped: a collective would write the full
+    shape into that one element."""
     for t in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(t.data, src=0)
+        if not is_phantom(t):
+            dist.broadcast(t.data, src=0)
 
 
 def checkpointer_class(ctx: DistContext | None, single):

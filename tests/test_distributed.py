@@ -1,7 +1,8 @@
 """Multi-process training (``experiments.distributed``, ``experiments.dist_checkpoint``) on CPU with gloo.
 
 1. DDP equals the single-process run on the same global batch, one step at a time from the same state (teacher
-   forcing), for adamw, galore, apollo and hmt (per-layer Mode A and B, and ``per_layer=false``), fp32, clipping on;
+   forcing), for adamw, galore, apollo and hmt (per-layer Mode A and B, and ``per_layer=false``; INT8 weights with
+   both), fp32, clipping on;
    FSDP2 equals it for adamw. Two processes via ``torch.multiprocessing.spawn``, one spawn for every case.
 2. End to end with ``torchrun``: a DCP checkpoint written by 2 ranks resumes and the run continues exactly as the
    uninterrupted one; killing one rank fails the job with one ``error:`` line, keeps what was written, and the
@@ -50,6 +51,11 @@ CASES = {
     "hmt": {"rank": 8, "update_interval": 2},  # per-layer Mode A, randomized SVD: HMT's hook all-reduces
     "hmt-B": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2},  # per-layer Mode B, random bases
     "hmt-not-per-layer": {"name": "hmt", "rank": 8, "update_interval": 2, "per_layer": False},  # DDP wrapper
+    # INT8 weights (codes + scales broadcast at start, not the one-element phantom), stochastic rounding from a
+    # generator seeded alike on every rank and in the reference: the same codes
+    "hmt-int8": {"name": "hmt", "rank": 8, "update_interval": 2, "weight_dtype": "int8"},
+    "hmt-int8-not-per-layer": {"name": "hmt", "rank": 8, "update_interval": 2, "weight_dtype": "int8",
+                               "per_layer": False},
 }
 
 
@@ -67,11 +73,13 @@ def _state_bytes(method) -> bytes:
 
 
 def _method(name: str, overrides: dict, model):
+    """The method, attached to ``model`` after its ``prepare`` (in place: INT8 layers for ``weight_dtype=int8``)."""
     from experiments import methods
 
     cfg = methods.make_config({"name": overrides.get("name", name), **{k: v for k, v in overrides.items()
                                                                         if k != "name"}})
     method = methods.make_method(cfg)
+    assert method.prepare(model) is model
     method.attach(model, max_grad_norm=None if name == "fsdp2-adamw" else 1.0)
     method.set_lr_scale(1.0)
     return method
@@ -389,6 +397,8 @@ TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": 
     (TORCHRUN_2, ["dist=ddp", "train.batch_size=3"], ["train.batch_size=3", "WORLD_SIZE=2"]),
     (TORCHRUN_2, ["dist=fsdp2", "method=qlora"], ["dist=fsdp2 supports method=adamw", "method=qlora"]),
     (TORCHRUN_2, ["dist=ddp", "dist.backend=nccl", "device=cpu"], ["dist.backend=nccl needs CUDA"]),
+    (TORCHRUN_2, ["dist=fsdp2", "method=hmt", "method.weight_dtype=int8"],
+     ["method.weight_dtype=int8 is not supported with sharded weights (dist=fsdp2)"]),
 ])
 def test_bad_launches_fail_with_one_line_before_anything_is_written(capsys, monkeypatch, results, env, overrides,
                                                                     fragments):
