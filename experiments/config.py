@@ -134,6 +134,7 @@ class TrainConfig:
     max_bad_steps: int = 10  # consecutive steps with non-finite loss/gradient (each skipped) before the run fails
     fused_ce: bool = True  # loss from hidden states + lm_head in token chunks, logits never whole (hmt_core.fused_ce)
     ce_chunk_tokens: int = 1024  # tokens per chunk of the fused loss (logits held: ce_chunk_tokens x vocab)
+    deterministic: str = "auto"  # torch deterministic algorithms: "auto" (on for CPU, off on CUDA) | "true" | "false"
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
@@ -150,6 +151,10 @@ class TrainConfig:
         _positive("train", self, "max_bad_steps")
         if not self.resume:
             raise ValueError("train.resume must be 'auto', 'never' or a checkpoint path")
+        deterministic = str(self.deterministic).lower()  # Hydra hands `train.deterministic=true` over as "True"
+        if deterministic not in ("auto", "true", "false"):
+            raise ValueError(f"train.deterministic must be auto, true or false, got {self.deterministic}")
+        object.__setattr__(self, "deterministic", deterministic)
 
 
 # Keys that never change a run's trajectory, left out of the default run_id so that a restart with
@@ -160,7 +165,7 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and
 # checkpoints (a configuration with another value is a different run, as usual).
-ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather"}
+ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("train", "deterministic"): "auto"}
 
 
 def without_added_defaults(plain: dict) -> dict:

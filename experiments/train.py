@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -31,6 +32,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def deterministic_algorithms(setting: str, device: torch.device) -> bool:
+    """``train.deterministic``: ``auto`` is on for CPU and off on CUDA, where deterministic mode fills every
+    ``torch.empty`` with NaN and picks slower kernels."""
+    return device.type != "cuda" if setting == "auto" else setting == "true"
+
+
+def set_deterministic(setting: str, device: torch.device) -> None:
+    """Switch torch's deterministic algorithms (warnings, not errors, for ops without one) on or off per
+    ``train.deterministic``; on CUDA, deterministic cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG`` (set to
+    ``:4096:8`` unless the user set it) before the first matrix multiply."""
+    on = deterministic_algorithms(setting, device)
+    if on and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
 
 
 def make_profiler(run_dir: RunDir, device: torch.device):
@@ -76,7 +93,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
     resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
     seed_everything(run.seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    set_deterministic(run.train.deterministic, device)
     t = run.train
     with distributed.rank_zero_first(ctx):  # rank 0 fills the token cache, the others read it
         corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
