@@ -32,11 +32,19 @@ class ErrorExit(SystemExit):
         return self.line
 
 
-def exit_with_error(message: str, code: int = 2) -> None:
-    """Print ``error: <message>`` on one line to stderr and exit with ``code``."""
+def exit_with_error(message: str, code: int = 2, *, every_rank: bool = False) -> None:
+    """Print ``error: <message>`` on one line to stderr and exit with ``code``. Under torchrun only rank 0
+    prints (``says_errors``): bad input is refused alike on every rank, so it is said once; ``every_rank``: what
+    this rank alone knows (another rank died under it)."""
     line = f"error: {' '.join(str(message).split())}"
-    print(line, file=sys.stderr)
+    if every_rank or says_errors():
+        print(line, file=sys.stderr)
     raise ErrorExit(line, code)
+
+
+def says_errors() -> bool:
+    """Whether this process prints errors: one process, or rank 0 of a torchrun/Slurm job (``RANK``)."""
+    return os.environ.get("RANK", "0") in ("", "0")
 
 
 def one_line_errors(fn: Callable[[], T], *extra: type[BaseException]) -> T:

@@ -1,4 +1,5 @@
-"""Results store: ``<results_dir>/<run_id>/{config.yaml, metrics.jsonl, summary.json, status[, error.txt]}``.
+"""Results store: ``<results_dir>/<run_id>/{config.yaml, metrics.jsonl, summary.json, status[, error.txt]}``;
+``status`` is running | completed | failed | preempted (stopped after a checkpoint; the same command resumes).
 
 Every file is written atomically (temp file in the same directory, fsync, ``os.replace``), so a reader — or a
 crash — never sees a half-written file, and a failed run leaves every earlier file intact. ``metrics.jsonl`` is
@@ -16,7 +17,7 @@ from typing import Any
 
 import yaml
 
-STATUSES = ("running", "completed", "failed")
+STATUSES = ("running", "completed", "failed", "preempted")  # preempted: stopped after a checkpoint, resumable
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -112,6 +113,11 @@ class RunDir:
         atomic_write_text(self.path / "summary.json", json.dumps(_jsonable(summary), indent=2, sort_keys=True,
                                                                   allow_nan=False) + "\n")
         self.set_status("completed")
+
+    def preempt(self) -> None:
+        """Stopped by a preemption signal or Ctrl-C after writing a checkpoint: the same command resumes it."""
+        self.flush()
+        self.set_status("preempted")
 
     def fail(self, message: str) -> None:
         if self._metric_lines:

@@ -5,7 +5,7 @@ format and expansion are in ``experiments.sweep_files``.
 
 A run's identity is the runner's own: the ``run_id`` it would write to (``run_id=`` if given, else
 ``experiments.run.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
-word in ``<results_dir>/<run_id>/status`` (running | completed | failed) or ``pending`` when the run has not
+word in ``<results_dir>/<run_id>/status`` (running | completed | failed | preempted) or ``pending`` when the run has not
 started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the runner unless
 ``force=true``.
 
@@ -53,7 +53,7 @@ from experiments.sweep_files import (  # noqa: F401  (the sweep-file API stays i
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
-STATES = ("pending", "running", "completed", "failed")
+STATES = ("pending", "running", "completed", "failed", "preempted")
 # Overrides that never change what a run computes; dropped before composing a config only to learn its id.
 NON_IDENTITY_KEYS = ("cluster", "hydra")
 T = TypeVar("T")
@@ -156,7 +156,7 @@ def run_ref_for(overrides: Sequence[str]) -> RunRef:
 
 
 def run_state(run_dir: Path) -> str:
-    """``pending`` (never started), or the word in ``status``: running | completed | failed."""
+    """``pending`` (never started), or the word in ``status``: running | completed | failed | preempted."""
     try:
         word = (Path(run_dir) / "status").read_text().strip()
     except (FileNotFoundError, NotADirectoryError):  # never started (or results_dir is not even a folder)
@@ -315,7 +315,7 @@ def mark_failed(ref: RunRef, reason: str, config: dict | None = None) -> int:
     from experiments.results import RunDir, atomic_write_text
 
     state = run_state(ref.path)
-    if state in ("completed", "failed"):
+    if state in ("completed", "failed", "preempted"):  # a final status the run wrote itself
         print(f"{ref.run_id}: already {state}; left as is", file=sys.stderr)
         return 0
     try:

@@ -182,9 +182,10 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         if main:
             print_summary(summary, run_dir.path)
         return summary
-    except Preempted as e:
-        run_dir.fail(str(e) + "\n")
-        print(e, file=sys.stderr)
+    except Preempted as e:  # checkpoint written: resumable, status 'preempted'; exit 75 (130 after Ctrl-C)
+        run_dir.preempt()
+        if main:  # every rank stops alike (DistCheckpointer agrees on the flag); rank 0 says so, once
+            print(e, file=sys.stderr)
         raise
     except KeyboardInterrupt:
         run_dir.fail("interrupted (a second Ctrl-C): stopped without a final checkpoint\n")
@@ -193,7 +194,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         run_dir.fail("".join(traceback.format_exception(e)))
         if distributed.is_peer_failure(e, ctx):  # another rank died: one line, not this rank's traceback
             last = checkpointer.saved[-1]["path"] if checkpointer.saved else None
-            exit_with_error(distributed.peer_failure_message(e, ctx, last), code=1)
+            exit_with_error(distributed.peer_failure_message(e, ctx, last), code=1, every_rank=True)
         raise
     finally:
         if checkpointer is not None:
@@ -216,7 +217,7 @@ def announce_start(run: RunConfig, run_dir: RunDir, ckpt_root: Path, point) -> N
         if previous or removed:
             print(f"{why}: starting {run_dir.run_id} over at step 0"
                   + (f" ({removed} old checkpoint(s) removed)" if removed else ""), file=sys.stderr)
-    elif previous in ("running", "failed"):
+    elif previous in ("running", "failed", "preempted"):
         print(f"starting {run_dir.run_id} at step 0: its previous attempt ended '{previous}' without a usable "
               f"checkpoint in {ckpt_root} (train.checkpoint_every=N saves every N steps)", file=sys.stderr)
 

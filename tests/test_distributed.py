@@ -6,7 +6,8 @@
    FSDP2 equals it for adamw. Two processes via ``torch.multiprocessing.spawn``, one spawn for every case.
 2. End to end with ``torchrun``: a DCP checkpoint written by 2 ranks resumes and the run continues exactly as the
    uninterrupted one; killing one rank fails the job with one ``error:`` line, keeps what was written, and the
-   same command resumes.
+   same command resumes; SIGTERM ends the run ``preempted`` with one line and exit 75 on every rank; a refused
+   combination is said once.
 3. Bad launches fail with one line before anything is written.
 
 Why the tolerance is zero. The reference evaluates the global batch's mean loss as the mean of its two halves'
@@ -356,6 +357,60 @@ def test_a_killed_rank_fails_the_job_with_one_line_and_the_same_command_resumes(
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dist"]["world_size"] == 2 and len(summary["dist"]["peak_bytes_by_rank"]) == 2
     assert "memory/peak_max(GiB)" in resumed[3] and "memory/peak_mean(GiB)" in resumed[3]
+
+
+def _launch(results: Path, run_id: str, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "experiments.run", f"results_dir={results}", f"run_id={run_id}", *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_under_torchrun_ends_preempted_with_one_line_and_the_requeue_code(tmp_path):
+    """SIGTERM to both ranks (what Slurm sends every process of a job step): each finishes its step, the DCP
+    checkpoint is written, the run ends ``preempted`` (no error.txt), rank 0 says so in one line, every rank exits
+    75 (torchrun's report names each worker's exit code: torchrun itself turns any non-zero worker exit into its
+    report and exit 1, see docs/gpu_runs.md), and the same command resumes and completes."""
+    from experiments.checkpointing import PREEMPTED_EXIT_CODE
+
+    results, config = tmp_path / "results", [*E2E, "dist=ddp", "train.steps=12", "train.checkpoint_every=0"]
+    job = _launch(results, "p", *config)
+    run_dir = results / "p"
+    deadline = time.monotonic() + 240
+    while job.poll() is None and time.monotonic() < deadline and not (
+            (run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+        time.sleep(0.05)
+    pids = [worker_pid(job.pid, rank) for rank in (0, 1)]
+    assert job.poll() is None and None not in pids, job.stderr.read() if job.poll() is not None else "timeout"
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    said = [line for line in err.splitlines() if "preempted by" in line]
+    assert len(said) == 1 and said[0].startswith("preempted by SIGTERM after step "), err
+    assert not [line for line in err.splitlines() if line.startswith("error:")], err
+    assert not re.search(r'File "[^"]*/(experiments|hmt_core)/', err), err  # no worker traceback
+    assert err.count(f"exitcode  : {PREEMPTED_EXIT_CODE} ") == 2 and job.returncode != 0, err
+    assert (run_dir / "status").read_text().strip() == "preempted" and not (run_dir / "error.txt").exists()
+    stopped = int(said[0].split("after step ")[1].split(";")[0])
+    assert (run_dir / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists(), said[0]
+
+    again = _launch(results, "p", *config)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert f"resuming p at step {stopped}" in err, err
+    assert (run_dir / "status").read_text().strip() == "completed" and sorted(metrics(run_dir)) == list(range(12))
+
+
+def test_a_refusal_under_torchrun_is_said_once(tmp_path):
+    """Bad input is refused alike on every rank; rank 0 alone prints the ``error:`` line, the others exit with the
+    same code quietly (torchrun then adds its own failure report, which it prints for any non-zero exit)."""
+    job = _launch(tmp_path, "r", *E2E, "dist=fsdp2", "method.weight_dtype=int8")
+    out, err = job.communicate(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert job.returncode != 0 and len(errors) == 1, err
+    assert "method.weight_dtype=int8 is not supported with sharded weights (dist=fsdp2)" in errors[0], err
+    assert err.count("exitcode  : 2 ") == 2, err  # both ranks refused, with the bad-input exit code
+    assert not (tmp_path / "r").exists()
 
 
 def test_qlora_under_ddp_equals_the_single_process_run(tmp_path: Path) -> None:
