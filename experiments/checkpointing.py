@@ -6,7 +6,8 @@
   no requeue; a second Ctrl-C stops at once, keeping the checkpoints already written): the signal only sets a flag;
   the current step finishes, a checkpoint is written, then the run exits with ``PREEMPTED_EXIT_CODE`` (75,
   EX_TEMPFAIL; list it in slurm.conf's ``RequeueExit`` for automatic requeue) after asking Slurm to requeue
-  the job (``scontrol requeue``) when it runs under Slurm. ``train.keep_checkpoints`` bounds how many are kept.
+  the job (``scontrol requeue``) when it runs under Slurm; the run's status is ``preempted`` (resumable).
+  ``train.keep_checkpoints`` bounds how many are kept. Under torchrun: ``docs/gpu_runs.md``.
 - Resume: ``train.resume=auto`` (default) continues from the newest checkpoint in the checkpoint directory whose
   checksums verify (newer damaged ones are reported and skipped); ``never`` starts over (and clears old
   checkpoints of this run); a path (a ``step-*`` directory, or a checkpoint directory) resumes from there and

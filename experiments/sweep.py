@@ -243,7 +243,8 @@ def print_status(rows: Sequence[dict], out=None) -> None:
             print(f"{'':>3}  {'':<9}  error: {r['error']}", file=out)
     counts = {s: sum(r["state"] == s for r in rows) for s in STATES}
     others = len(rows) - sum(counts.values())
-    print(", ".join(f"{n} {s}" for s, n in counts.items()) + (f", {others} other" if others else "")
+    shown = {s: n for s, n in counts.items() if n or s != "preempted"}  # preempted: only when there are some
+    print(", ".join(f"{n} {s}" for s, n in shown.items()) + (f", {others} other" if others else "")
           + f" of {len(rows)}", file=out)
 
 

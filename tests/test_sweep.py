@@ -6,6 +6,7 @@ The multirun test drives the real Hydra config, sweeper (``hydra/sweeper=hmt``) 
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,16 @@ def test_run_state_and_mark_failed(tmp_path: Path) -> None:
     (ref.path / "status").write_text("completed\n")
     sweep.mark_failed(ref, "late")  # never overwrites a final state
     assert sweep.is_completed(tmp_path, "r1")
+    preempted = sweep.RunRef(tmp_path, "r2", force=False)
+    preempted.path.mkdir()
+    (preempted.path / "status").write_text("preempted\n")  # exit 75 after its checkpoint: array.sbatch calls
+    sweep.mark_failed(preempted, "experiments.run exited with status 75")  # mark-failed, which leaves it
+    assert sweep.run_state(preempted.path) == "preempted" and not (preempted.path / "error.txt").exists()
+    assert not sweep.is_completed(tmp_path, "r2")  # `sweep array` lists it again: a resubmission resumes it
+    out = io.StringIO()
+    sweep.print_status([{"index": i, "state": sweep.run_state(r.path), "run_id": r.run_id, "updated": "",
+                         "overrides": "", "error": None} for i, r in enumerate((ref, preempted))], out)
+    assert out.getvalue().splitlines()[-1] == "0 pending, 0 running, 1 completed, 0 failed, 1 preempted of 2", out
 
 
 def _multirun(sweep_file: Path, results: Path, *extra: str) -> subprocess.CompletedProcess:
