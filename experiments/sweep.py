@@ -5,8 +5,8 @@ format and expansion are in ``experiments.sweep_files``.
 
 A run's identity is the runner's own: the ``run_id`` it would write to (``run_id=`` if given, else
 ``experiments.run.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
-word in ``<results_dir>/<run_id>/status`` (running | completed | failed | preempted) or ``pending`` when the run has not
-started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the runner unless
+word in ``<results_dir>/<run_id>/status`` (running | completed | failed | preempted) or ``pending`` when the run
+has not started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the runner unless
 ``force=true``.
 
 Bad input — an unknown sweep name, a sweep file that is not YAML or not shaped as it should be, an override
