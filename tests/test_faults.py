@@ -1,7 +1,7 @@
 """Faults, on CPU: a corrupted newest checkpoint, SIGTERM/SIGUSR1 preemption (checkpoint, exit 75, Slurm
-requeue, status ``preempted``), non-finite loss/gradient (skipped and counted; too many in a row stops the run), an unwritable
-checkpoint directory and a full disk (clear error, earlier checkpoints intact); a step's loss stays on the
-model's device (a CPU accumulator breaks on a GPU)."""
+requeue, status ``preempted``), non-finite loss/gradient (skipped and counted; too many in a row stops the run),
+an unwritable checkpoint directory and a full disk (clear error, earlier checkpoints intact); a step's loss stays
+on the model's device (a CPU accumulator breaks on a GPU)."""
 
 import contextlib
 import json
