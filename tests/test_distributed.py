@@ -52,8 +52,9 @@ CASES = {
     "hmt": {"rank": 8, "update_interval": 2},  # per-layer Mode A, randomized SVD: HMT's hook all-reduces
     "hmt-B": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2},  # per-layer Mode B, random bases
     "hmt-not-per-layer": {"name": "hmt", "rank": 8, "update_interval": 2, "per_layer": False},  # DDP wrapper
-    # INT8 weights (codes + scales broadcast at start, not the one-element phantom), stochastic rounding from a
-    # generator seeded alike on every rank and in the reference: the same codes
+    # INT8 weights (codes + scales broadcast at start, not the one-element phantom): tolerance zero as above, since
+    # equal fp32 updates requantized with the same stochastic-rounding draws (the generator's state is part of the
+    # method state each step starts from) give the same codes
     "hmt-int8": {"name": "hmt", "rank": 8, "update_interval": 2, "weight_dtype": "int8"},
     "hmt-int8-not-per-layer": {"name": "hmt", "rank": 8, "update_interval": 2, "weight_dtype": "int8",
                                "per_layer": False},
@@ -131,11 +132,14 @@ def _ddp_case(ctx, name: str, overrides: dict, data, snaps) -> list[dict]:
     from experiments.loop import train_step
     from helpers import tiny_llama
 
-    model = tiny_llama(seed=1)  # other weights: the snapshot must overwrite them (DDP broadcasts rank 0's first)
+    model = tiny_llama(seed=1 + ctx.rank)  # other weights on each rank: the start must broadcast rank 0's
     method = _method(name, overrides, model)
     forward = distributed.wrap_for_forward(model, method, ctx)
+    rank0 = tiny_llama(seed=1)
+    _method(name, overrides, rank0)  # prepared alike (INT8 codes and scales)
+    start = {f"initial broadcast: {k}": v for k, v in _diffs(model.state_dict(), rank0.state_dict()).items()}
     rows = data[0].shape[0] // ctx.world_size
-    out = []
+    out = [start]  # then one entry per step, each from the reference's state (the snapshot overwrites the start)
     for x, snap in zip(data, snaps):
         model.load_state_dict(snap["weights"])
         method.load_state_dict(torch.load(io.BytesIO(snap["method"]), weights_only=False))
@@ -143,6 +147,7 @@ def _ddp_case(ctx, name: str, overrides: dict, data, snaps) -> list[dict]:
         train_step(forward, method, [shard], meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True,
                    all_finite=ctx.all_finite)
         out.append(_diffs(model.state_dict(), snap["after"]))
+    out[1].update(out.pop(0))  # reported with step 0
     return out
 
 
