@@ -1,0 +1,261 @@
+"""The fake-CUDA tier: every method's update path, the activation codecs, the fused loss and the loop's loss
+accumulation traced on ``device="cuda"`` tensors under ``FakeTensorMode``, on a machine without a GPU.
+
+Needs the CUDA build of torch (``torch.version.cuda`` set; set-up in docs/testing.md, "fake-CUDA tier"); on the
+CPU build every test here is skipped at collection with one reason. Under FakeTensorMode a CUDA tensor has a
+device, a shape and a dtype but no storage, so what is checked is placement: no tensor of a CUDA run silently
+lands on the CPU (or the reverse, where a host copy is intended). ``backward()`` cannot run here (autograd's
+engine asks the CUDA driver for a context), so each method's update path is driven by hand: every trainable
+parameter gets a fake CUDA ``.grad`` (accumulated as autograd does), then its ``register_post_accumulate_grad_hook``
+hooks run in reverse parameter order (as backward would call them), then ``step()`` and ``zero_grad()`` as in
+``experiments.loop.train_step``. Two steps of two micro-batches each, so lazily created state and the paths of
+a step that follows another (lagged clipping, basis reuse, prefetch order) are traced too.
+
+Custom ops (the codecs, the low-rank kernels) run their registered fake implementation under FakeTensorMode;
+the codec tests below also call the PyTorch bodies themselves on fake CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+pytestmark = [pytest.mark.fake_cuda, pytest.mark.skipif(
+    torch.version.cuda is None, reason="fake-CUDA tier: needs the CUDA build of torch (docs/testing.md)")]
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+class _Stream:
+    """Stands in for a ``torch.cuda.Stream`` / ``Event`` (creating one needs the CUDA driver)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def driver_stand_ins(monkeypatch):
+    """What needs the CUDA driver itself and has no fake implementation, replaced for this tier only: a seeded
+    ``torch.Generator(device="cuda")`` (HMT's and apollo-torch's random projections) becomes a CPU generator
+    (a fake ``randn`` ignores the generator's state, so the traced shapes, dtypes and devices are the same), and
+    side streams, events and ``torch.cuda.synchronize`` (HMT's basis prefetch, bitsandbytes' step) become no-ops. The real objects run in the CUDA smoke tests
+    (tests/test_cuda_smoke.py)."""
+    real = torch.Generator
+
+    class HostGenerator(real):
+        def __new__(cls, device="cpu"):
+            return real("cpu")
+
+    monkeypatch.setattr(torch, "Generator", HostGenerator)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # bitsandbytes' per-step sync
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[FakeTensorMode]:
+    """Tensors created inside are fake. No default device is set: a tensor the code under test creates without an
+    explicit device lands on the CPU, which is what the placement checks catch. ``AssumedScalars (the dry run's)
+    answers third-party ``.item()`` calls on fake values (bitsandbytes' optimizers); HMT's own code must not need
+    it: ``test_hmt_keeps_everything_on_cuda`` checks that it was never asked."""
+    from experiments.dryrun import AssumedScalars
+
+    assumed = AssumedScalars()
+    with FakeTensorMode() as mode, assumed:
+        mode.assumed = assumed.sites
+        yield mode
+
+
+def tiny_model(dtype: str = "bf16") -> nn.Module:
+    """A tiny Llama (the shape of tests.helpers.tiny_llama) built as the runner builds one: in its dtype, directly
+    on the current (fake CUDA) device (``experiments.models.build_model``)."""
+    from experiments.config import ModelConfig
+    from experiments.models import build_model
+
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=176, vocab_size=256,
+                      max_position_embeddings=128, dtype=dtype)
+    return build_model(cfg, device="cuda")
+
+
+def fire_backward(model: nn.Module) -> None:
+    """What backward leaves behind, by hand: each trainable parameter's gradient accumulated into ``.grad``
+    (in place when one exists, like autograd), then its post-accumulate-grad hooks, last parameter first."""
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        g = torch.randn(p.shape, dtype=p.dtype, device=p.device)
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+        for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+            hook(p)
+
+
+def drive(method, model: nn.Module, *, steps: int = 2, micro: int = 2, max_grad_norm: float | None = 1.0) -> None:
+    """``train_step``'s calls into the method, with ``fire_backward`` standing in for ``loss.backward()``."""
+    method.attach(model, max_grad_norm=max_grad_norm)
+    for _ in range(steps):
+        method.set_lr_scale(0.5)
+        for i in range(micro):
+            method.start_micro_batch(i, micro)
+            fire_backward(model)
+        method.step()
+        method.zero_grad()
+
+
+def misplaced(named: Iterator[tuple[str, Tensor]], device: torch.device) -> list[str]:
+    return [f"{n}: {t.device} {tuple(t.shape)} {t.dtype}" for n, t in named if t.device != device]
+
+
+def model_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+    yield from ((f"{n}.grad", p.grad) for n, p in model.named_parameters() if p.grad is not None)
+
+
+def torch_optim_state(optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
+    """(device state, host state) of a ``torch.optim`` optimizer: torch keeps the ``step`` counter of a
+    non-capturable, non-fused Adam on the host by design (a 0-d CPU tensor); everything else must be on the device."""
+    from hmt_core.driver import iter_state_tensors
+
+    device, host = [], []
+    for k, st in enumerate(optimizer.state.values()):
+        for key, value in st.items():
+            named = [(f"state[{k}].{key}", t) for t in iter_state_tensors(value)]
+            (host if key == "step" and isinstance(value, Tensor) and value.dim() == 0 else device).extend(named)
+    return device, host
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+def _adamw(**kw):
+    from baselines import adamw
+
+    return adamw.make(adamw.Config(**kw))
+
+
+def _galore(**kw):
+    from baselines import galore
+
+    return galore.make(galore.Config(rank=8, **kw))
+
+
+def _apollo(**kw):
+    from baselines import apollo
+
+    return apollo.make(apollo.Config(**kw))
+
+
+def _qlora(**kw):
+    from baselines import qlora
+
+    return qlora.make(qlora.Config(**kw))
+
+
+BASELINES: dict[str, Callable[[], object]] = {
+    "adamw": lambda: _adamw(),
+    "adamw-master": lambda: _adamw(master_weights=True),
+    "adamw-stochastic-rounding": lambda: _adamw(stochastic_rounding=True),
+    "adamw-8bit": lambda: _adamw(eight_bit=True),
+    "galore": lambda: _galore(),
+    "apollo": lambda: _apollo(),
+    "apollo-mini": lambda: _apollo(variant="mini"),
+    "qlora": lambda: _qlora(),
+}
+
+
+@pytest.mark.parametrize("label", list(BASELINES))
+def test_optimizer_method_keeps_everything_on_cuda(label):
+    with fake_cuda():
+        model = tiny_model()
+        method = BASELINES[label]()
+        model = method.prepare(model)
+        drive(method, model)
+        opt = method.driver.optimizer
+        device_state, host_state = torch_optim_state(opt)
+        bad = misplaced(model_tensors(model), CUDA) + misplaced(iter(device_state), CUDA)
+        bad += misplaced(iter(host_state), CPU)
+    assert device_state, f"{label}: the optimizer holds no state after two steps"
+    assert not bad, f"{label}: tensors off their device:\n" + "\n".join(bad)
+
+
+HMT: dict[str, dict] = {
+    "mode-a-default": {},
+    "mode-a-no-clip-in-hook": {"_max_grad_norm": None},
+    "mode-b-rank-1": dict(mode="B", basis="random", scaling="tensor", rank=1, scale=128.0, state_dtype="bf16"),
+    "mode-b-dense-8bit": dict(mode="B", rank=1, dense_8bit=True),
+    "int8-weights": dict(weight_dtype="int8", rank=8),
+    "two-sided": dict(sides="two_sided", rank=8),
+    "master-weights": dict(master_weights=True, rank=8),
+    "stochastic-rounding": dict(stochastic_rounding=True, rank=8),
+    "whole-step": dict(per_layer=False, rank=8),
+}
+
+
+def hmt_tensors(method) -> Iterator[tuple[str, Tensor]]:
+    for s in method.opt.slots:
+        for key in ("m", "v", "limiter_prev", "master", "pending"):
+            t = getattr(s, key)
+            if t is not None:
+                yield f"{s.name}.{key}", t
+        if s.basis is not None:
+            yield from ((f"{s.name}.basis[{i}]", t) for i, t in enumerate(s.basis) if t is not None)
+        q = s.param
+        if hasattr(q, "layer"):  # an INT8 weight's handle: its codes and scales are the weight
+            yield from ((f"{s.name}.int8.{n}", b) for n, b in q.layer.named_buffers())
+    for name, opt in method.opt.dense8.items():
+        for k, st in enumerate(opt.state.values()):
+            yield from ((f"dense8[{name}][{k}].{key}", t) for key, t in st.items() if isinstance(t, Tensor))
+
+
+@pytest.mark.parametrize("label", list(HMT))
+def test_hmt_keeps_everything_on_cuda(label):
+    from hmt_core import hmt
+
+    kw = dict(HMT[label])
+    clip = kw.pop("_max_grad_norm", 1.0)
+    with fake_cuda() as mode:
+        model = tiny_model("fp32" if label == "master-weights" else "bf16")
+        method = hmt.make(hmt.Config(**kw))
+        model = method.prepare(model)
+        drive(method, model, max_grad_norm=clip)
+        bad = misplaced(model_tensors(model), CUDA) + misplaced(hmt_tensors(method), CUDA)
+        projected = sum(s.projected for s in method.opt.slots)
+        with_basis = sum(s.basis is not None for s in method.opt.slots if s.projected)
+    assert projected and with_basis == projected, f"{label}: {with_basis} of {projected} projected slots have a basis"
+    assert not bad, f"{label}: tensors off cuda:0:\n" + "\n".join(bad)
+    if not kw.get("dense_8bit"):  # bitsandbytes' AdamW8bit reads values (its own business); HMT's code never does
+        assert not mode.assumed, f"{label}: data-dependent values asked under fake CUDA at {mode.assumed}"
+
+
+def test_hmt_offloaded_bases_park_on_the_host_and_work_on_the_device():
+    from hmt_core import hmt
+
+    with fake_cuda():
+        model = tiny_model()
+        method = hmt.make(hmt.Config(offload_bases=True, rank=8))
+        drive(method, model)
+        cache = method.engine.cache
+        parked = [(f"{name}.parked[{i}]", t) for name, b in cache.parked.items() for i, t in enumerate(b)
+                  if t is not None]
+        bases = [(n, t) for n, t in hmt_tensors(method) if ".basis[" in n]  # the slots hold the host copies now
+        bad = misplaced(model_tensors(model), CUDA) + misplaced(iter(parked + bases), CPU)
+        bad += misplaced(((n, t) for n, t in hmt_tensors(method) if ".basis[" not in n), CUDA)
+        projected = sum(s.projected for s in method.opt.slots)
+        stats = cache.stats(0)
+    assert len(cache.parked) == projected, f"{len(cache.parked)} parked bases for {projected} projected weights"
+    assert not bad, "tensors off their device:\n" + "\n".join(bad)
+    assert stats["cache/h2d_bytes"] > 0 and stats["cache/d2h_bytes"] > 0, stats
