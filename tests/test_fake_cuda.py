@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-pytestmark = [pytest.mark.fake_cuda, pytest.mark.skipif(
-    torch.version.cuda is None, reason="fake-CUDA tier: needs the CUDA build of torch (docs/testing.md)")]
+if torch.version.cuda is None:
+    pytest.skip("fake-CUDA tier: needs the CUDA build of torch (docs/testing.md)", allow_module_level=True)
+pytestmark = pytest.mark.fake_cuda
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -259,3 +260,125 @@ def test_hmt_offloaded_bases_park_on_the_host_and_work_on_the_device():
     assert len(cache.parked) == projected, f"{len(cache.parked)} parked bases for {projected} projected weights"
     assert not bad, "tensors off their device:\n" + "\n".join(bad)
     assert stats["cache/h2d_bytes"] > 0 and stats["cache/d2h_bytes"] > 0, stats
+
+
+# --------------------------------------------------------------------------------------------- activation codecs
+CODECS = ("int8", "fp8", "int4_outlier", "int8_outlier")
+
+
+def _codec_round_trip(codec: str, dtype: torch.dtype) -> list[str]:
+    from hmt_core.activations import codecs
+
+    x = torch.randn(3, 40, 64, dtype=dtype, device=CUDA)  # (batch, seq, channels), numel not a block multiple
+    packed = codecs.encode(x, codec, block=96)
+    out = codecs.decode(packed)
+    bad = misplaced(((f"{codec}.packed[{i}]", t) for i, t in enumerate(packed.tensors)), CUDA)
+    bad += misplaced(iter([(f"{codec}.decoded", out)]), CUDA)
+    if (out.shape, out.dtype) != (x.shape, x.dtype):
+        bad.append(f"{codec}: decoded {tuple(out.shape)} {out.dtype}, expected {tuple(x.shape)} {x.dtype}")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("codec", CODECS)
+def test_codec_ops_stay_on_cuda(codec, dtype):
+    """Through the registered custom ops (their fake implementations: what a traced or compiled step sees)."""
+    with fake_cuda():
+        bad = _codec_round_trip(codec, dtype)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_codec_pytorch_bodies_stay_on_cuda(codec, monkeypatch):
+    """The PyTorch implementations themselves (what runs on CUDA under ``kernels=torch``), called instead of the
+    custom ops' fake implementations."""
+    from hmt_core import kernels
+    from hmt_core.activations import codecs
+
+    for name in ("int8_block_quant", "int8_block_dequant", "fp8_block_quant", "fp8_block_dequant",
+                 "outlier_quant", "outlier_dequant"):
+        monkeypatch.setattr(codecs, name, getattr(codecs, name)._init_fn)
+    with kernels.using("torch"), fake_cuda():
+        bad = _codec_round_trip(codec, torch.bfloat16)
+    assert not bad, "\n".join(bad)
+
+
+class _NoLaunch:
+    """A Triton kernel whose launch does nothing: the wrapper's allocations and views are what is traced."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("codec", ("int8", "fp8"))
+def test_triton_codec_wrappers_allocate_on_cuda(codec, monkeypatch):
+    """``hmt_core.kernels.quant``'s host side (output buffers, the FP8 table, bit views) with the kernel launch
+    stubbed: a fake tensor has no memory for a kernel to run on."""
+    pytest.importorskip("triton")
+    from hmt_core.kernels import quant
+
+    monkeypatch.setattr(quant, "_block_quant_kernel", _NoLaunch())
+    monkeypatch.setattr(quant, "_block_dequant_kernel", _NoLaunch())
+    with fake_cuda():
+        x = torch.randn(3, 40, 64, dtype=torch.bfloat16, device=CUDA)
+        if codec == "int8":
+            q, scale = quant.int8_block_quant(x, 96)
+            out = quant.int8_block_dequant(q, scale, list(x.shape), x.dtype)
+        else:
+            q, scale = quant.fp8_block_quant(x, 96, "e4m3")
+            out = quant.fp8_block_dequant(q, scale, list(x.shape), x.dtype)
+        bad = misplaced(iter([("q", q), ("scale", scale), ("decoded", out)]), CUDA)
+        bad += misplaced(((f"lut{k}", t) for k, t in quant._LUTS.items() if t.device.type == "cuda"), CUDA)
+    assert not bad, "\n".join(bad)
+    assert out.shape == x.shape and out.dtype == x.dtype
+
+
+# ------------------------------------------------------------------------------------------------ loss and loop
+def test_fused_loss_forward_stays_on_cuda():
+    from hmt_core.fused_ce import causal_lm_loss
+
+    with fake_cuda():
+        model = tiny_model()
+        ids = torch.randint(0, 256, (2, 16), device=CUDA)
+        fused = causal_lm_loss(model, ids, chunk_tokens=8)  # 4 chunks of the 32 tokens
+        plain = model(input_ids=ids, labels=ids).loss
+    assert (fused.device, fused.shape, fused.dtype) == (CUDA, torch.Size([]), torch.float32), fused
+    assert (plain.device, plain.shape) == (fused.device, fused.shape)
+
+
+class StubMethod:
+    """The ``Method`` calls ``train_step`` makes, recorded; the gradients it would consume are never made (the
+    stand-in ``backward`` below does nothing)."""
+
+    name = "stub"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def start_micro_batch(self, index: int, count: int) -> None:
+        self.calls.append(("micro", index, count))
+
+    def step(self) -> None:
+        self.calls.append(("step",))
+
+    def zero_grad(self) -> None:
+        self.calls.append(("zero_grad",))
+
+    def state_tensors(self):
+        return iter(())
+
+
+@pytest.mark.parametrize("fused_ce", [True, False])
+def test_train_step_accumulates_the_loss_on_cuda(fused_ce, monkeypatch):
+    from experiments.loop import autocast_context, train_step
+
+    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: None)
+    method = StubMethod()
+    with fake_cuda():
+        model = tiny_model()
+        micro = [torch.randint(0, 256, (2, 16), device=CUDA) for _ in range(3)]
+        loss, norm = train_step(model, method, micro, meter=None, fused_ce=fused_ce, ce_chunk_tokens=8,
+                                autocast=lambda: autocast_context(CUDA, True))
+    assert (loss.device, loss.shape, loss.dtype) == (CUDA, torch.Size([]), torch.float32), loss
+    assert norm is None
+    assert method.calls == [("micro", 0, 3), ("micro", 1, 3), ("micro", 2, 3), ("step",), ("zero_grad",)]
