@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from device_methods import BASELINES, HMT, model_dtype
+
 if torch.version.cuda is None:
     pytest.skip("fake-CUDA tier: needs the CUDA build of torch (docs/testing.md)", allow_module_level=True)
 pytestmark = pytest.mark.fake_cuda
@@ -142,46 +144,10 @@ def torch_optim_state(optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str,
 
 
 # ---------------------------------------------------------------------------------------------------- methods
-def _adamw(**kw):
-    from baselines import adamw
-
-    return adamw.make(adamw.Config(**kw))
-
-
-def _galore(**kw):
-    from baselines import galore
-
-    return galore.make(galore.Config(rank=8, **kw))
-
-
-def _apollo(**kw):
-    from baselines import apollo
-
-    return apollo.make(apollo.Config(**kw))
-
-
-def _qlora(**kw):
-    from baselines import qlora
-
-    return qlora.make(qlora.Config(**kw))
-
-
-BASELINES: dict[str, Callable[[], object]] = {
-    "adamw": lambda: _adamw(),
-    "adamw-master": lambda: _adamw(master_weights=True),
-    "adamw-stochastic-rounding": lambda: _adamw(stochastic_rounding=True),
-    "adamw-8bit": lambda: _adamw(eight_bit=True),
-    "galore": lambda: _galore(),
-    "apollo": lambda: _apollo(),
-    "apollo-mini": lambda: _apollo(variant="mini"),
-    "qlora": lambda: _qlora(),
-}
-
-
 @pytest.mark.parametrize("label", list(BASELINES))
 def test_optimizer_method_keeps_everything_on_cuda(label):
     with fake_cuda():
-        model = tiny_model()
+        model = tiny_model(model_dtype(label))
         method = BASELINES[label]()
         model = method.prepare(model)
         drive(method, model)
@@ -191,19 +157,6 @@ def test_optimizer_method_keeps_everything_on_cuda(label):
         bad += misplaced(iter(host_state), CPU)
     assert device_state, f"{label}: the optimizer holds no state after two steps"
     assert not bad, f"{label}: tensors off their device:\n" + "\n".join(bad)
-
-
-HMT: dict[str, dict] = {
-    "mode-a-default": {},
-    "mode-a-no-clip-in-hook": {"_max_grad_norm": None},
-    "mode-b-rank-1": dict(mode="B", basis="random", scaling="tensor", rank=1, scale=128.0, state_dtype="bf16"),
-    "mode-b-dense-8bit": dict(mode="B", rank=1, dense_8bit=True),
-    "int8-weights": dict(weight_dtype="int8", rank=8),
-    "two-sided": dict(sides="two_sided", rank=8),
-    "master-weights": dict(master_weights=True, rank=8),
-    "stochastic-rounding": dict(stochastic_rounding=True, rank=8),
-    "whole-step": dict(per_layer=False, rank=8),
-}
 
 
 def hmt_tensors(method) -> Iterator[tuple[str, Tensor]]:
@@ -222,15 +175,12 @@ def hmt_tensors(method) -> Iterator[tuple[str, Tensor]]:
             yield from ((f"dense8[{name}][{k}].{key}", t) for key, t in st.items() if isinstance(t, Tensor))
 
 
-@pytest.mark.parametrize("label", list(HMT))
-def test_hmt_keeps_everything_on_cuda(label):
-    from hmt_core import hmt
-
-    kw = dict(HMT[label])
-    clip = kw.pop("_max_grad_norm", 1.0)
+@pytest.mark.parametrize("label,clip", [(k, 1.0) for k in HMT if k != "hmt-offload-bases"]
+                         + [("hmt-mode-a-default", None), ("hmt-mode-b-rank-1", None)])  # no clipping: in-hook updates
+def test_hmt_keeps_everything_on_cuda(label, clip):
     with fake_cuda() as mode:
-        model = tiny_model("fp32" if label == "master-weights" else "bf16")
-        method = hmt.make(hmt.Config(**kw))
+        model = tiny_model(model_dtype(label))
+        method = HMT[label]()
         model = method.prepare(model)
         drive(method, model, max_grad_norm=clip)
         bad = misplaced(model_tensors(model), CUDA) + misplaced(hmt_tensors(method), CUDA)
@@ -238,16 +188,14 @@ def test_hmt_keeps_everything_on_cuda(label):
         with_basis = sum(s.basis is not None for s in method.opt.slots if s.projected)
     assert projected and with_basis == projected, f"{label}: {with_basis} of {projected} projected slots have a basis"
     assert not bad, f"{label}: tensors off cuda:0:\n" + "\n".join(bad)
-    if not kw.get("dense_8bit"):  # bitsandbytes' AdamW8bit reads values (its own business); HMT's code never does
+    if not method.opt.dense8:  # bitsandbytes' AdamW8bit reads values (its own business); HMT's code never does
         assert not mode.assumed, f"{label}: data-dependent values asked under fake CUDA at {mode.assumed}"
 
 
 def test_hmt_offloaded_bases_park_on_the_host_and_work_on_the_device():
-    from hmt_core import hmt
-
     with fake_cuda():
         model = tiny_model()
-        method = hmt.make(hmt.Config(offload_bases=True, rank=8))
+        method = HMT["hmt-offload-bases"]()
         drive(method, model)
         cache = method.engine.cache
         parked = [(f"{name}.parked[{i}]", t) for name, b in cache.parked.items() for i, t in enumerate(b)
