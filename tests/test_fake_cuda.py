@@ -330,3 +330,47 @@ def test_train_step_accumulates_the_loss_on_cuda(fused_ce, monkeypatch):
     assert (loss.device, loss.shape, loss.dtype) == (CUDA, torch.Size([]), torch.float32), loss
     assert norm is None
     assert method.calls == [("micro", 0, 3), ("micro", 1, 3), ("micro", 2, 3), ("step",), ("zero_grad",)]
+
+
+# ----------------------------------------------------------------------------------------- activation policies
+def _policies() -> dict[str, object]:
+    from hmt_core.activations.policy import PRESETS, ActivationPolicy
+
+    out = {name: p for name, p in PRESETS.items() if not p.is_identity()}
+    out["offload+codecs"] = ActivationPolicy(attn_out="offload_cpu", mlp_intermediate="int4_outlier",
+                                             attn_qkv="fp8", norm="int8_outlier")
+    return out
+
+
+@pytest.mark.parametrize("name", list(_policies()))
+def test_activation_policy_forward_saves_on_the_intended_device(name, monkeypatch):
+    """The forward of each activation preset (and a policy with every codec kind and host offload): what the
+    pack hooks keep for backward stays on cuda:0, except offloaded tensors, which are host copies."""
+    from hmt_core.activations import apply_policy
+    from hmt_core.activations.apply import _Offloaded, _State
+    from hmt_core.activations.codecs import Packed
+    from hmt_core.fused_ce import causal_lm_loss
+
+    packed: list = []  # everything the pack hooks return (the state's own dedup cache is cleared after forward)
+    real_pack_fn = _State.pack_fn
+
+    def recording_pack_fn(self, component, action):
+        pack = real_pack_fn(self, component, action)
+        return lambda t: packed.append(pack(t)) or packed[-1]
+
+    monkeypatch.setattr(_State, "pack_fn", recording_pack_fn)
+    with fake_cuda():
+        model = tiny_model()
+        handle = apply_policy(model, _policies()[name])
+        loss = causal_lm_loss(model, torch.randint(0, 256, (2, 16), device=CUDA), chunk_tokens=8)
+        device_saved = [(f"packed[{i}].{j}", t) for i, v in enumerate(packed) if isinstance(v, Packed)
+                        for j, t in enumerate(v.tensors)]
+        device_saved += [(f"kept[{i}]", v) for i, v in enumerate(packed) if isinstance(v, Tensor)]
+        host_saved = [(f"offloaded[{i}]", v.t) for i, v in enumerate(packed) if isinstance(v, _Offloaded)]
+        bad = misplaced(iter(device_saved + [("loss", loss)]), CUDA) + misplaced(iter(host_saved), CPU)
+        handle.remove()
+    assert packed, f"{name}: no pack hook ran"
+    assert not bad, f"{name}: saved tensors off their device:\n" + "\n".join(bad)
+    if name == "offload+codecs":
+        codecs_used = {v.codec for v in packed if isinstance(v, Packed)}
+        assert host_saved and codecs_used == {"fp8", "int4_outlier", "int8_outlier"}, (len(host_saved), codecs_used)
