@@ -17,6 +17,7 @@ covers a second cuBLAS workspace (HMT's basis-prefetch stream) on a model whose 
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def check_peaks(label: str, r: dict) -> None:
     summary = (f"{label}: allocator peak {allocated / MiB:.2f} MiB (above a base of {r['base'] / MiB:.2f} MiB), "
                f"meter peak {metered / MiB:.2f} MiB, |diff| {abs(allocated - metered) / MiB:.2f} MiB, "
                f"bound {bound / MiB:.2f} MiB; losses {r['losses']}")
-    assert all(map(lambda x: x == x and abs(x) < float("inf"), r["losses"])), summary
+    assert all(math.isfinite(x) for x in r["losses"]), summary
     assert abs(allocated - metered) <= bound, summary
 
 
