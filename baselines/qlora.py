@@ -152,7 +152,8 @@ def _module_to_by_data():
     """A dry run's ``get_peft_model``. peft moves each new adapter (and the wrapped layer) to its base layer's device
     and compute dtype with ``nn.Module.to()``, which swaps fake parameters (``torch.utils.swap_tensors``) and fails:
     torch keeps a weak reference to every fake tensor it made. While peft runs, ``Module.to`` converts the way torch
-    converts real parameters instead: ``param.data = param.data.to(device, dtype)`` (floating-point dtypes only)."""
+    converts real parameters instead: ``param.data = param.data.to(device, dtype)`` (floating-point dtypes only), or
+    a new parameter where the device changes (fake CUDA base layers: ``.data =`` cannot move a fake tensor)."""
 
     def to(self, *args, **kwargs):
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -161,8 +162,10 @@ def _module_to_by_data():
             return t.to(device, dtype if t.is_floating_point() or t.is_complex() else None, non_blocking)
 
         for module in self.modules():
-            for p in module._parameters.values():
-                if p is not None:
+            for key, p in module._parameters.items():
+                if p is not None and p.device != convert(p.data).device:  # a fake tensor's device is fixed at birth:
+                    module._parameters[key] = nn.Parameter(convert(p.data), p.requires_grad)  # a new parameter
+                elif p is not None:
                     p.data = convert(p.data)
             for key, b in module._buffers.items():
                 if b is not None:

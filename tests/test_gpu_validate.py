@@ -58,14 +58,17 @@ class FakeBackend:
     through the real results store (``RunDir``), as the runner would."""
 
     def __init__(self, clock, runs=None, dryruns=None, kernels=None, rsvd=None, metrics=None, durations=None,
-                 device=H100):
+                 device=H100, smoke=None):
         self.clock, self.device = clock, device
         self.runs, self.dryruns = runs or {}, dryruns or {}
         self.kernels = kernels if kernels is not None else [
             {"name": "codec/int8", "bit_identical": True, "kernel(ms)": 1.0, "fallback(ms)": 4.0}]
         self.rsvd = rsvd or {"svd(s)": 3.0, "rsvd(s)": 0.3, "speedup(x)": 10.0}
         self.metrics = metrics or {}
-        self.durations = {"run": 30.0, "dryrun": 10.0, "kernels": 20.0, "rsvd": 5.0, **(durations or {})}
+        self.smoke = smoke or {"returncode": 0, "passed": 23, "failed": 0, "errors": 0, "skipped": 0,
+                               "failed_tests": [], "wall_s": 40.0}
+        self.durations = {"run": 30.0, "dryrun": 10.0, "kernels": 20.0, "rsvd": 5.0, "smoke": 40.0,
+                          **(durations or {})}
         self.calls: list[tuple[str, str]] = []
 
     def device_name(self):
@@ -118,6 +121,12 @@ class FakeBackend:
         self.calls.append(("rsvd", ""))
         self.clock.now += self.durations["rsvd"]
         return self.rsvd
+
+    def smoke_tests(self, *, work_dir, timeout_s):
+        assert timeout_s > 0
+        self.calls.append(("smoke", ""))
+        self.clock.now += self.durations["smoke"]
+        return self.smoke
 
 
 def validate(tmp_path, backend, clock, *args):
@@ -178,6 +187,8 @@ def test_kernel_records_judge_codecs_bitwise_and_updates_by_tolerance():
 # ---------------------------------------------------------------------------------------------- plan and budget
 def test_plan_order_quick_methods_and_1b():
     names = [c.name for c in build_plan(Options())]
+    assert names[0] == "cuda_smoke_tests"  # first: the smoke tests gate everything after them
+    names = names[1:]
     assert names[:len(METHODS)] == [f"method/{m.label}/125m" for m in METHODS]
     assert names[len(METHODS):] == ["kernels", "activation_policy/hmt_vs_full_ckpt", "pcie/offload_bases",
                                     "rsvd_vs_svd"]
@@ -231,7 +242,7 @@ def test_full_validation_records_misses_and_the_crash_and_writes_everything(tmp_
     code, doc, session, said = validate(tmp_path, backend, clock)
     assert code == 1  # one run crashed; the misses alone would exit 0
     labels = [m.label for m in METHODS]
-    expected = [call for label in labels for call in
+    expected = [("smoke", "")] + [call for label in labels for call in
                 ([("run", label)] + ([] if label in ("galore-8bit", "hmt-min") else [("dryrun", label)]))]
     expected += [("kernels", ""), ("run", "hmt-full-ckpt"), ("run", "hmt-offload"), ("rsvd", "")]
     assert backend.calls == expected  # hmt-act's run is reused by the activation check, never repeated
@@ -249,6 +260,8 @@ def test_full_validation_records_misses_and_the_crash_and_writes_everything(tmp_
     assert checks["pcie/host_device_bytes"]["verdict"] == "PASS"
     assert checks["pcie/nvml_counters"]["verdict"] == "MISS" and "sample is 0" in checks["pcie/nvml_counters"]["note"]
     assert checks["rsvd_vs_svd"]["verdict"] == "INFO" and checks["rsvd_vs_svd"]["measured"]["speedup(x)"] == 10.0
+    assert doc["checks"][0]["name"] == "cuda_smoke_tests" and doc["checks"][0]["verdict"] == "PASS"
+    assert doc["checks"][0]["measured"]["passed"] == 23
     adamw = checks["run/adamw/125m"]["measured"]
     assert adamw["mfu"] == pytest.approx(6 * 134_000_000 * 81_920 / 989e12)
     assert adamw["step_time/adamw"] == pytest.approx(1.0)
@@ -288,7 +301,7 @@ def test_only_misses_exit_0_and_a_raising_worker_is_an_error(tmp_path):
 
 def test_time_budget_skips_remaining_optional_checks_with_the_reason(tmp_path):
     clock = FakeClock()
-    backend = FakeBackend(clock, durations={"run": 100.0, "dryrun": 20.0})
+    backend = FakeBackend(clock, durations={"run": 100.0, "dryrun": 20.0, "smoke": 0.0})
     # quick: 3 core method checks of 120 s each -> 360 s of a 400 s budget; kernels (about 60 s) no longer fit,
     # the offload run (estimated 35 s) starts, then the 1b checks find the budget spent
     code, doc, _, said = validate(tmp_path, backend, clock, "--quick", "--with-1b", "--budget-s", "400")
@@ -403,3 +416,31 @@ def test_cuda_backend_runs_and_dry_runs_through_the_results_store_on_cpu(tmp_pat
     with pytest.raises(RunFailed, match="train.steps must be > 0"):
         backend.run_method(overrides + ["train.steps=0"], results_dir=tmp_path, run_id="bad",
                            log_path=tmp_path / "logs" / "bad.log", timeout_s=300)
+
+
+def test_smoke_test_verdicts_and_the_junit_report(tmp_path):
+    from benchmarks.gpu_validate.cuda_backend import read_junit
+
+    ok = {"returncode": 0, "passed": 5, "failed": 0, "errors": 0}
+    assert C.smoke_verdict(ok) == (C.PASS, None)
+    verdict, note = C.smoke_verdict({**ok, "returncode": 1, "failed": 2, "failed_tests": ["a[x]", "b"]})
+    assert verdict == C.MISS and note == "2 test(s) failed: a[x], b"
+    assert C.smoke_verdict({**ok, "returncode": 1, "errors": 1, "failed_tests": ["c"]})[0] == C.ERROR
+    assert C.smoke_verdict({"error": "pytest timed out after 60 s"}) == (C.ERROR, "pytest timed out after 60 s")
+    assert C.smoke_verdict({**ok, "passed": 0, "skipped": 5})[0] == C.ERROR  # a GPU box that ran nothing
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+                   '<testcase name="t_ok"/><testcase name="t_bad[adamw]"><failure message="x"/></testcase>'
+                   '<testcase name="t_skip"><skipped/></testcase><testcase name="t_ok2"/></testsuite></testsuites>')
+    assert read_junit(xml) == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1, "failed_tests": ["t_bad[adamw]"]}
+
+
+def test_failing_smoke_tests_are_a_miss_and_the_validation_goes_on(tmp_path):
+    clock = FakeClock()
+    smoke = {"returncode": 1, "passed": 20, "failed": 1, "errors": 0, "skipped": 0,
+             "failed_tests": ["test_one_training_step_per_method[qlora]"], "wall_s": 30.0}
+    code, doc, _, said = validate(tmp_path, FakeBackend(clock, smoke=smoke), clock, "--quick")
+    first = doc["checks"][0]
+    assert code == 0 and first["name"] == "cuda_smoke_tests" and first["verdict"] == "MISS"
+    assert "test_one_training_step_per_method[qlora]" in first["note"] and first["measured"]["failed"] == 1
+    assert {c["name"] for c in doc["checks"]} >= {"run/adamw/125m", "kernel/codec/int8"}

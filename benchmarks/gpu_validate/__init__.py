@@ -4,6 +4,9 @@ Nothing in the harness is exercised on CPU that only a GPU has: the CUDA allocat
 counters, compiled Triton kernels, BF16 tensor-core paths, GaLore's 8-bit optimizer, every tokens/s figure. This
 command measures each of them once, on whatever GPU a session is lent, and writes the evidence:
 
+- **smoke tests** (first): ``pytest -m cuda`` (``tests/test_cuda_smoke.py``): one real training step per method
+  setting and per activation preset on a micro model, the meter's peak against the allocator's; failures are a
+  ``MISS`` naming the tests, a pytest that does not finish an ``ERROR``;
 - **memory**: every method (adamw, adamw 8-bit, qlora, galore, galore 8-bit, apollo, hmt, hmt +
   ``activation=hmt``, and the memory-minimal HMT setting) at 125M, seq 1024, through the normal runner
   (``experiments.run device=cuda``, results in the normal results store): the meter's peak

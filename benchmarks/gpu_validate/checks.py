@@ -43,6 +43,22 @@ PEAK_BF16_TFLOPS: tuple[tuple[tuple[str, ...], float, str], ...] = (
 )
 
 
+def smoke_verdict(raw: dict) -> tuple[str, str | None]:
+    """The smoke tests' verdict: PASS when every one passed; MISS when some failed (a finding: the failing tests
+    are named); ERROR when pytest itself did not finish (no report, timeout, collection error, nothing ran)."""
+    failed, errors, passed = raw.get("failed") or 0, raw.get("errors") or 0, raw.get("passed") or 0
+    if raw.get("error"):
+        return ERROR, str(raw["error"])
+    names = ", ".join(raw.get("failed_tests") or [])
+    if errors:
+        return ERROR, f"{errors} test(s) errored: {names}"
+    if failed:
+        return MISS, f"{failed} test(s) failed: {names}"
+    if raw.get("returncode") != 0 or not passed:
+        return ERROR, f"pytest exited {raw.get('returncode')} with {passed} passed (a CUDA device must run them)"
+    return PASS, None
+
+
 @dataclass
 class CheckRecord:
     """One check of the validation; ``to_dict`` is its JSON form (``gpu_validate.json`` ``checks[]``)."""

@@ -12,6 +12,9 @@ people to read:
 - ``runner="inprocess"``: ``experiments.run.main_with_config`` on a Hydra ``compose`` (as ``tests/test_runner.py``
   does), the CUDA caching allocator emptied between runs — faster start-up, weaker isolation.
 
+The CUDA smoke tests (``pytest -m cuda tests/test_cuda_smoke.py``) always run in a subprocess, first; their
+outcome is read from pytest's JUnit XML report (``logs/cuda_smoke_tests.xml``), not from its console output.
+
 Dry runs always run in this process: they trace on FakeTensorMode's CPU shape-only tensors and never touch the GPU.
 Kernel checks and rSVD vs SVD run in a worker (``python -m benchmarks.gpu_validate.kernel_checks``) in subprocess
 mode, so this process never creates a CUDA context of its own (it would add to the runs' NVML figures).
@@ -30,6 +33,8 @@ import os
 import subprocess
 import sys
 import threading
+import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from benchmarks.gpu_validate.orchestrate import RunFailed, RunResult
@@ -37,6 +42,7 @@ from benchmarks.gpu_validate.orchestrate import RunFailed, RunResult
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
 STRIPPED_ENV = ("TRITON_INTERPRET", "HMT_KERNELS")
+SMOKE_TESTS = REPO_ROOT / "tests" / "test_cuda_smoke.py"
 
 
 def child_env() -> dict[str, str]:
@@ -103,6 +109,18 @@ def _output_to(log_path: Path):
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         yield
+
+
+def read_junit(path: Path) -> dict:
+    """Counts and failing test names from a pytest JUnit XML report."""
+    suites = ET.parse(path).getroot()
+    suites = [suites] if suites.tag == "testsuite" else list(suites.iter("testsuite"))
+    counts = {key: sum(int(x.get(key, 0)) for x in suites) for key in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('name')}" for x in suites for case in x.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return {"passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "failed": counts["failures"], "errors": counts["errors"], "skipped": counts["skipped"],
+            "failed_tests": failed}
 
 
 def _compose_and_run(overrides: list[str]) -> dict | None:
@@ -211,7 +229,29 @@ class CudaBackend:
         if proc.returncode != 0:
             raise _failure(run_dir, log_path, f"{what} exited {proc.returncode}")
 
-    # ---- kernels, rSVD ----------------------------------------------------------------------------------------
+    # ---- smoke tests, kernels, rSVD ---------------------------------------------------------------------------
+    def smoke_tests(self, *, work_dir: Path, timeout_s: float) -> dict:
+        if not SMOKE_TESTS.exists():
+            return {"error": f"{SMOKE_TESTS} not found (run from a checkout of the repository)"}
+        work_dir.mkdir(parents=True, exist_ok=True)
+        junit, log_path = work_dir / "cuda_smoke_tests.xml", work_dir / "cuda_smoke_tests.log"
+        junit.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", str(SMOKE_TESTS), "-q", "-p", "no:cacheprovider",
+               f"--junitxml={junit}"]
+        start = time.monotonic()
+        with open(log_path, "w", encoding="utf-8") as log:
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, timeout=timeout_s,
+                                      env={**child_env(), "TRITON_INTERPRET": "0"})  # conftest defaults it to 1
+            except subprocess.TimeoutExpired:
+                return {"error": f"pytest timed out after {timeout_s:.0f} s (log: {log_path})",
+                        "wall_s": time.monotonic() - start}
+        raw = {"returncode": proc.returncode, "wall_s": time.monotonic() - start, "junit": str(junit),
+               "log": str(log_path)}
+        if not junit.exists():
+            return {**raw, "error": f"pytest exited {proc.returncode} without a report (log: {log_path})"}
+        return {**raw, **read_junit(junit)}
+
     def _worker(self, what: str, work_dir: Path):
         if self.runner == "inprocess":
             from benchmarks.gpu_validate import kernel_checks

@@ -7,7 +7,9 @@ Everything that touches CUDA goes through the backend object (``cuda_backend.Cud
 - ``run_method(overrides, *, results_dir, run_id, log_path, timeout_s) -> RunResult``: a training run through the
   normal runner (``experiments.run``), its ``summary.json`` and ``metrics.jsonl`` read back from the results store;
 - ``dryrun(overrides, *, results_dir, run_id, log_path) -> dict``: the dry run's ``summary.json``;
-- ``kernel_checks(*, work_dir) -> list[dict]`` and ``rsvd_vs_svd(*, work_dir) -> dict``: raw measurements.
+- ``kernel_checks(*, work_dir) -> list[dict]`` and ``rsvd_vs_svd(*, work_dir) -> dict``: raw measurements;
+- ``smoke_tests(*, work_dir, timeout_s) -> dict``: the outcome of ``pytest -m cuda`` (``returncode``, the counts
+  ``passed``/``failed``/``errors``/``skipped``, ``failed_tests``, ``junit``: where pytest's report is).
 
 A backend raises (``RunFailed`` or anything else) when something crashes; the orchestrator records ``ERROR`` for
 that check and goes on. Every record is handed to ``on_update`` as soon as it exists, so the results files are
@@ -78,7 +80,7 @@ class Validation:
 
     # ---- the plan ---------------------------------------------------------------------------------------------
     def run(self) -> list[C.CheckRecord]:
-        handlers = {"method": self._method, "kernels": self._kernels, "activation_policy": self._activation,
+        handlers = {"smoke_tests": self._smoke, "method": self._method, "kernels": self._kernels, "activation_policy": self._activation,
                     "pcie": self._pcie, "rsvd_vs_svd": self._rsvd}
         for check in build_plan(self.opts):
             reason = check.skip_reason or self.budget.skip_reason(check)
@@ -213,6 +215,13 @@ class Validation:
         return str(Path("runs") / run_id)
 
     # ---- the other checks -------------------------------------------------------------------------------------
+    def _smoke(self, check: PlannedCheck) -> list[C.CheckRecord]:
+        raw = self.backend.smoke_tests(work_dir=self.session.logs_dir, timeout_s=max(self.budget.remaining(), 60))
+        verdict, note = C.smoke_verdict(raw)
+        measured = {k: raw.get(k) for k in ("passed", "failed", "errors", "skipped", "returncode")}
+        return [C.CheckRecord(check.name, check.kind, verdict, {**measured, "wall(s)": raw.get("wall_s")},
+                              {"failed": 0, "errors": 0, "passed": "> 0"}, note)]
+
     def _kernels(self, check: PlannedCheck) -> list[C.CheckRecord]:
         raws = self.backend.kernel_checks(work_dir=self.session.logs_dir)
         if not raws:

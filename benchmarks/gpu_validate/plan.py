@@ -2,6 +2,8 @@
 
 Order (most important first, so a short device lease still yields the memory comparison):
 
+0. the CUDA smoke tests (core): ``pytest -m cuda`` (tests/test_cuda_smoke.py: one real step per method and
+   activation preset on a micro model, the meter's peak against the allocator's), in a subprocess;
 1. every method at 125M (core): one training run through the normal runner, then the dry run of the same
    settings; checks ``run``, ``tracker_vs_allocated`` (≤ 3 %), ``dryrun_vs_allocated`` (≤ 5 %);
 2. Triton kernels vs the PyTorch references, and their timings (optional);
@@ -52,8 +54,9 @@ FULL_CKPT = MethodSpec("hmt-full-ckpt", ("method=hmt", "activation=full_ckpt"))
 OFFLOAD = MethodSpec("hmt-offload", ("method=hmt", "method.offload_bases=true", "method.per_layer=true"))
 METHOD_LABELS = tuple(m.label for m in METHODS)
 CORE_MODEL, LARGE_MODEL = "125m", "1b"
+SMOKE_CHECK = "cuda_smoke_tests"
 
-DEFAULT_ESTIMATES_S = {"method@125m": 45.0, "method@1b": 150.0, "run@125m": 35.0, "kernels": 60.0, "rsvd": 40.0}
+DEFAULT_ESTIMATES_S = {"smoke": 240.0, "method@125m": 45.0, "method@1b": 150.0, "run@125m": 35.0, "kernels": 60.0, "rsvd": 40.0}
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class PlannedCheck:
     """One step of the plan; ``kind`` selects the orchestrator's handler, ``cost_key`` its time estimate."""
 
     name: str
-    kind: str  # "method" | "kernels" | "activation_policy" | "pcie" | "rsvd_vs_svd"
+    kind: str  # "smoke_tests" | "method" | "kernels" | "activation_policy" | "pcie" | "rsvd_vs_svd"
     cost_key: str
     optional: bool
     spec: MethodSpec | None = None
@@ -106,7 +109,8 @@ class PlannedCheck:
 
 def build_plan(opts: Options) -> list[PlannedCheck]:
     quick = "left out by --quick" if opts.quick else None
-    plan = [PlannedCheck(f"method/{s.label}/{CORE_MODEL}", "method", f"method@{CORE_MODEL}", False, s, CORE_MODEL)
+    plan = [PlannedCheck(SMOKE_CHECK, "smoke_tests", "smoke", False)]
+    plan += [PlannedCheck(f"method/{s.label}/{CORE_MODEL}", "method", f"method@{CORE_MODEL}", False, s, CORE_MODEL)
             for s in opts.selected_methods()]
     plan += [PlannedCheck("kernels", "kernels", "kernels", True),
              PlannedCheck("activation_policy/hmt_vs_full_ckpt", "activation_policy", f"run@{CORE_MODEL}", True,

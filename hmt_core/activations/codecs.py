@@ -170,7 +170,8 @@ def outlier_quant(
     ztop, idx = torch.topk(z, slots)
     valid = ztop > z_threshold
     outliers = x2[:, idx].to(torch.bfloat16)  # (rows, slots)
-    rest = x2.index_fill(1, idx[valid], 0.0) if rows else x2
+    drop = torch.zeros(c, dtype=torch.bool, device=x2.device).scatter_(0, idx, valid)  # (c,): no mask indexing,
+    rest = torch.where(drop, x2.new_zeros(()), x2) if rows else x2  # which would wait for the device (nonzero)
     xb = _blocks(rest, block)  # (nb, block)
     lo, hi = xb.amin(dim=1), xb.amax(dim=1)
     asym = (lo >= 0) | (hi <= 0)
