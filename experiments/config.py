@@ -150,11 +150,11 @@ class TrainConfig:
     ce_chunk_tokens: int = 1024  # tokens per chunk of the fused loss (logits held: ce_chunk_tokens x vocab)
 
     def __post_init__(self) -> None:
+        _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
+                  "log_every", "ce_chunk_tokens")
         if self.seq_len < 2:
             raise ValueError(f"train.seq_len={self.seq_len} must be >= 2: the next-token loss needs at least one "
                              "input token and the token after it (with 1 every loss is NaN and every step skipped)")
-        _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
-                  "log_every", "ce_chunk_tokens")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

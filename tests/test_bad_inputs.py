@@ -336,3 +336,50 @@ def test_a_run_folder_in_use_is_refused_in_process(capsys, results):
                                      f"pid {os.getpid()}")
     assert "another run_id" in line
     assert not (results / "busy").exists()  # released: the lock file and the folder it made are gone
+
+
+def test_two_processes_with_one_run_id(results):
+    """The second of two runs started with the same run_id is refused while the first runs; the first's folder
+    holds only its own files."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    common = ["run_id=same", "train.steps=100000", "train.warmup_steps=1", "train.eval_every=100000"]
+    first = subprocess.Popen([sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO, *common,
+                              "method=hmt"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        metrics = results / "same" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # the first is training
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        config = (results / "same" / "config.yaml").read_text()
+        second = cli(results, *common, "method=adamw")
+        assert first.poll() is None, first.communicate()  # still running: the refusal is not its end
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=240)
+    lines = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode != 0 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert f"run_id=same is in use by another process (pid {first.pid})" in lines[0], lines[0]
+    assert (results / "same" / "config.yaml").read_text() == config  # still the first's (method: hmt)
+    assert "name: hmt" in config and "adamw" not in config, config
+
+
+# -------------------------------------------------------------------------------- command-line quoting
+@pytest.mark.parametrize("override", ["data.path=~/my corpus", "data.path=/data/caf\u00e9"])
+def test_unquoted_special_characters_get_a_quoting_hint(results, override):
+    before = snapshot(results)
+    proc = cli(results, override)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "LexerNoViableAltException" not in proc.stderr, proc.stderr
+    key, value = override.split("=", 1)
+    assert f"{override!r}" in lines[0] and f"'{key}=\"{value}\"'" in lines[0], lines[0]
+    assert snapshot(results) == before
+
+
+def test_the_quoting_the_hint_gives_works(capsys, results):
+    """Hydra takes the double-quoted value whole (then ``data.path`` is checked, and found missing)."""
+    assert_one_line_error(capsys, results, ['data.path="~/no such corpus \u00e9"'],
+                          "data.path does not exist: ~/no such corpus \u00e9")
