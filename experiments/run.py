@@ -226,6 +226,8 @@ def main(cfg: DictConfig) -> None:
 def check_overrides(args: list[str]) -> None:
     """Parse the ``key=value`` arguments as Hydra will, so an unquoted ``~``, non-ASCII letter or other special
     character ends in one ``error:`` line with the quoting that works, not in Hydra's lexer report."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return  # Hydra's own report, with its stack trace
     parser = OverridesParser.create()
     for arg in args:
         if "=" in arg and not arg.startswith("-"):
@@ -233,8 +235,8 @@ def check_overrides(args: list[str]) -> None:
                 parser.parse_overrides([arg])
             except OverrideParseException:
                 key, _, value = arg.partition("=")
-                exit_with_error(f"cannot parse the override {arg!r}: quote a value holding ~, spaces, non-ASCII "
-                                f"letters or other special characters, e.g. '{key}=\"{value}\"' (double quotes "
+                exit_with_error(f"cannot parse the override {arg!r}: quote a value holding ~, non-ASCII letters "
+                                f"or other special characters, e.g. '{key}=\"{value}\"' (double quotes "
                                 "for Hydra, single quotes around them for the shell; docs/command_line.md)")
 
 
