@@ -11,11 +11,13 @@ of interleaving its files with the first's.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -174,10 +176,15 @@ class RunLock:
             except OSError as e:
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RunInUse(f"run_id={self.run_dir.name} is in use by another process (pid {holder}), "
+                                   f"which holds {self.path}; wait for it to end, or choose another run_id") from None
+                if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
                     raise
-                raise RunInUse(f"run_id={self.run_dir.name} is in use by another process (pid {holder}), which "
-                               f"holds {self.path}; wait for it to end, or choose another run_id") from None
+                self.path.unlink(missing_ok=True)
+                print(f"warning: cannot lock {self.path} ({e.strerror}: this filesystem has no flock); a second "
+                      f"run with run_id={self.run_dir.name} would not be detected", file=sys.stderr)
+                return self
             if _same_file(fd, self.path):
                 self._fd = fd
             else:  # the previous holder removed the file between our open and flock: lock the new one
@@ -187,16 +194,13 @@ class RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._fd is None:
-            return
-        self.path.unlink(missing_ok=True)  # while still holding the lock (see the class docstring)
-        os.close(self._fd)
-        self._fd = None
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # while still holding the lock (see the class docstring)
+            os.close(self._fd)
+            self._fd = None
         if self._made_dir:  # refused or failed before writing anything: leave no empty folder behind
-            try:
+            with contextlib.suppress(OSError):
                 self.run_dir.rmdir()
-            except OSError:
-                pass
 
 
 def _same_file(fd: int, path: Path) -> bool:

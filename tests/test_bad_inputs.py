@@ -338,6 +338,18 @@ def test_a_run_folder_in_use_is_refused_in_process(capsys, results):
     assert not (results / "busy").exists()  # released: the lock file and the folder it made are gone
 
 
+def test_a_lock_file_left_by_a_killed_run_does_not_block(tmp_path):
+    """kill -9 leaves ``.lock`` behind but the kernel drops its flock: the next run takes it, then removes it."""
+    from experiments.results import RunLock
+
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("999999\n")
+    with RunLock(run_dir) as lock:
+        assert lock.path.read_text() == f"{os.getpid()}\n"
+    assert sorted(run_dir.iterdir()) == []  # the file is gone; the folder, which was there before, stays
+
+
 def test_two_processes_with_one_run_id(results):
     """The second of two runs started with the same run_id is refused while the first runs; the first's folder
     holds only its own files."""
