@@ -14,6 +14,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,6 +36,18 @@ def _positive(section: str, obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         if value is None or not value > 0:
             raise ValueError(f"{section}.{name} must be > 0, got {value}")
+
+
+def _check_folder(key: str, folder: str) -> None:
+    """``folder`` (``~`` expanded) must be a directory or creatable as one: no part of it may be a file."""
+    path = Path(folder).expanduser()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is a file" if part == path else f"lies under {part}, which is a file"
+                raise ValueError(f"{key}={folder} {what}, not a folder; point {key} at a folder (it is created "
+                                 "if missing)")
+            return
 
 
 def _one_of(section: str, name: str, value: Any, allowed: tuple) -> None:
@@ -62,9 +75,11 @@ class ModelConfig:
         _one_of("model", "dtype", self.dtype, DTYPES)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} not divisible by model.num_heads={self.num_heads}")
+        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must be > 0 and divide model.num_heads="
+                             f"{self.num_heads} (grouped-query attention: each key/value head serves "
+                             "num_heads/num_kv_heads query heads)")
         if self.path is not None:
-            from pathlib import Path
-
             if not (Path(self.path).expanduser() / "config.json").exists():
                 raise FileNotFoundError(f"model.path has no Hugging Face model (config.json): {self.path}")
 
@@ -106,10 +121,9 @@ class DataConfig:
         if self.chunk_chars < 0:
             raise ValueError(f"data.chunk_chars must be >= 0 (0: never cut documents), got {self.chunk_chars}")
         if self.path is not None:
-            from pathlib import Path
-
             if not Path(self.path).expanduser().exists():
                 raise FileNotFoundError(f"data.path does not exist: {self.path}")
+        _check_folder("data.cache_dir", self.cache_dir)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +153,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
                   "log_every", "ce_chunk_tokens")
+        if self.seq_len < 2:
+            raise ValueError(f"train.seq_len={self.seq_len} must be >= 2: the next-token loss needs at least one "
+                             "input token and the token after it (with 1 every loss is NaN and every step skipped)")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -189,6 +206,8 @@ class DryrunConfig:
         if self.cuda_context_gib < 0:
             raise ValueError(f"dryrun.cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
         object.__setattr__(self, "gpu_sizes_gib", tuple(self.gpu_sizes_gib))
+        if any(size <= 0 for size in self.gpu_sizes_gib):
+            raise ValueError(f"dryrun.gpu_sizes_gib={list(self.gpu_sizes_gib)} must hold GPU memory sizes > 0 (GiB)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,6 +267,9 @@ class RunConfig:
         _one_of("run", "device", self.device, DEVICES)
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not self.results_dir.strip():
+            raise ValueError(f"results_dir={self.results_dir!r} is empty: it would write the run into the current "
+                             "directory; name a folder (default: results_dir=results)")
         if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
             raise ValueError(f"run_id={self.run_id!r} must be one folder name: letters, digits and . _ = + - "
                              "(no '/', no leading '.' or '-', at most 200 characters)")

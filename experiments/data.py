@@ -41,6 +41,7 @@ from experiments.local_corpus import corpus_files, iter_documents
 
 EOS = "<|endoftext|>"
 TOKENIZER_SAMPLE_CHARS = 100_000_000  # the trained BPE sees at most the first ~100 MB of training text
+MIN_BPE_VOCAB = 257  # a trained byte-level BPE starts from 256 byte symbols (ByteLevel.alphabet()) plus EOS
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 ENCODE_BATCH_CHARS = 1 << 20  # documents are encoded (in parallel) and written in batches of about 1 M characters
 

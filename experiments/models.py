@@ -80,6 +80,7 @@ def load_hf_config(path: str | Path):
     ``UserError`` naming ``<path>/config.json`` when it is missing, not JSON (with line/column), lacks
     ``model_type``, names an unknown or non-causal-LM architecture, or holds values its config class rejects.
     Cheap: reads one small file, builds no model, never touches the network."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     file = _config_file(path)
@@ -89,6 +90,10 @@ def load_hf_config(path: str | Path):
     except (ValueError, TypeError, KeyError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{file}: transformers rejects this config ({type(e).__name__}: {first})") from None
+    except StrictDataclassError as e:  # a config class's validator (hidden_size not a multiple of the heads, ...)
+        cause = e.__cause__ or e
+        raise UserError(f"{file}: transformers rejects this config ({type(cause).__name__}: "
+                        f"{' '.join(str(cause).split())})") from None
     config.use_cache = False
     return config
 

@@ -6,6 +6,7 @@ compute and before anything is written), then trains (``mode=train``) and writes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -14,15 +15,18 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
 from experiments import methods
-from experiments.checkpointing import INTERRUPTED_EXIT_CODE
+from experiments.checkpointing import INTERRUPTED_EXIT_CODE, TooManyBadSteps, config_differences
 from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config,
                                 without_added_defaults)
 from experiments.errors import UserError, exit_with_error, one_line_errors
-from experiments.models import load_hf_config, max_positions, model_source
-from experiments.results import RunDir, check_writable, dumps, read_status
+from experiments.data import MIN_BPE_VOCAB, has_tokenizer
+from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size
+from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
 from hmt_core.checkpoint import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -132,11 +136,44 @@ def preflight(run: RunConfig) -> None:
         raise UserError(f"train.seq_len={run.train.seq_len} exceeds the model's max_position_embeddings={limit}"
                         + (f" ({run.model.path}/config.json)" if run.model.path else
                            " (raise model.max_position_embeddings for a model built from scratch)"))
+    check_vocab_size(run)
     t = run.train
     if run.mode == "train" and t.warmup_steps >= t.steps:
         print(f"warning: train.warmup_steps={t.warmup_steps} >= train.steps={t.steps}: the learning rate never "
               f"reaches method.lr (it stops at {t.steps / t.warmup_steps:.0%} of it); lower train.warmup_steps",
               file=sys.stderr)
+
+
+def check_vocab_size(run: RunConfig) -> None:
+    """A trained byte-level BPE has at least ``MIN_BPE_VOCAB`` tokens (256 byte symbols + EOS): a smaller
+    vocabulary would silently give the model that many embedding rows while config.yaml records the smaller one."""
+    if run.mode != "train" or (run.model.path and has_tokenizer(Path(run.model.path).expanduser())):
+        return  # a dry run builds no tokenizer; a model's own tokenizer is checked against its embedding later
+    vocab = model_vocab_size(run.model)
+    if vocab < MIN_BPE_VOCAB:
+        key = f"{run.model.path}/config.json vocab_size" if run.model.path else "model.vocab_size"
+        raise UserError(f"{key}={vocab} is below {MIN_BPE_VOCAB}, the smallest byte-level BPE the harness trains "
+                        f"(256 byte symbols + the EOS token): the model would get {MIN_BPE_VOCAB} embedding rows, "
+                        f"not {vocab}; use a vocab_size >= {MIN_BPE_VOCAB}")
+
+
+def check_completed(run_dir: RunDir, config_dict: dict) -> None:
+    """A completed run of ``run_dir``'s id under another configuration is refused, naming the keys that differ:
+    skipping it would pass off its results as this configuration's."""
+    saved = read_recorded_config(run_dir.path)
+    differences = config_differences(saved, recorded(config_dict)) if saved is not None else []
+    if differences:
+        shown = "; ".join(differences[:6]) + (f"; … {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise UserError(f"run_id={run_dir.run_id} already completed in {run_dir.path} with a different "
+                        f"configuration ({shown}); force=true replaces its results with this configuration's, "
+                        "or choose another run_id to keep them")
+
+
+def run_lock(run: RunConfig, run_dir: RunDir):
+    """The run folder's lock, taken by the process that writes it (under torchrun: rank 0)."""
+    if run.dist.mode != "none" and os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    return RunLock(run_dir.path)
 
 
 def execute(run: RunConfig, config_dict: dict) -> dict | None:
@@ -147,16 +184,18 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
     method = methods.make_method(run.method)
     run_id = run.run_id or default_run_id(run)
     run_dir = RunDir(root, run_id)
-    if read_status(run_dir.path) == "completed" and not run.force:
-        print(f"{run_id}: already completed in {run_dir.path} (force=true re-runs it)")
-        return None
-    if run.mode == "dryrun":
-        from experiments.dryrun import execute_dryrun
+    with run_lock(run, run_dir):  # held until the run ends: a second process with this run_id is refused
+        if read_status(run_dir.path) == "completed" and not run.force:
+            check_completed(run_dir, config_dict)
+            print(f"{run_id}: already completed in {run_dir.path} (force=true re-runs it)")
+            return None
+        if run.mode == "dryrun":
+            from experiments.dryrun import execute_dryrun
 
-        return execute_dryrun(run, config_dict, method, run_dir, device, build_summary, print_summary)
-    from experiments.train import execute_train
+            return execute_dryrun(run, config_dict, method, run_dir, device, build_summary, print_summary)
+        from experiments.train import execute_train
 
-    return execute_train(run, config_dict, method, run_dir, device, build_summary, print_summary)
+        return execute_train(run, config_dict, method, run_dir, device, build_summary, print_summary)
 
 
 def main_with_config(cfg: DictConfig) -> dict | None:
@@ -166,6 +205,10 @@ def main_with_config(cfg: DictConfig) -> dict | None:
     try:
         return one_line_errors(lambda: execute(run, to_plain_dict(run)), PermissionError, FileNotFoundError,
                                CheckpointError)
+    except TooManyBadSteps as e:  # the run diverged: status failed, error.txt and its checkpoints are kept
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        exit_with_error(f"training failed: {e}", code=1)
     except KeyboardInterrupt:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -180,5 +223,23 @@ def main(cfg: DictConfig) -> None:
     main_with_config(cfg)
 
 
+def check_overrides(args: list[str]) -> None:
+    """Parse the ``key=value`` arguments as Hydra will, so an unquoted ``~``, non-ASCII letter or other special
+    character ends in one ``error:`` line with the quoting that works, not in Hydra's lexer report."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return  # Hydra's own report, with its stack trace
+    parser = OverridesParser.create()
+    for arg in args:
+        if "=" in arg and not arg.startswith("-"):
+            try:
+                parser.parse_overrides([arg])
+            except OverrideParseException:
+                key, _, value = arg.partition("=")
+                exit_with_error(f"cannot parse the override {arg!r}: quote a value holding ~, non-ASCII letters "
+                                f"or other special characters, e.g. '{key}=\"{value}\"' (double quotes "
+                                "for Hydra, single quotes around them for the shell; docs/command_line.md)")
+
+
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])
     main()

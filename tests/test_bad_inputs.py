@@ -238,3 +238,160 @@ def test_rerun_says_why_it_starts_at_step_zero(results, capsys):
     compose_run(results, "train.steps=1", "train.warmup_steps=1", "method=adamw", "run_id=z")
     err = capsys.readouterr().err
     assert "starting z at step 0: its previous attempt ended 'failed' without a usable checkpoint" in err, err
+
+
+# ------------------------------------------------------------------------- values refused at validation
+@pytest.mark.parametrize("overrides, fragments", [
+    (["model.num_kv_heads=3"], ["model.num_kv_heads=3", "divide model.num_heads=4"]),
+    (["model.num_kv_heads=0"], ["model.num_kv_heads=0", "> 0"]),
+    (["train.seq_len=1"], ["train.seq_len=1", ">= 2"]),
+    (["mode=dryrun", "dryrun.gpu_sizes_gib=[-16,0]"], ["dryrun.gpu_sizes_gib=[-16, 0]", "> 0"]),
+    (["model.vocab_size=100"], ["model.vocab_size=100", "below 257", "256 byte symbols"]),
+])
+def test_values_refused_before_start(capsys, results, overrides, fragments):
+    assert_one_line_error(capsys, results, overrides, *fragments)
+
+
+def test_a_byte_level_bpe_never_has_fewer_than_257_tokens(tmp_path):
+    """Why model.vocab_size < 257 is refused: asked for 100 tokens, the trainer still keeps all 256 bytes + EOS."""
+    from tokenizers import pre_tokenizers
+
+    from experiments.data import MIN_BPE_VOCAB, train_tokenizer
+
+    encoder = train_tokenizer([book(5)], 100, tmp_path / "bpe.json")
+    assert encoder.vocab_size == MIN_BPE_VOCAB == len(pre_tokenizers.ByteLevel.alphabet()) + 1, encoder.vocab_size
+
+
+def test_empty_results_dir_is_refused(capsys, results, tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert_one_line_error(capsys, results, ["results_dir="], "results_dir=''", "current directory")
+    assert list(cwd.iterdir()) == []
+
+
+def test_cache_dir_that_is_a_file(capsys, results, tmp_path):
+    blocker = tmp_path / "cache.txt"
+    blocker.write_text("mine")
+    assert_one_line_error(capsys, results, [f"data.cache_dir={blocker}"], f"data.cache_dir={blocker}", "is a file")
+    assert_one_line_error(capsys, results, [f"data.cache_dir={blocker}/sub"], f"{blocker}, which is a file")
+    assert blocker.read_text() == "mine"
+
+
+def test_model_config_that_transformers_rejects(capsys, results, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 3, "num_hidden_layers": 1,
+        "intermediate_size": 128, "vocab_size": 512}))
+    assert_one_line_error(capsys, results, [f"model.path={model_dir}"], str(model_dir / "config.json"),
+                          "not a multiple of the number of attention heads")
+
+
+def test_small_vocab_in_a_config_only_model_dir(capsys, results, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+        "intermediate_size": 128, "vocab_size": 100}))
+    assert_one_line_error(capsys, results, [f"model.path={model_dir}"], "config.json vocab_size=100", "below 257")
+
+
+# ------------------------------------------------------------------------------------ runs that go wrong
+def test_diverging_run_ends_in_one_line_and_keeps_its_checkpoints(capsys, results):
+    before = snapshot(results)
+    with pytest.raises(SystemExit) as exc:
+        compose_run(results, "method.lr=1e6", "train.steps=40", "train.warmup_steps=0", "train.checkpoint_every=1",
+                    "train.max_bad_steps=2", "run_id=d")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 1 and len(lines) == 1 and "Traceback" not in err, (exc.value.code, err)
+    assert "consecutive steps with a non-finite loss or gradient" in lines[0], lines[0]
+    assert "train.max_bad_steps=2" in lines[0] and "last checkpoint: " + str(results / "d" / "checkpoints") in lines[0]
+    run_dir = results / "d"
+    assert (run_dir / "status").read_text() == "failed\n"
+    assert "TooManyBadSteps" in (run_dir / "error.txt").read_text()  # the traceback is kept for a bug report
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()), "checkpoints were removed"
+    assert {k: v for k, v in snapshot(results).items() if not k.startswith("d/")} == before
+
+
+def test_completed_run_with_another_configuration_names_the_differences(capsys, results):
+    compose_run(results, "train.steps=1", "train.warmup_steps=1", "run_id=done")
+    capsys.readouterr()
+    # the same configuration (progress is not part of it) is skipped as before
+    assert compose_run(results, "train.steps=1", "train.warmup_steps=1", "run_id=done", "train.progress=true") is None
+    assert "already completed" in capsys.readouterr().out
+    assert_one_line_error(capsys, results, ["train.steps=1", "train.warmup_steps=1", "run_id=done", "method=adamw"],
+                          "run_id=done already completed", "different configuration", "method: 'hmt' -> 'adamw'",
+                          "force=true", "another run_id")
+    assert_one_line_error(capsys, results, ["train.steps=2", "train.warmup_steps=1", "run_id=done"],
+                          "train.steps: 1 -> 2")
+
+
+def test_a_run_folder_in_use_is_refused_in_process(capsys, results):
+    from experiments.results import RunLock
+
+    with RunLock(results / "busy"):
+        line = assert_one_line_error(capsys, results, ["run_id=busy"], "run_id=busy is in use by another process",
+                                     f"pid {os.getpid()}")
+    assert "another run_id" in line
+    assert not (results / "busy").exists()  # released: the lock file and the folder it made are gone
+
+
+def test_a_lock_file_left_by_a_killed_run_does_not_block(tmp_path):
+    """kill -9 leaves ``.lock`` behind but the kernel drops its flock: the next run takes it, then removes it."""
+    from experiments.results import RunLock
+
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("999999\n")
+    with RunLock(run_dir) as lock:
+        assert lock.path.read_text() == f"{os.getpid()}\n"
+    assert sorted(run_dir.iterdir()) == []  # the file is gone; the folder, which was there before, stays
+
+
+def test_two_processes_with_one_run_id(results):
+    """The second of two runs started with the same run_id is refused while the first runs; the first's folder
+    holds only its own files."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    common = ["run_id=same", "train.steps=100000", "train.warmup_steps=1", "train.eval_every=100000"]
+    first = subprocess.Popen([sys.executable, "-m", "experiments.run", f"results_dir={results}", *MICRO, *common,
+                              "method=hmt"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        metrics = results / "same" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # the first is training
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        config = (results / "same" / "config.yaml").read_text()
+        second = cli(results, *common, "method=adamw")
+        assert first.poll() is None, first.communicate()  # still running: the refusal is not its end
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=240)
+    lines = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert second.returncode != 0 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert f"run_id=same is in use by another process (pid {first.pid})" in lines[0], lines[0]
+    assert (results / "same" / "config.yaml").read_text() == config  # still the first's (method: hmt)
+    assert "name: hmt" in config and "adamw" not in config, config
+
+
+# -------------------------------------------------------------------------------- command-line quoting
+@pytest.mark.parametrize("override", ["data.path=~/my corpus", "data.path=/data/caf\u00e9"])
+def test_unquoted_special_characters_get_a_quoting_hint(results, override):
+    before = snapshot(results)
+    proc = cli(results, override)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "LexerNoViableAltException" not in proc.stderr, proc.stderr
+    key, value = override.split("=", 1)
+    assert f"{override!r}" in lines[0] and f"'{key}=\"{value}\"'" in lines[0], lines[0]
+    assert snapshot(results) == before
+
+
+def test_the_quoting_the_hint_gives_works(capsys, results):
+    """Hydra takes the double-quoted value whole (then ``data.path`` is checked, and found missing)."""
+    assert_one_line_error(capsys, results, ['data.path="~/no such corpus \u00e9"'],
+                          "data.path does not exist: ~/no such corpus \u00e9")
