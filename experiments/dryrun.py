@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments import dist_checks, distributed
 from experiments.config import RunConfig
 from experiments.errors import UserError
-from experiments.gpu_allowance import GpuTarget, allowance_for, fsdp_unit_bytes, modeled_verdicts
+from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, modeled_verdicts
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
@@ -149,11 +149,8 @@ def gpu_verdicts(run: RunConfig, traced: dict, verdict_peak: int) -> dict:
     predicted reserved bytes (``experiments.allocator_model``) plus the GPU allowance for ``dryrun.gpu_arch``
     (``experiments.gpu_allowance``); ``flat``: the live peak plus ``dryrun.cuda_context_gib``. The predicted
     allocator peaks are reported either way."""
-    d, dist = run.dryrun, traced["dist"]
-    target = GpuTarget(arch=d.gpu_arch, world_size=dist["world_size"] if dist else 1,
-                       dist_mode=dist["mode"] if dist else None, fsdp_unit_bytes=traced["fsdp_unit_bytes"],
-                       basis_cache_device_bytes=int(traced["method_summary"].get("cache/device_bytes_peak", 0)))
-    allowance = allowance_for(target)
+    d = run.dryrun
+    allowance = allowance_of_trace(run, traced)
     modeled = modeled_verdicts(traced["alloc_events"], allowance, d.gpu_sizes_gib)
     out = {"reserve": d.reserve, "gpu_arch": d.gpu_arch, "predicted": modeled["predicted"],
            "allowance": allowance.to_dict()}

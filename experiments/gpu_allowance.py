@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch.distributed.fsdp import FSDPModule
 
 from experiments.allocator_model import AllocEvent, replay
-from experiments.config import GPU_ARCHS
+from experiments.config import GPU_ARCHS, RunConfig
 
 MiB = 2**20
 GIB = 2**30
@@ -166,3 +166,56 @@ def modeled_verdicts(event_logs: list[list[AllocEvent]], allowance: GpuAllowance
                 peak = max(r.peak_reserved_bytes for r in capped)
         verdicts[f"{size}GiB"] = {"fits": peak <= capacity, "headroom_bytes": int(capacity - peak)}
     return {"predicted": best.to_dict(), "verdicts": verdicts}
+
+
+def target_of(run: RunConfig, *, dist: dict | None = None, fsdp_unit: int = 0, basis_cache_bytes: int = 0) -> GpuTarget:
+    """The GPU run ``run`` stands for: ``dist`` is a dry run's traced ``{"mode", "world_size"}`` (default: from
+    ``run.dist``, as the planner knows it before any trace)."""
+    if dist is None and run.dist.mode != "none":
+        dist = {"mode": run.dist.mode, "world_size": run.dist.world_size or 1}
+    return GpuTarget(arch=run.dryrun.gpu_arch, world_size=dist["world_size"] if dist else 1,
+                     dist_mode=dist["mode"] if dist else None, fsdp_unit_bytes=fsdp_unit,
+                     basis_cache_device_bytes=basis_cache_bytes)
+
+
+def reserve_bytes(run: RunConfig) -> int:
+    """What a budget keeps off the step's bytes (``step_bytes``): ``dryrun.reserve=flat``: ``cuda_context_gib``;
+    ``modeled``: the allowance lines (outside and replayed) of the run as known before a trace."""
+    if run.dryrun.reserve == "flat":
+        return int(run.dryrun.cuda_context_gib * GIB)
+    allowance = allowance_for(target_of(run))
+    return allowance.outside_bytes + allowance.replayed_bytes
+
+
+def step_bytes(dryrun_summary: dict, run: RunConfig) -> int:
+    """A dry run's bytes to hold against ``budget − reserve_bytes(run)``, so that it fits exactly when the dry run's
+    own verdict for a ``budget`` GPU says so: ``flat``: the live verdict peak; ``modeled``: predicted reserved + the
+    lines outside the replay − ``reserve_bytes(run)`` (the allocator's slack beyond the live bytes stays in)."""
+    d = dryrun_summary
+    if d.get("reserve", "flat") == "flat":
+        return int(d["verdict_peak_bytes"])
+    return int(d["predicted"]["peak_reserved_bytes"] + d["allowance"]["outside_bytes"] - reserve_bytes(run))
+
+
+def reserve_label(run: RunConfig) -> str:
+    if run.dryrun.reserve == "flat":
+        return f"dryrun.cuda_context_gib={run.dryrun.cuda_context_gib:g}"
+    return f"GPU allowance ({run.dryrun.gpu_arch}, docs/gpu-memory-model.md)"
+
+
+def allowance_of_trace(run: RunConfig, traced: dict) -> GpuAllowance:
+    """The allowance for a traced run (``experiments.dryrun.trace_steps``'s result): its process group, its
+    largest FSDP2 unit and the basis cache's device peak as traced."""
+    cache = int(traced["method_summary"].get("cache/device_bytes_peak", 0))
+    return allowance_for(target_of(run, dist=traced["dist"], fsdp_unit=traced["fsdp_unit_bytes"],
+                                   basis_cache_bytes=cache))
+
+
+def traced_step_bytes(run: RunConfig, traced: dict) -> int:
+    """``step_bytes`` of a dry run's summary, computed from the trace itself (the planner's capacity traces)."""
+    live = max(traced["report"].peak_bytes, traced["probe_peak_bytes"] or 0)
+    if run.dryrun.reserve == "flat":
+        return int(live)
+    allowance = allowance_of_trace(run, traced)
+    predicted = modeled_verdicts(traced["alloc_events"], allowance, ())["predicted"]
+    return int(predicted["peak_reserved_bytes"] + allowance.outside_bytes - reserve_bytes(run))
