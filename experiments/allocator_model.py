@@ -22,7 +22,11 @@ The rules replayed (constants from ``c10/core/AllocatorConfig.h``; rules from ``
   given: ``release_cached_blocks`` frees every cached segment that is entirely free, then the ``cudaMalloc`` is
   retried once.
 
-Not modelled: ``expandable_segments``, ``max_split_size_mb``/``roundup_power2_divisions``/
+With ``expandable_segments:True`` each pool and stream has one segment that grows by mapping pages (2 MiB for the
+small pool, 20 MiB for the large one) at its end, merged with a free last block; every block splits when ≥ 512 bytes
+remain; best fit passes over that last block when another cached block fits (it can grow).
+
+Not modelled: ``max_split_size_mb``/``roundup_power2_divisions``/
 ``garbage_collection_threshold`` (all off by default), CUDA graph pools, and the delay ``record_stream`` adds
 before a block used on another stream is reusable.
 """
@@ -102,8 +106,10 @@ class _OutOfMemory(Exception):
 
 
 class _Allocator:
-    def __init__(self, capacity_bytes: int | None) -> None:
+    def __init__(self, capacity_bytes: int | None, expandable: bool) -> None:
         self.capacity = capacity_bytes
+        self.expandable = expandable
+        self.tail: dict[tuple[int, bool], _Block] = {}  # expandable: the last mapped block of each pool's segment
         self.pools: dict[tuple[int, bool], list[tuple[int, int, int]]] = {}
         self.cached: dict[tuple[int, int, int, tuple[int, bool]], _Block] = {}
         self.segment_heads: dict[int, tuple[_Block, int]] = {}  # segment -> (first block, segment size)
@@ -133,6 +139,30 @@ class _Allocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
+    def _grow(self, size: int, pool: tuple[int, bool]) -> _Block:
+        """``try_allocate_expandable_block``: map pages (2 MiB small pool, 20 MiB large; ``find_expandable_block``)
+        at the end of the pool's one expandable segment, merged with a free tail, until ``size`` fits."""
+        page = K_SMALL_BUFFER if pool[1] else K_LARGE_BUFFER
+        tail = self.tail.get(pool)
+        have = tail.size if tail is not None and tail.free else 0
+        grow = page * -(-(size - have) // page)
+        if self.capacity is not None and self.reserved + grow > self.capacity:
+            raise _OutOfMemory  # (releasing free pages of an expandable segment is not modelled)
+        self.reserved += grow
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if tail is None:
+            self.segments += 1
+            block = _Block(segment=self.segments, offset=0, size=grow, pool=pool, free=False)
+        elif tail.free:
+            self._uncache(tail)
+            block, block.size, block.free = tail, tail.size + grow, False
+        else:
+            block = _Block(segment=tail.segment, offset=tail.offset + tail.size, size=grow, pool=pool, free=False,
+                           prev=tail)
+            tail.next = block
+        self.tail[pool] = block
+        return block
+
     def _release_free_segments(self) -> None:
         for segment, (head, seg_size) in list(self.segment_heads.items()):
             if head.free and head.size == seg_size:
@@ -146,18 +176,22 @@ class _Allocator:
         pool = (stream, size <= K_SMALL_SIZE)
         keys = self.pools.get(pool, [])
         i = bisect.bisect_left(keys, (size, -1, -1))
+        if i + 1 < len(keys) and self.expandable and self.cached[(*keys[i], pool)] is self.tail.get(pool):
+            i += 1  # get_free_block: the tail counts as big as it can grow; another fitting block is preferred
         if i < len(keys):
             block = self.cached[(*keys[i], pool)]
             self._uncache(block)
             block.free = False
         else:
-            block = self._new_segment(size, pool)
-        if should_split(block.size, size):
+            block = self._grow(size, pool) if self.expandable else self._new_segment(size, pool)
+        if (block.size - size >= K_MIN_BLOCK_SIZE) if self.expandable else should_split(block.size, size):
             rest = _Block(segment=block.segment, offset=block.offset + size, size=block.size - size, pool=pool,
                           prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
+            if self.tail.get(pool) is block:
+                self.tail[pool] = rest
             self._cache(rest)
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -178,19 +212,22 @@ class _Allocator:
                     block.next = neighbour.next
                     if block.next is not None:
                         block.next.prev = block
+                    if self.tail.get(block.pool) is neighbour:
+                        self.tail[block.pool] = block
                 block.size += neighbour.size
         self._cache(block)
 
 
 def replay(events: Iterable[AllocEvent], *, prelude: Sequence[tuple[int, int]] = (),
-           capacity_bytes: int | None = None) -> ReplayResult:
+           capacity_bytes: int | None = None, expandable_segments: bool = False) -> ReplayResult:
     """Replay ``events`` (in order) on one device's caching allocator, all on stream 0.
 
     ``prelude``: ``(bytes, stream)`` allocations made first and never freed (e.g. cuBLAS workspaces, which torch
     allocates through the caching allocator on each stream that runs a GEMM). ``capacity_bytes``: the memory the
     allocator may ``cudaMalloc`` in all (None: unlimited); a segment that would exceed it first releases the cached
-    free segments, and if it still does not fit the replay stops with ``oom_tick`` set."""
-    alloc = _Allocator(capacity_bytes)
+    free segments, and if it still does not fit the replay stops with ``oom_tick`` set. ``expandable_segments``:
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (one growing segment per pool and stream)."""
+    alloc = _Allocator(capacity_bytes, expandable_segments)
     live: dict[int, _Block] = {}
     requested = peak_requested = 0
     tick: int | None = -1

@@ -162,8 +162,10 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and
 # checkpoints (a configuration with another value is a different run, as usual).
-# (dryrun.reserve and dryrun.gpu_arch only change how a dry run judges "fits", never a training trajectory.)
-ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper"}
+# (dryrun.reserve, gpu_arch and expandable_segments only change how a dry run judges "fits", never a training
+# trajectory.)
+ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dryrun", "reserve"): "modeled",
+                      ("dryrun", "gpu_arch"): "hopper", ("dryrun", "expandable_segments"): False}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -182,6 +184,7 @@ class DryrunConfig:
     # allowance lines (experiments.gpu_allowance) for a gpu_arch GPU; "flat" = live peak + cuda_context_gib
     reserve: str = "modeled"
     gpu_arch: str = "hopper"
+    expandable_segments: bool = False  # the replay as under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     cuda_context_gib: float = 1.0  # reserve=flat only: GiB for the CUDA context + allocator slack
     gpu_sizes_gib: tuple[int, ...] = (16, 24, 40, 80)
     top_modules: int = 10

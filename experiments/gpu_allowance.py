@@ -147,21 +147,22 @@ def fsdp_unit_bytes(model) -> int:
     return best
 
 
-def modeled_verdicts(event_logs: list[list[AllocEvent]], allowance: GpuAllowance,
-                     sizes_gib: tuple[int, ...]) -> dict:
+def modeled_verdicts(event_logs: list[list[AllocEvent]], allowance: GpuAllowance, sizes_gib: tuple[int, ...], *,
+                     expandable_segments: bool = False) -> dict:
     """Replay each meter's event log (the step's, the activation probe's) with the allowance's replayed lines as
     prelude; a GPU of N GiB fits when the larger predicted reserved peak plus the lines outside the replay is at
     most N GiB, or, failing that, when a replay capped at N GiB less those lines never runs out of memory (the
     allocator releases its cached free segments and retries before it fails)."""
-    prelude = allowance.prelude()
-    replays = [replay(log, prelude=prelude) for log in event_logs if log]
+    prelude, ex = allowance.prelude(), expandable_segments
+    replays = [replay(log, prelude=prelude, expandable_segments=ex) for log in event_logs if log]
     best = max(replays, key=lambda r: r.peak_reserved_bytes)
     verdicts = {}
     for size in sizes_gib:
         capacity = size * GIB - allowance.outside_bytes
         peak = best.peak_reserved_bytes
         if peak > capacity:  # the allocator would release its cached free segments and retry before failing
-            capped = [replay(log, prelude=prelude, capacity_bytes=capacity) for log in event_logs if log]
+            capped = [replay(log, prelude=prelude, capacity_bytes=capacity, expandable_segments=ex)
+                      for log in event_logs if log]
             if all(r.oom_tick is None for r in capped):
                 peak = max(r.peak_reserved_bytes for r in capped)
         verdicts[f"{size}GiB"] = {"fits": peak <= capacity, "headroom_bytes": int(capacity - peak)}
@@ -217,5 +218,6 @@ def traced_step_bytes(run: RunConfig, traced: dict) -> int:
     if run.dryrun.reserve == "flat":
         return int(live)
     allowance = allowance_of_trace(run, traced)
-    predicted = modeled_verdicts(traced["alloc_events"], allowance, ())["predicted"]
+    predicted = modeled_verdicts(traced["alloc_events"], allowance, (),
+                                 expandable_segments=run.dryrun.expandable_segments)["predicted"]
     return int(predicted["peak_reserved_bytes"] + allowance.outside_bytes - reserve_bytes(run))

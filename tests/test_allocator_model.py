@@ -107,3 +107,20 @@ def test_meter_event_log_replays_to_the_meters_peak():
     r = replay(meter.events)
     assert r.peak_requested_bytes == rep.peak_bytes, (r.peak_requested_bytes, rep.peak_bytes)
     assert r.peak_reserved_bytes >= r.peak_allocated_bytes >= rep.peak_bytes, r
+
+
+def test_expandable_segments_grow_one_segment_by_pages():
+    ex = {"expandable_segments": True}
+    # 3 MiB maps one 20 MiB page; 16.5 MiB takes 16.5 of the free 17 (every remainder >= 512 B splits):
+    # allocated counts the requests, 19.5 MiB, where the native allocator counted the whole 17 MiB block (20 MiB)
+    r = replay(_events(("a", 1, 3 * MiB), ("a", 2, 33 * MiB // 2)), **ex)
+    _check(r, allocated=39 * MiB // 2, reserved=20 * MiB, segments=1)
+    # >= 10 MiB still maps 20 MiB pages: 11 MiB + 1 B reserves 20 MiB (native: a 12 MiB segment)
+    _check(replay(_events(("a", 1, 11 * MiB + 1)), **ex), allocated=11 * MiB + 512, reserved=20 * MiB)
+    # the fragmentation case: 4 MiB live at offset 4, free 4 MiB before it and a free 12 MiB tail; 14 MiB grows the
+    # tail by one 20 MiB page (12 + 20 = 32 >= 14) instead of a new segment: 40 MiB reserved in one segment
+    r = replay(_events(("a", 1, 4 * MiB), ("a", 2, 4 * MiB), ("f", 1, 4 * MiB), ("a", 3, 14 * MiB)), **ex)
+    _check(r, allocated=18 * MiB, reserved=40 * MiB, segments=1)
+    # freed blocks merge back into the tail, which then serves a larger request after growing by one page only
+    r = replay(_events(("a", 1, 15 * MiB), ("f", 1, 15 * MiB), ("a", 2, 35 * MiB)), **ex)
+    _check(r, allocated=35 * MiB, reserved=40 * MiB, segments=1)

@@ -95,3 +95,17 @@ def test_dryrun_judges_by_reserved_plus_allowance(tmp_path, capsys):
     f = main_with_config(flat)["dryrun"]
     assert f["verdicts"]["1GiB"] == {"fits": False, "headroom_bytes": -f["verdict_peak_bytes"]}, f
     assert f["predicted"] == pred  # the same trace: the allocator figures are reported in either mode
+
+
+def test_expandable_segments_change_the_replay_only():
+    """``dryrun.expandable_segments=true`` on the 6 GiB-then-10 GiB sequence above: one growing segment per pool.
+    Large pool: the two 32 MiB workspaces map 80 MiB (64 live + a 16 MiB free tail); 6 GiB grows the tail by 307
+    pages of 20 MiB; freed, it merges back into the tail (6,156 MiB), which 10 GiB grows by 205 pages: 10,320 MiB
+    mapped = 516 pages, i.e. the 10,304 MiB live at the end rounded up to a page (no hole is left behind). Small
+    pool: one 2 MiB page holds both 1 MiB workspaces. Reserved: 10,322 MiB (native: 16 GiB + 66 MiB)."""
+    allowance = allowance_for(GpuTarget(arch="hopper"))
+    log = [(0, 6 * GIB, 1, "cpu"), (1, -6 * GIB, 1, "cpu"), (2, 10 * GIB, 2, "cpu")]
+    out = modeled_verdicts([log], allowance, (16,), expandable_segments=True)
+    assert out["predicted"]["peak_reserved_bytes"] == 10_322 * MiB, out
+    capacity = 16 * GIB - allowance.outside_bytes
+    assert out["verdicts"]["16GiB"] == {"fits": True, "headroom_bytes": capacity - 10_322 * MiB}, out
