@@ -109,3 +109,25 @@ def test_expandable_segments_change_the_replay_only():
     assert out["predicted"]["peak_reserved_bytes"] == 10_322 * MiB, out
     capacity = 16 * GIB - allowance.outside_bytes
     assert out["verdicts"]["16GiB"] == {"fits": True, "headroom_bytes": capacity - 10_322 * MiB}, out
+
+
+def test_fsdp2_dry_run_allowance_counts_nccl_and_the_largest_unit():
+    """A 2-rank FSDP2 dry run (fake process group) of a micro Llama (h 64, 2 layers, MLP 176, vocab 512, BF16):
+    a decoder layer's unit holds 4·64·64 (attention) + 3·64·176 (MLP) + 2·64 (norms) = 50,304 parameters, the root
+    unit the embedding and the untied lm_head (2·512·64) + the final norm (64) = 65,600: 131,200 bytes unsharded,
+    the largest; the pools' bound is 3 of it. NCCL: 32 channels of Simple + LL128 + LL buffers."""
+    from experiments import methods
+    from experiments.dryrun import trace_steps
+    from experiments.gpu_allowance import allowance_of_trace
+
+    micro = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
+             "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "dryrun.steps=1"]
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        run = to_run_config(compose("run", overrides=["mode=dryrun", *micro, "dist=fsdp2", "dist.world_size=2",
+                                                      "method=adamw"]))
+    assert not run.model.tie_embeddings
+    traced = trace_steps(run, methods.make_method(run.method))
+    assert traced["fsdp_unit_bytes"] == 131_200, traced["fsdp_unit_bytes"]
+    lines = {line.name: line.bytes for line in allowance_of_trace(run, traced).lines}
+    assert next(v for k, v in lines.items() if k.startswith("FSDP2")) == 3 * 131_200, lines
+    assert next(v for k, v in lines.items() if k.startswith("NCCL")) == 32 * (4 * MiB + 4_915_200 + 524_288), lines
