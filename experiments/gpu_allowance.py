@@ -47,7 +47,7 @@ _CUBLASLT_WORKSPACE = 1024 * 1024
 # NCCL src/init.cc: DEFAULT_BUFFSIZE (Simple) 1 << 22, DEFAULT_LL128_BUFFSIZE 120*640*8*8, DEFAULT_LL_BUFFSIZE
 # 8*512*8*16 bytes per connection and channel.
 _NCCL_PROTOCOL_BYTES = (1 << 22) + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
-_CUBLAS_SRC = "aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.13)"
+_CUBLAS_SRC = "aten/src/ATen/cuda/CublasHandlePool.cpp"
 
 
 @dataclass(frozen=True, kw_only=True)
