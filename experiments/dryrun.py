@@ -151,11 +151,10 @@ def gpu_verdicts(run: RunConfig, traced: dict, verdict_peak: int) -> dict:
     allocator peaks are reported either way."""
     d = run.dryrun
     allowance = allowance_of_trace(run, traced)
-    modeled = modeled_verdicts(traced["alloc_events"], allowance, d.gpu_sizes_gib,
+    modeled = modeled_verdicts(traced["alloc_events"], allowance, d.gpu_sizes_gib if d.reserve == "modeled" else (),
                                expandable_segments=d.expandable_segments)
     out = {"reserve": d.reserve, "gpu_arch": d.gpu_arch, "expandable_segments": d.expandable_segments,
-           "predicted": modeled["predicted"],
-           "allowance": allowance.to_dict()}
+           "predicted": modeled["predicted"], "allowance": allowance.to_dict()}
     if d.reserve == "flat":
         return {**out, "verdicts": verdicts(verdict_peak, d.gpu_sizes_gib, d.cuda_context_gib)}
     return {**out, "verdicts": modeled["verdicts"]}
