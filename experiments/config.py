@@ -24,6 +24,8 @@ from hmt_core.activations.policy import PRESETS, ActivationPolicy
 DTYPES = ("bf16", "fp32", "fp16")
 RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
 MODES = ("train", "dryrun")
+RESERVE_MODES = ("modeled", "flat")
+GPU_ARCHS = ("ampere", "ada", "hopper", "blackwell")  # experiments.gpu_allowance
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_MODES = ("none", "ddp", "fsdp2")
@@ -182,7 +184,11 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and
 # checkpoints (a configuration with another value is a different run, as usual).
-ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("train", "deterministic"): "auto"}
+# (dryrun.reserve, gpu_arch and expandable_segments only change how a dry run judges "fits", never a training
+# trajectory.)
+ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("train", "deterministic"): "auto",
+                      ("dryrun", "reserve"): "modeled",
+                      ("dryrun", "gpu_arch"): "hopper", ("dryrun", "expandable_segments"): False}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -197,12 +203,19 @@ def without_added_defaults(plain: dict) -> dict:
 @dataclass(frozen=True, kw_only=True)
 class DryrunConfig:
     steps: int = 2  # optimizer steps traced; >= 2 puts lazily created state and a second step in the window
-    cuda_context_gib: float = 1.0  # reserved for the CUDA context + allocator slack when judging "fits"
+    # how "fits on an N GiB GPU" is judged: "modeled" = the caching allocator's predicted reserved bytes + the GPU
+    # allowance lines (experiments.gpu_allowance) for a gpu_arch GPU; "flat" = live peak + cuda_context_gib
+    reserve: str = "modeled"
+    gpu_arch: str = "hopper"
+    expandable_segments: bool = False  # the replay as under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    cuda_context_gib: float = 1.0  # reserve=flat only: GiB for the CUDA context + allocator slack
     gpu_sizes_gib: tuple[int, ...] = (16, 24, 40, 80)
     top_modules: int = 10
 
     def __post_init__(self) -> None:
         _positive("dryrun", self, "steps", "top_modules")
+        _one_of("dryrun", "reserve", self.reserve, RESERVE_MODES)
+        _one_of("dryrun", "gpu_arch", self.gpu_arch, GPU_ARCHS)
         if self.cuda_context_gib < 0:
             raise ValueError(f"dryrun.cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
         object.__setattr__(self, "gpu_sizes_gib", tuple(self.gpu_sizes_gib))

@@ -10,8 +10,10 @@ in the same order (after ``attach``, before the policy is applied), under its ow
 
 The report adds, beside the usual summary: peak bytes by category at each phase's peak, the modules retaining the
 most forward bytes (what their forward left alive: saved activations and outputs), and a fits/does-not-fit
-verdict per GPU size for the larger of the step's and the probe's peak, counting ``dryrun.cuda_context_gib`` for
-the CUDA context and allocator slack.
+verdict per GPU size: the meters' allocation streams (the step's, the probe's) replayed through the CUDA caching
+allocator's rules give the predicted reserved bytes, to which the GPU allowance lines (CUDA context, NCCL buffers,
+side-stream pools; ``experiments.gpu_allowance``) are added (``dryrun.reserve=flat``: the larger live peak plus
+``dryrun.cuda_context_gib``, as before).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments import dist_checks, distributed
 from experiments.config import RunConfig
 from experiments.errors import UserError
+from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, modeled_verdicts
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import build_model, count_params
@@ -141,6 +144,22 @@ def verdicts(peak_bytes: int, sizes_gib: tuple[int, ...], reserve_gib: float) ->
     return out
 
 
+def gpu_verdicts(run: RunConfig, traced: dict, verdict_peak: int) -> dict:
+    """Fits/does-not-fit per ``dryrun.gpu_sizes_gib``. ``dryrun.reserve=modeled``: the caching allocator's
+    predicted reserved bytes (``experiments.allocator_model``) plus the GPU allowance for ``dryrun.gpu_arch``
+    (``experiments.gpu_allowance``); ``flat``: the live peak plus ``dryrun.cuda_context_gib``. The predicted
+    allocator peaks are reported either way."""
+    d = run.dryrun
+    allowance = allowance_of_trace(run, traced)
+    modeled = modeled_verdicts(traced["alloc_events"], allowance, d.gpu_sizes_gib if d.reserve == "modeled" else (),
+                               expandable_segments=d.expandable_segments)
+    out = {"reserve": d.reserve, "gpu_arch": d.gpu_arch, "expandable_segments": d.expandable_segments,
+           "predicted": modeled["predicted"], "allowance": allowance.to_dict()}
+    if d.reserve == "flat":
+        return {**out, "verdicts": verdicts(verdict_peak, d.gpu_sizes_gib, d.cuda_context_gib)}
+    return {**out, "verdicts": modeled["verdicts"]}
+
+
 def metered_probe(model: nn.Module, policy, ids: torch.Tensor, *, autocast, source: str,
                   max_tokens: int = PROBE_TOKENS) -> dict:
     """The activation probe (``hmt_core.activations.probe``) on ``probe_batch(ids, max_tokens)`` under its own
@@ -160,7 +179,8 @@ def metered_probe(model: nn.Module, policy, ids: torch.Tensor, *, autocast, sour
 
     with meter:
         metrics = probe(model, policy, loss_fn)
-    return {"metrics": metrics, "peak_bytes": meter.report().peak_bytes, "tokens": int(pids.numel())}
+    return {"metrics": metrics, "peak_bytes": meter.report().peak_bytes, "tokens": int(pids.numel()),
+            "events": meter.events}
 
 
 def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
@@ -210,6 +230,8 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
                 "activation_saved_bytes": act_handle.saved_bytes() if act_handle else None,
                 "probe_peak_bytes": probed["peak_bytes"] if probed else None,
                 "probe_tokens": probed["tokens"] if probed else None,
+                "alloc_events": [meter.events, probed["events"] if probed else []],
+                "fsdp_unit_bytes": fsdp_unit_bytes(model),
                 "assumed_scalars": dict(assumed.sites), "params_total": params_total, "params_trainable": params_trainable,
                 "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary(),
                 "dist": None if ctx is None else {"mode": ctx.mode, "world_size": ctx.world_size,
@@ -257,7 +279,7 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
                 "top_modules": traced["top_modules"], "assumed_scalars": traced["assumed_scalars"],
                 "cuda_context_gib": run.dryrun.cuda_context_gib, "verdict_peak_bytes": verdict_peak,
                 "verdict_peak_from": "probe" if probe_peak > rep.peak_bytes else "step",
-                "verdicts": verdicts(verdict_peak, run.dryrun.gpu_sizes_gib, run.dryrun.cuda_context_gib)},
+                **gpu_verdicts(run, traced, verdict_peak)},
     )
     summary["device"] = f"fake (target {device.type})"
     run_dir.start(config_dict)
@@ -265,6 +287,24 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
     print_summary(summary, run_dir.path)
     print_dryrun(summary)
     return summary
+
+
+def print_verdicts(d: dict) -> None:
+    pred = d["predicted"]
+    print(f"  caching allocator     : {pred['peak_allocated_bytes'] / GIB:.3f} GiB allocated, "
+          f"{pred['peak_reserved_bytes'] / GIB:.3f} GiB reserved at peak ({pred['segments']} segments; predicted "
+          f"max_memory_allocated/max_memory_reserved, cuBLAS workspaces included)")
+    if d["reserve"] == "flat":
+        print("  fits (with {:.1f} GiB reserve): ".format(d["cuda_context_gib"])
+              + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
+        return
+    print(f"  GPU allowance         : {d['allowance']['outside_bytes'] / GIB:.3f} GiB beside the allocator's "
+          f"reserved bytes ({d['gpu_arch']}); per line:")
+    for line in d["allowance"]["lines"]:
+        where = "in reserved" if line["replayed"] else "added"
+        print(f"    {line['bytes'] / 2**20:9.1f} MiB {where:<11} {line['name']} [{line['source']}]")
+    print("  fits (reserved + allowance): "
+          + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
 
 
 def print_dryrun(summary: dict) -> None:
@@ -283,8 +323,7 @@ def print_dryrun(summary: dict) -> None:
               f"before step 0; the verdict counts the larger of it and the step's peak)")
     elif act.get("probe_skipped"):
         print(f"  activation probe      : skipped ({act['probe_skipped'].split(':')[0]}: single-process)")
-    print("  fits (with {:.1f} GiB reserve): ".format(d["cuda_context_gib"])
-          + ", ".join(f"{k} {'yes' if v['fits'] else 'no'}" for k, v in d["verdicts"].items()))
+    print_verdicts(d)
     if d["assumed_scalars"]:
         print("  assumed scalar values : " + ", ".join(f"{k} x{v}" for k, v in d["assumed_scalars"].items())
               + " (data-dependent branches in third-party code, answered 1)")

@@ -56,6 +56,8 @@ class _Record:
     born: int  # op tick at allocation
     phase: str | None
     died: int | None = None
+    serial: int = 0  # the storage's key in the event log
+    device: str = ""
 
 
 @dataclass
@@ -127,6 +129,9 @@ class MemoryMeter(TorchDispatchMode):
         self._in_op = False
         self.host_device_bytes = 0
         self._grad_hooks: list = []
+        # every allocation and free in order: (tick, +bytes / -bytes, storage serial, device), for
+        # experiments.allocator_model's replay of the CUDA caching allocator
+        self.events: list[tuple[int, int, int, str]] = []
 
     # ---- registration -------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
@@ -174,7 +179,9 @@ class MemoryMeter(TorchDispatchMode):
         record = self._records.get(storage)
         if record is not None:
             return record
-        record = _Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase)
+        record = _Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase,
+                         serial=len(self.events), device=str(storage.device))
+        self.events.append((self._tick, record.nbytes, record.serial, record.device))
         self._records[storage] = record
         self._live[id(record)] = record
         self._total += record.nbytes
@@ -188,6 +195,7 @@ class MemoryMeter(TorchDispatchMode):
         record.died = self._tick if self._in_op else self._tick + 1
         self._live.pop(id(record), None)
         self._total -= record.nbytes
+        self.events.append((self._tick, -record.nbytes, record.serial, record.device))
         start = self._start_tick if self._start_tick is not None else 0
         self._avg_accum[record.category] += record.nbytes * max(0, record.died - max(record.born, start))
         for window in self._windows.values():

@@ -5,7 +5,9 @@ Chooses, for ``method=hmt`` on any model the runner takes (phases, ``model.path=
 which HMT's own allocator picks per-layer ranks, or Mode B = APOLLO-Mini; state dtype, projected LM head,
 bitsandbytes 8-bit dense state, INT8 projected weights), the action of each activation component (keep / recompute
 / int8 …, or full layer recomputation) and the micro-batch size that maximize tokens per micro-batch, then
-retained gradient energy, then step time, under ``budget_gib − dryrun.cuda_context_gib``:
+retained gradient energy, then step time, under ``budget_gib`` less the GPU allowance
+(``experiments.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
+``dryrun.reserve=flat``, ``dryrun.cuda_context_gib``):
 
 1. costs: dry-run traces of 1- and 2-layer models at full width (``experiments.plan_costs``), FLOPs and a
    calibrated time model (``experiments.plan_model``);
@@ -13,9 +15,11 @@ retained gradient energy, then step time, under ``budget_gib − dryrun.cuda_con
    2025);
 3. verification: the plan is written as a Hydra config (``experiments/conf/plan/<name>.yaml``, package
    ``_global_``) and run AS IS as a real ``mode=dryrun`` of the full model; if its peak (the dry run's verdict
-   peak: the step's or the activation probe's) exceeds the budget, the MILP is tightened phase by phase by the
-   measured error (per sequence for forward and backward, which grow with the micro-batch; as bytes for the
-   optimizer phase and the probe) and solved again (at most ``max_iters`` times).
+   peak: the step's or the activation probe's; with ``dryrun.reserve=modeled`` the caching allocator's predicted
+   reserved bytes, ``experiments.gpu_allowance.step_bytes``) exceeds the budget, the MILP is tightened phase by
+   phase by the measured error (per sequence for forward and backward, which grow with the micro-batch; as bytes
+   for the optimizer phase and the probe) and by the allocator's measured slack beyond the live peak, and solved
+   again (at most ``max_iters`` times).
 
 Run the plan with ``python -m experiments.run +plan=<name>`` (``hydra.searchpath=[file://<plan_dir>]`` first when
 ``plan_dir=`` put it elsewhere). Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``,
@@ -38,6 +42,7 @@ from pathlib import Path
 import yaml
 
 from experiments.errors import UserError, one_line_errors
+from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.plan_costs import GIB, Space, derive, measure, target_layers
 from experiments.plan_milp import min_peak, solve
 from experiments.plan_model import build_problem, calibrate, param_bytes, region_flops, weight_stats
@@ -184,7 +189,7 @@ class Prepared:
 
     @property
     def floor_gib(self) -> float:
-        return self.weights_gib + self.run.dryrun.cuda_context_gib
+        return self.weights_gib + reserve_bytes(self.run) / GIB
 
 
 def prepare(run, planner: dict, *, log=print) -> Prepared:
@@ -194,10 +199,10 @@ def prepare(run, planner: dict, *, log=print) -> Prepared:
     lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
     budget = planner.get("budget_gib")
     weights = param_bytes(stats, layers, lowest) / GIB
-    ctx = run.dryrun.cuda_context_gib
+    ctx = reserve_bytes(run) / GIB
     if budget is not None and budget < weights + ctx:  # before any trace
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{weights:.2f} GiB ({lowest} projected weights) + dryrun.cuda_context_gib={ctx:g} = "
+                        f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
                         f"{weights + ctx:.2f} GiB")
     llama = stats["L1"]["llama"]
     results = Path(run.results_dir).expanduser()
@@ -221,11 +226,11 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     run = prep.run
     if seq_len is not None:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, seq_len=seq_len))
-    ctx = run.dryrun.cuda_context_gib
+    ctx = reserve_bytes(run) / GIB
     if budget < prep.floor_gib:
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + dryrun.cuda_context_gib="
-                        f"{ctx:g} = {prep.floor_gib:.2f} GiB")
+                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
+                        f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
     results = Path(run.results_dir).expanduser()
     record_dir = record_dir or results / "plan"
     name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
@@ -236,13 +241,15 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     plan_dir = Path(planner["plan_dir"]).expanduser() if planner.get("plan_dir") else None
     plan_path = (plan_dir or CONF_DIR) / "plan" / f"{name}.yaml"
     step_budget = budget - ctx
+    slack = 0.0  # GiB the allocator reserved beyond the live peak in the last verification (reserve=modeled)
     iterations, summary = [], None
     scale = run.train.seq_len / prep.record["seq_len"]
     static_fix: dict[str, float] = {}  # GiB added to a phase after a miss (phases that do not grow with b)
     per_seq_fix: dict[str, float] = {}  # GiB per sequence added to forward/backward after a miss
     for _ in range(int(planner.get("max_iters", 6))):
         prob = tightened(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget, llama=prep.llama,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget - slack,
+                                       llama=prep.llama,
                                        seq_scale=scale), static_fix, per_seq_fix)
         if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
             prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
@@ -253,10 +260,10 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                          f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
                                                    else "") +
                          f": the leanest choice needs {need:.2f} GiB at one sequence (predicted, "
-                         f"{ctx:g} GiB CUDA context included); lower train.seq_len or raise budget_gib")
+                         f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
         predicted = max(v for v in sol.predicted.values() if v is not None)
         header = [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
-                  (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:g} GiB CUDA context; "
+                  (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
                    f"predicted peak {predicted:.2f} GiB"),
                   f"run it: {run_command(name, plan_dir)}"]
         write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space), header)
@@ -267,21 +274,22 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
             break
         log(f"verify: dry run of {plan_path.name} at full size (batch {sol.batch}, seq {run.train.seq_len}) ...")
         summary = verify_plan(name, plan_dir, record_dir / name)
-        verified = summary["dryrun"]["verdict_peak_bytes"]
+        verified = step_bytes(summary["dryrun"], run)
         step["verified_peak_gib"] = verified / GIB
         log(f"verify: predicted {predicted:.3f} GiB, measured {verified / GIB:.3f} GiB "
             f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB)")
         if verified <= step_budget * GIB:
             break
+        slack = max(slack, (verified - summary["dryrun"]["verdict_peak_bytes"]) / GIB)
         measured = {**{p: b / GIB for p, b in summary["memory"]["peak_by_phase_bytes"].items()},
                     "probe": ((summary.get("activation_summary") or {}).get("probe_peak_bytes") or 0) / GIB}
         for p, gib in measured.items():  # tighten each phase that is over by its measured error
-            if gib > step_budget:
+            if gib > step_budget - slack:
                 err = gib - (sol.predicted.get(p) or 0.0) + 1e-3 * step_budget
                 if p in ("forward", "backward"):
-                    per_seq_fix[p] = per_seq_fix.get(p, 0.0) + max(err, gib - step_budget) / sol.batch
+                    per_seq_fix[p] = per_seq_fix.get(p, 0.0) + max(err, gib - step_budget + slack) / sol.batch
                 else:
-                    static_fix[p] = static_fix.get(p, 0.0) + max(err, gib - step_budget)
+                    static_fix[p] = static_fix.get(p, 0.0) + max(err, gib - step_budget + slack)
     else:
         raise UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
                         f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "

@@ -2,7 +2,8 @@
 
 For each method (``adamw``, ``galore``, ``apollo-mini`` with full activation checkpointing, their reference
 packages' defaults otherwise; ``hmt`` as planned by ``experiments.plan``) and each size in ``dryrun.gpu_sizes_gib``
-(minus ``dryrun.cuda_context_gib``): the most tokens per micro-batch (one forward/backward) whose dry-run step fits.
+(minus the GPU allowance, ``experiments.gpu_allowance.reserve_bytes``): the most tokens per micro-batch (one
+forward/backward) whose dry-run step fits.
 
 Search, kept to few full-size traces: a baseline's reference is traced on 1- and 2-layer models at full width and
 batch 1, 2 (and past the fused loss's chunk, ``experiments.plan_costs.batch_segments``), giving its peak per phase
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 from experiments.errors import UserError
+from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.plan_costs import GIB, PHASES, STEP_PHASES, batch_segments, derive, layer_variants, trace_sample
 
 SCHEMA = "hmt-capacity/1"
@@ -88,8 +90,9 @@ def largest_batch(base: list, budget: float, max_batch: int = 4096) -> int:
 
 def full_trace(run, batch: int, seq_len: int) -> dict:
     r = dataclasses.replace(run, train=dataclasses.replace(run.train, batch_size=batch, seq_len=seq_len))
-    s = trace_sample(r)
-    return {"verdict_peak_bytes": max(s["peak"], s["probe"] or 0), **{p: s[p] for p in PHASES}}
+    s = trace_sample(r, step_bytes=True)
+    return {"verdict_peak_bytes": max(s["peak"], s["probe"] or 0), "step_bytes": s["step_bytes"],
+            **{p: s[p] for p in PHASES}}
 
 
 def bracket(over, start: int, step_down, max_traces: int = MAX_VERIFY) -> tuple[int, int | None, int]:
@@ -122,7 +125,7 @@ def baseline_capacity(run, sizes, *, log=print) -> dict:
     micro-batch at ``train.seq_len``, or with not one sequence fitting the longest sequence (multiples of
     ``SEQ_STEP`` tokens) at batch 1."""
     costs = derive(measure_reference(run, log=log))
-    seq, ctx, out = run.train.seq_len, run.dryrun.cuda_context_gib, {}
+    seq, ctx, out = run.train.seq_len, reserve_bytes(run) / GIB, {}
     per_tok = max(costs.base[0][2][p] for p in STEP_PHASES) / seq  # GiB per token at b = 1
     static = max(costs.base[0][1][p] for p in STEP_PHASES)
     slope = max(costs.base[-1][2][p] for p in STEP_PHASES)  # GiB per sequence in the main regime
@@ -130,7 +133,7 @@ def baseline_capacity(run, sizes, *, log=print) -> dict:
         budget = size - ctx
 
         def over(batch: int, length: int, budget: float = budget) -> float:
-            return full_trace(run, batch, length)["verdict_peak_bytes"] / GIB - budget
+            return full_trace(run, batch, length)["step_bytes"] / GIB - budget
 
         b = largest_batch(costs.base, budget)
         entry: dict = {"predicted_batch": b}
@@ -185,7 +188,7 @@ def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
                 def ok(tokens: int, size: int = size) -> bool:
                     return solve(build_problem(
                         prep.costs, space=prep.space, record=prep.record, stats=prep.stats, flops=prep.flops,
-                        cal=prep.cal, budget_gib=size - run.dryrun.cuda_context_gib, llama=prep.llama,
+                        cal=prep.cal, budget_gib=size - reserve_bytes(run) / GIB, llama=prep.llama,
                         seq_scale=tokens / seq)) is not None
 
                 lo, hi = 0, (s - 1) // SEQ_STEP  # bisection over multiples of SEQ_STEP
@@ -202,7 +205,8 @@ def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
         v = rec["verified"]
         entry = {"fits": bool(v and v["fits"]), "batch_size": rec["choice"]["batch_size"], "seq_len": rec["seq_len"],
                  "tokens": rec["choice"]["tokens_per_micro_batch"], "verified_peak_gib":
-                     v["verdict_peak_bytes"] / GIB if v else None, "traces": len(rec["iterations"]),
+                     v.get("step_bytes", v["verdict_peak_bytes"]) / GIB if v else None,
+                 "traces": len(rec["iterations"]),
                  "plan": rec["choice"]["optimizer_label"],
                  "activation": rec["choice"]["activation"], "layer_recompute": rec["choice"]["layer_recompute"],
                  "run_command": rec["run_command"]}
@@ -227,7 +231,7 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
 
     prob = build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats, flops=prep.flops,
                          cal=prep.cal, budget_gib=float(size), llama=prep.llama)
-    plan_dir, budget, out = Path(planner["plan_dir"]), size - run.dryrun.cuda_context_gib, {"exact": False}
+    plan_dir, budget, out = Path(planner["plan_dir"]), size - reserve_bytes(run) / GIB, {"exact": False}
     for _ in range(max_traces):
         sol = leanest(dataclasses.replace(prob, fixed_batch=batch))
         lean = f"{name}-lean-b{batch}"
@@ -235,7 +239,7 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
                         [f"The leanest choice at {batch} sequences (capacity check of {name})"])
         log(f"capacity: the leanest choice at {batch} sequences, traced at full size ...")
         summary = verify_plan(lean, plan_dir, results / "plans" / lean)
-        peak = summary["dryrun"]["verdict_peak_bytes"] / GIB
+        peak = step_bytes(summary["dryrun"], run) / GIB
         log(f"capacity: {batch} sequences need {peak:.3f} GiB ({'fits' if peak <= budget else 'over'} "
             f"{budget:.2f})")
         out["next_traces"] = out.get("next_traces", 0) + 1
@@ -258,7 +262,7 @@ def capacity(run, planner: dict, overrides: list[str], *, log=print) -> dict:
         raise UserError(f"methods={methods}: {unknown[0]!r} is not one of {list(METHODS)}")
     kept = [o for o in overrides if o.split("=")[0].lstrip("+").split(".")[0] not in ("method", "activation", "mode")]
     result = {"schema": SCHEMA, "model": model_label(run), "seq_len": run.train.seq_len,
-              "cuda_context_gib": run.dryrun.cuda_context_gib, "gpu_sizes_gib": list(sizes),
+              "reserve_gib": reserve_bytes(run) / GIB, "reserve": reserve_label(run), "gpu_sizes_gib": list(sizes),
               "command": planner.get("_argv", []), "methods": {}}
     for m in methods:
         log(f"capacity: {m}")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.config import RunConfig
+from experiments.gpu_allowance import traced_step_bytes
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS, ActivationPolicy
 
 GIB = 2**30
@@ -198,9 +199,11 @@ def layer_variants(run: RunConfig):
         yield with_layers
 
 
-def trace_sample(run: RunConfig) -> dict:
+def trace_sample(run: RunConfig, *, step_bytes: bool = False) -> dict:
     """One dry-run trace (``trace_steps``): each phase's peak, the probe's, the policy's saved bytes by
-    component, the bytes of parameters and optimizer state at the end, and the rank each projected weight holds."""
+    component, the bytes of parameters and optimizer state at the end, and the rank each projected weight holds;
+    ``step_bytes``: also the bytes a budget less the GPU allowance must hold (``gpu_allowance.traced_step_bytes``;
+    not part of the cached cost samples, which do not depend on ``dryrun.reserve``)."""
     from experiments import methods
     from experiments.dryrun import trace_steps
 
@@ -210,7 +213,8 @@ def trace_sample(run: RunConfig) -> dict:
     rep = traced["report"]
     history = traced["method_summary"].get("rank/history", {})
     return {**{p: int(rep.peak_by_phase_bytes[p]) for p in STEP_PHASES}, "probe": traced["probe_peak_bytes"],
-            "peak": int(rep.peak_bytes), "saved": traced["activation_saved_bytes"] or {},
+            "peak": int(rep.peak_bytes), **({"step_bytes": traced_step_bytes(run, traced)} if step_bytes else {}),
+            "saved": traced["activation_saved_bytes"] or {},
             "params": int(rep.current_by_category_bytes["params"]),
             "optimizer_state": int(rep.current_by_category_bytes["optimizer"]),
             "ranks": {name: h[-1][1] for name, h in history.items() if h}}

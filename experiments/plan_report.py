@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.plan_costs import GIB, PHASES, STEP_PHASES
 
 SCHEMA = "hmt-plan/1"
@@ -23,7 +24,7 @@ def run_command(name: str, plan_dir) -> str:
 def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget, floor, iterations, cal, record,
                 costs) -> dict:
     choice = sol.option.payload
-    ctx = run.dryrun.cuda_context_gib
+    ctx = reserve_bytes(run) / GIB
     verified = None
     if summary is not None:
         mem, d = summary["memory"], summary["dryrun"]
@@ -31,11 +32,12 @@ def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget
                     "peak_bytes": mem["peak_bytes"], "peak_by_phase_bytes": mem["peak_by_phase_bytes"],
                     "peak_by_category_bytes": mem["peak_by_category_bytes"],
                     "probe_peak_bytes": (summary.get("activation_summary") or {}).get("probe_peak_bytes"),
-                    "fits": d["verdict_peak_bytes"] <= (budget - ctx) * GIB, "run_id": summary["run_id"],
+                    "step_bytes": step_bytes(d, run), "fits": step_bytes(d, run) <= (budget - ctx) * GIB,
+                    "run_id": summary["run_id"],
                     "wall_s": d["wall_s"]}
     return {"schema": SCHEMA, "name": name, "plan_file": str(plan_path), "command": list(command),
             "model": model_label(run), "layers": costs.layers, "seq_len": run.train.seq_len, "budget_gib": budget,
-            "cuda_context_gib": ctx, "floor_gib": floor,
+            "reserve_gib": ctx, "reserve": reserve_label(run), "floor_gib": floor,
             "choice": {"batch_size": sol.batch, "tokens_per_micro_batch": sol.batch * run.train.seq_len,
                        "grad_accum": run.train.grad_accum, "optimizer": choice.__dict__, "optimizer_label": choice.label(),
                        "activation": sol.actions, "layer_recompute": sol.layer_recompute},
@@ -49,6 +51,7 @@ def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget
 def render_plan(rec: dict) -> str:
     """The plan as a Markdown table (printed, and pasted into the README)."""
     c, v = rec["choice"], rec["verified"]
+    reserve = rec.get("reserve_gib", rec.get("cuda_context_gib"))  # records before the GPU allowance: the flat one
     o = c["optimizer"]
     gib = lambda x: "—" if x is None else f"{x:.2f}"
     acts = c["activation"]
@@ -60,8 +63,8 @@ def render_plan(rec: dict) -> str:
     ranks = "1 (APOLLO-Mini: tensor scaling, scale 128, random basis)" if o["mode"] == "B" else \
         f"method.state_budget={o['budget']:g} (of AdamW's state); HMT's allocator picks per-layer ranks in it"
     rows = [
-        ("budget", (f"{rec['budget_gib']:g} GiB = {rec['budget_gib'] - rec['cuda_context_gib']:.2f} for the step + "
-                    f"{rec['cuda_context_gib']:g} CUDA context (floor: weights + context = {rec['floor_gib']:.2f})")),
+        ("budget", (f"{rec['budget_gib']:g} GiB = {rec['budget_gib'] - reserve:.2f} for the step + {reserve:.2f} "
+                    f"{rec.get('reserve', 'CUDA context')} (floor: weights + it = {rec['floor_gib']:.2f})")),
         ("micro-batch", (f"{c['batch_size']} × {rec['seq_len']} = {c['tokens_per_micro_batch']:,} tokens "
                          f"(train.grad_accum={c['grad_accum']} sets the tokens per optimizer step)")),
         ("optimizer", f"Mode {o['mode']}, {o['dtype']} state, lm_head {'projected' if o['head'] else 'dense'}"

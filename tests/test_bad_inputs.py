@@ -197,6 +197,8 @@ def cli(results: Path, *overrides: str, timeout: float = 300) -> subprocess.Comp
     (["run_id=../../x"], "run_id='../../x'"),
     (["train.seq_len=8192"], "train.seq_len=8192"),
     (["method=nosuch"], "method"),
+    (["mode=dryrun", "dryrun.gpu_arch=kepler"], "dryrun.gpu_arch"),
+    (["mode=dryrun", "dryrun.reserve=tight"], "dryrun.reserve"),
 ])
 def test_command_line_prints_one_line_and_no_traceback(results, overrides, fragment):
     before = snapshot(results)

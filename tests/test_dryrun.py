@@ -55,7 +55,8 @@ def test_dryrun_exactly_known_bytes_and_summary(tmp_path):
 
 def test_dryrun_traces_the_activation_probe_and_judges_by_the_larger_peak(tmp_path):
     cfg, _ = _run_config("method=hmt", "model=tiny", "model.num_layers=2", "train.seq_len=64", "train.batch_size=2",
-                         "activation=hmt", "dryrun.gpu_sizes_gib=[1]", "dryrun.cuda_context_gib=0",
+                         "activation=hmt", "dryrun.gpu_sizes_gib=[1]", "dryrun.reserve=flat",
+                         "dryrun.cuda_context_gib=0",
                          f"results_dir={tmp_path}", "run_id=p")
     summary = main_with_config(cfg)
     act, d, step_peak = summary["activation_summary"], summary["dryrun"], summary["memory"]["peak_bytes"]

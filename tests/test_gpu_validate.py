@@ -48,9 +48,10 @@ def canned(label, *, tracker=4.0, allocated=4.0, tokens_per_s=80_000.0, step_tim
                        "nvml_used_bytes": int(allocated * 1.2 * GIB)}}
 
 
-def dry(peak_gib, params=134_000_000):
+def dry(peak_gib, params=134_000_000, reserved_gib=None):
     return {"mode": "dryrun", "params_total": params, "memory": {"peak_bytes": int(peak_gib * GIB)},
-            "dryrun": {"wall_s": 3.0}}
+            "dryrun": {"wall_s": 3.0, **({"predicted": {"peak_reserved_bytes": int(reserved_gib * GIB)}}
+                                         if reserved_gib is not None else {})}}
 
 
 class FakeBackend:
@@ -228,7 +229,7 @@ def scenario(clock):
             "adamw": canned("adamw", step_time=0.1, tokens_per_s=81_920.0),
             "hmt": canned("hmt", step_time=0.15),
             "hmt-offload": canned("hmt-offload", host_device=5_000_000)}
-    dryruns = {"apollo": dry(4.5)}  # 12.5 % above the allocator: MISS
+    dryruns = {"apollo": dry(4.5), "adamw": dry(4.0, reserved_gib=4.62)}  # apollo 12.5 % above the allocator: MISS
     metrics = {"hmt-offload": [{"step": 0, "pcie/tx(KB/s)": 0.0, "pcie/rx(KB/s)": 0.0},
                                {"step": 1, "pcie/tx(KB/s)": 0.0, "pcie/rx(KB/s)": 0.0}]}
     kernels = [{"name": "codec/int8", "bit_identical": True, "kernel(ms)": 1.0, "fallback(ms)": 4.0},
@@ -250,6 +251,10 @@ def test_full_validation_records_misses_and_the_crash_and_writes_everything(tmp_
     assert checks["tracker_vs_allocated/galore/125m"]["verdict"] == "MISS"
     assert checks["tracker_vs_allocated/galore/125m"]["measured"]["ratio"] == pytest.approx(0.875)
     assert checks["dryrun_vs_allocated/apollo/125m"]["verdict"] == "MISS"
+    # the allocator replay's reserved bytes are recorded beside the verdict: 4.62 predicted / 4.4 GiB (1.1 x 4.0)
+    adamw = checks["dryrun_vs_allocated/adamw/125m"]["measured"]
+    assert adamw["reserved_ratio"] == pytest.approx(1.05), adamw
+    assert checks["dryrun_vs_allocated/apollo/125m"]["measured"]["reserved_ratio"] is None  # predates the replay
     assert checks["dryrun_vs_allocated/galore-8bit/125m"]["verdict"] == "N/A"
     assert "GaLoreAdamW8bit" in checks["dryrun_vs_allocated/galore-8bit/125m"]["note"]
     assert checks["run/hmt-min/125m"]["verdict"] == "ERROR" and "out of memory" in checks["run/hmt-min/125m"]["note"]

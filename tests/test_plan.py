@@ -98,7 +98,8 @@ def test_milp_piecewise_reference_and_infeasible_budget():
 # choice; the per-component choices are exercised by the MILP tests above and by the README's 7B plan.
 SPACE = ["modes=[A]", "state_dtypes=[bf16]", "weight_dtypes=[bf16]", "dense_8bit=[false]", "project_head=[false]",
          "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[false,true]", "max_batch_size=64"]
-MODEL = ["model=tiny", "model.num_layers=2", "train.seq_len=64", "train.fused_ce=false", "dryrun.cuda_context_gib=0"]
+MODEL = ["model=tiny", "model.num_layers=2", "train.seq_len=64", "train.fused_ce=false", "dryrun.reserve=flat",
+         "dryrun.cuda_context_gib=0"]
 BUDGET = 0.08  # GiB: more than one sequence's step (0.05) and less than 64 sequences kept: b and the policy bind
 CALIBRATION = {"device": "test", "flops_per_s": 1e11, "bytes_per_s": 1e10, "codec_s_per_byte": {"int8": 1e-9}}
 
@@ -122,6 +123,23 @@ def test_plan_is_verified_within_its_budget(planned):
     assert nodes["train"]["batch_size"] == rec["choice"]["batch_size"] and nodes["method"]["name"] == "hmt"
     assert nodes["activation"]["layer_recompute"] == rec["choice"]["layer_recompute"]
     assert json.loads((root / "results" / "plan" / "t.json").read_text())["verified"] == v
+
+
+def test_plan_under_the_gpu_allowance_holds_the_allocators_reserved_bytes(planned):
+    """``dryrun.reserve=modeled`` (the default): the budget less the Hopper allowance (0.834 GiB, worked out in
+    ``test_budget_below_the_weights_floor_names_the_floor``) holds the verification's predicted reserved bytes (the
+    allocator's slack beyond the live peak included). The costs come from the fixture's cache (their key does not
+    depend on ``dryrun.reserve``): only the verification traces run."""
+    root, _ = planned
+    reserve = (426 + 362 + 66) / 1024  # GiB
+    budget = round(reserve + 0.1, 3)
+    rec = planner.main([*MODEL[:-2], *SPACE, f"budget_gib={budget}", f"results_dir={root / 'results'}",
+                        f"plan_dir={root / 'conf'}", f"calibration={root / 'cal.json'}", "name=m"])
+    v = rec["verified"]
+    assert rec["reserve_gib"] == pytest.approx(reserve, abs=1e-9), rec["reserve_gib"]  # exact MiB sums
+    assert v["fits"] and v["step_bytes"] <= (budget - rec["reserve_gib"]) * GIB, (v["step_bytes"] / GIB, budget)
+    assert v["step_bytes"] >= v["verdict_peak_bytes"], v  # reserved (less the workspaces) >= live
+    assert "GPU allowance (hopper" in planner.render_plan(rec)
 
 
 def test_emitted_plan_runs_as_is_with_the_verified_peak(planned):
@@ -186,8 +204,13 @@ def test_budget_below_the_weights_floor_names_the_floor(capsys, tmp_path):
                            "budget_gib=7", "floor", "GiB")
     # 7B: INT8 projected weights (6,476,267,520 elements, 1 byte each + an fp32 scale per block of 256,
     # hmt_core.int8_weights.BLOCK) = 6.126 GiB; BF16 embedding, LM head and norms (262,410,240 elements) = 0.489 GiB;
-    # + the 1 GiB CUDA context = 7.61 GiB
-    assert "7.61 GiB" in line, line
+    # + the Hopper GPU allowance: 426 MiB context + 362 MiB lazily loaded kernels (379,584,512 B) + 2 x (32 MiB
+    # cuBLAS + 1 MiB cuBLASLt workspace) = 854 MiB = 0.834 GiB -> 7.45 GiB
+    assert "7.45 GiB" in line and "GPU allowance (hopper" in line, line
+    # with the flat reserve: + the 1 GiB dryrun.cuda_context_gib = 7.61 GiB
+    line = _one_line_error(capsys, ["model=7b", "budget_gib=7", "dryrun.reserve=flat", f"results_dir={tmp_path}"],
+                           "budget_gib=7", "floor", "GiB")
+    assert "7.61 GiB" in line and "dryrun.cuda_context_gib=1" in line, line
     assert not any(tmp_path.iterdir())  # nothing traced, nothing written
 
 

@@ -172,8 +172,13 @@ class Validation:
         if dry.get("params_total") != result.summary.get("params_total"):
             note = "; ".join(filter(None, [note, f"the dry run traced {dry.get('params_total')} parameters, "
                                                  f"the run had {result.summary.get('params_total')}"]))
+        # beside the verdict (not part of it): the allocator replay's reserved bytes vs the run's
+        reserved = ((dry.get("dryrun") or {}).get("predicted") or {}).get("peak_reserved_bytes")
+        real_reserved = (result.summary.get("memory") or {}).get("cuda_max_reserved_bytes")
         return C.CheckRecord(name, "dryrun_vs_allocated", verdict,
                              {"dryrun_peak(bytes)": predicted, "cuda_max_allocated(bytes)": allocated, "ratio": ratio,
+                              "dryrun_reserved(bytes)": reserved, "cuda_max_reserved(bytes)": real_reserved,
+                              "reserved_ratio": reserved / real_reserved if reserved and real_reserved else None,
                               "dryrun_wall(s)": (dry.get("dryrun") or {}).get("wall_s")},
                              target, note, wall_s=self.clock() - start, run_dir=self._rel(run_id), **base)
 
