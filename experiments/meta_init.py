@@ -11,16 +11,18 @@ records, in order, every seeded random op (``torch.Tag.nondeterministic_seeded``
 (on meta, transformers skips the init itself and only ties weights). ``replay`` then, after ``to_empty``:
 - a constructor's random op: run on a throwaway tensor of the same shape, dtype and device (the RNG advances
   exactly as in the single-process build; the values die, as there);
-- an ``init_weights`` call: ``_initialize_weights`` (under transformers' own ``no_grad`` and guarded init
-  functions) on one module at a time, given a full-size stand-in of that module's own parameters; this rank's
-  rows of each are copied into its local shard (``distribute_tensor(..., src_data_rank=None)``: local slicing, no
-  communication) and the stand-in is freed. Buffers (rotary ``inv_freq``) are plain tensors and are initialised
-  in place by ``_init_weights``, as transformers does when it loads on meta. A tied parameter keeps its tie
-  source's values (``all_tied_weights_keys``), as ``tie_weights`` does.
+- an ``init_weights`` call: ``_initialize_weights`` (under transformers' guarded init functions, no grad) on one
+  module at a time, in ``smart_apply``'s order; each in-place op it runs on a sharded parameter (``normal_``,
+  ``ones_``, ...) runs instead on a full-size tensor on the device, so it draws from the RNG as the
+  single-process parameter does; this rank's rows of it (a view at DCP's offsets) are copied into the local
+  shard, and it is freed. An op whose result depends on the old values (not in ``_OVERWRITES``) first gathers
+  them (``full_tensor``). Buffers (rotary ``inv_freq``) are plain tensors, initialised in place by
+  ``_init_weights``, as when transformers loads on meta. A tie target's writes are dropped: the tie source's
+  values stand, as after ``tie_weights``.
 
-Start-up peak per rank: this rank's shards + buffers + the largest single module's full parameters (+ one of its
-row chunks). Every shard and floating buffer is NaN-filled after ``to_empty``; one left NaN after the replay means
-the model's init was not reproduced (``UnreplayableInit``). Measurements and limits: ``docs/fsdp2_meta_init.md``.
+Start-up peak per rank: this rank's shards + buffers + the largest parameter at full size. Every shard and
+floating buffer is NaN-filled after ``to_empty``; a NaN left after the replay means no init reached it
+(``UnreplayableInit``). Measurements and limits: ``docs/fsdp2_meta_init.md``.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ class _FullWrites(torch.overrides.TorchFunctionMode):
         self.discard = discard
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
@@ -217,9 +219,17 @@ class _FullWrites(torch.overrides.TorchFunctionMode):
         else:
             func(**{**kwargs, "tensor": full})
         if id(target) not in self.discard:
-            chunk = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-            target.to_local().copy_(chunk.to_local())
+            target.to_local().copy_(_local_view(full, target))
         return target
+
+
+def _local_view(full: torch.Tensor, target) -> torch.Tensor:
+    """This rank's block of ``full`` (the global tensor of the DTensor ``target``), as a view: no copy. The same
+    offsets DCP reads shards with."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def _fill_nan(model: nn.Module) -> None:

@@ -5,7 +5,7 @@
    tied embeddings) and config-only GPT-2 (transformers' ``Conv1D`` draws in its constructor) and Qwen2 (biases);
    the sharded model's first loss equals the single-process model's;
 2. the start-up peak per rank (``experiments.meter.StartupPeak``) is this rank's shards + buffers + the largest
-   parameter at full size + its row chunk, derived from the shapes, and below the old path's (whole
+   parameter at full size, derived from the shapes, and below the old path's (whole
    model built, then sharded);
 3. ``mode=train`` records it: ``memory.startup_peak_bytes`` and ``dist.startup_peak_max_bytes`` (torchrun, 2 ranks).
 """
@@ -30,7 +30,9 @@ from test_distributed import free_port, spawn_pair  # noqa: E402
 
 SEED = 3
 # FSDP2's and DeviceMesh's own small tensors born during fully_shard (24 bytes measured with torch 2.13)
-BOOKKEEPING_BYTES = 1024
+BOOKKEEPING_BYTES = 256
+# torch's compute_local_shape_and_global_offset (the shard's offsets) makes an int64 index of the local rows
+INDEX_BYTES_PER_ROW = 8
 
 
 def _cases(root: Path):
@@ -53,14 +55,17 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 def _expected_peak(ref: torch.nn.Module, world: int) -> dict[str, int]:
     """Bytes from the shapes of the single-process model: every parameter's padded row shard (FSDP2's
-    ``Shard(0)``: ⌈rows/W⌉ rows), the buffers, and the largest parameter at full size plus its row chunk (the
-    full-size tensor ``meta_init`` initialises, and the chunk copied out of it into the shard)."""
+    ``Shard(0)``: ⌈rows/W⌉ rows), the buffers, and the largest parameter at full size (the tensor ``meta_init``
+    initialises before copying this rank's rows of it into the shard) with the index of its local rows."""
+    def rows(p):
+        return -(-p.shape[0] // world)
+
     def chunk(p):
-        return _nbytes((-(-p.shape[0] // world), *p.shape[1:]), p.dtype)
+        return _nbytes((rows(p), *p.shape[1:]), p.dtype)
 
     shards = sum(chunk(p) for p in ref.parameters())
     buffers = sum(_nbytes(b.shape, b.dtype) for b in ref.buffers())
-    one = max(_nbytes(p.shape, p.dtype) + chunk(p) for p in ref.parameters())
+    one = max(_nbytes(p.shape, p.dtype) + INDEX_BYTES_PER_ROW * rows(p) for p in ref.parameters())
     full = sum(_nbytes(p.shape, p.dtype) for p in ref.parameters())
     return {"shards": shards, "buffers": buffers, "one": one, "full": full}
 
@@ -134,26 +139,33 @@ def test_the_start_up_peak_is_one_shard_plus_one_parameter(starts, case):
         r = results[case]
         expected = r["shards"] + r["buffers"] + r["one"]
         print(f"{case} rank {rank}: start-up peak {r['peak']} B, expected {expected} B (shards {r['shards']} + "
-              f"buffers {r['buffers']} + the largest parameter and its chunk {r['one']}); whole model {r['full']} B; "
+              f"buffers {r['buffers']} + the largest parameter {r['one']}); whole model {r['full']} B; "
               f"old start (build whole, then shard) {r['old_peak']} B")
         assert abs(r["peak"] - expected) <= BOOKKEEPING_BYTES, (r["peak"], expected)
         assert r["old_peak"] >= r["full"] > r["peak"], r
 
 
 def test_mode_train_under_torchrun_records_the_start_up_peak(tmp_path):
-    """Two ranks of ``mode=train`` (fsdp2, adamw, 1 step): the summary carries rank 0's start-up peak and the
-    maximum over ranks, both below the whole model's bytes (this model: 2 layers, fp32)."""
-    overrides = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=2", "model.intermediate_size=128",
-                 "model.dtype=fp32", "train.autocast=false", "train.seq_len=32", "train.batch_size=2",
-                 "train.steps=1", "train.warmup_steps=0", "train.eval_every=1", "train.eval_batches=1",
-                 "train.progress=false", "method=adamw", "device=cpu", "dist=fsdp2", "run_id=r"]
+    """Two ranks of ``mode=train`` (fsdp2, adamw, 1 step, fp32): the summary carries rank 0's start-up peak and the
+    maximum over ranks, each half the model (every row count is even) + the rotary buffers + the largest weight at
+    full size (the embedding or lm_head, V x 64 fp32 with V/2 local rows, or an MLP weight, 256 x 64 with 128) within
+    BOOKKEEPING_BYTES."""
+    overrides = ["model.hidden_size=64", "model.num_layers=3", "model.num_heads=2", "model.intermediate_size=256",
+                 "model.vocab_size=512", "model.dtype=fp32", "train.autocast=false", "train.seq_len=32",
+                 "train.batch_size=2", "train.steps=1", "train.warmup_steps=0", "train.eval_every=1",
+                 "train.eval_batches=1", "train.progress=false", "method=adamw", "device=cpu", "dist=fsdp2", "run_id=r"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "experiments.run", f"results_dir={tmp_path}", *overrides]
     done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    whole = 4 * summary["params_total"]  # fp32
+    vocab = summary["data"]["vocab_size"]
+    whole = 4 * summary["params_total"]
+    largest = 4 * 64 * max(vocab, 256) + INDEX_BYTES_PER_ROW * max(vocab, 256) // 2
+    expected = whole // 2 + 2 * 4 * 16 + largest  # inv_freq, original_inv_freq: head_dim/2 fp32 each
     startup, startup_max = summary["memory"]["startup_peak_bytes"], summary["dist"]["startup_peak_max_bytes"]
-    print(f"start-up peak: rank 0 {startup} B, max over ranks {startup_max} B; whole model {whole} B")
-    assert 0 < startup <= startup_max < whole, (startup, startup_max, whole)
+    print(f"start-up peak: rank 0 {startup} B, max over ranks {startup_max} B, expected {expected} B; "
+          f"whole model {whole} B (vocab {vocab})")
+    assert abs(startup - expected) <= BOOKKEEPING_BYTES and abs(startup_max - expected) <= BOOKKEEPING_BYTES
+    assert startup_max < whole, (startup_max, whole)
