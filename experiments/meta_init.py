@@ -239,10 +239,14 @@ def _fill_nan(model: nn.Module) -> None:
 
 
 def _check_filled(model: nn.Module) -> None:
-    """One host sync at start-up: a NaN left means no init reached that tensor."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    for name, t in named:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        if local.is_floating_point() and bool(torch.isnan(local).any()):
-            raise UnreplayableInit(f"{name}: the model's _init_weights leaves it uninitialised, so its "
-                                   "single-process values cannot be reproduced shard by shard")
+    """One host sync at start-up: a NaN left means no init reached that tensor (named in the error)."""
+    named = [(n, t.to_local() if hasattr(t, "to_local") else t) for n, t in [*model.named_parameters(),
+                                                                               *model.named_buffers()]]
+    named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+    if not named:
+        return
+    left = torch.stack([torch.isnan(t).any() for _, t in named]).cpu()
+    if bool(left.any()):
+        name = named[int(left.nonzero()[0])][0]
+        raise UnreplayableInit(f"{name}: the model's _init_weights leaves it uninitialised, so its "
+                               "single-process values cannot be reproduced shard by shard")

@@ -7,7 +7,9 @@
 2. the start-up peak per rank (``experiments.meter.StartupPeak``) is this rank's shards + buffers + the largest
    parameter at full size, derived from the shapes, and below the old path's (whole
    model built, then sharded);
-3. ``mode=train`` records it: ``memory.startup_peak_bytes`` and ``dist.startup_peak_max_bytes`` (torchrun, 2 ranks).
+3. ``mode=train`` records it: ``memory.startup_peak_bytes`` and ``dist.startup_peak_max_bytes`` (torchrun, 2 ranks);
+4. a model whose init cannot be replayed (a parameter no init reaches, a constructor drawing from tensor inputs) is
+   refused with one line naming it.
 """
 
 from __future__ import annotations
@@ -97,6 +99,40 @@ def _case(ctx, cfg) -> dict:
             "old_peak": old.peak_bytes, "losses": losses, **_expected_peak(ref, ctx.world_size)}
 
 
+class _Uninitialised(torch.nn.Module):
+    """A parameter no init reaches (no constructor draw, no ``_init_weights``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(4, 4))
+
+
+class _DrawsFromATensor(torch.nn.Module):
+    """A constructor that draws with tensor inputs (``torch.normal(mean_tensor, std)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.normal(torch.zeros(4, 4), 1.0))
+
+
+def _refusals(ctx) -> list[str]:
+    from experiments import distributed, meta_init
+
+    def on_meta(make):
+        with torch.device("meta"):
+            return make()
+
+    out = []
+    for make in (_Uninitialised, _DrawsFromATensor):
+        try:
+            model, record = meta_init.record_build(lambda: on_meta(make))
+            distributed.shard_model(model, ctx, build=record)
+            out.append("accepted")
+        except meta_init.UnreplayableInit as e:
+            out.append(str(e))
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -108,6 +144,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         ctx = distributed.DistContext(mode="fsdp2", rank=rank, world_size=world, local_rank=rank, backend="gloo",
                                       device=torch.device("cpu"))
         results = {name: _case(ctx, cfg) for name, cfg in _cases(Path(out)).items()}
+        results["refusals"] = _refusals(ctx)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -169,3 +206,12 @@ def test_mode_train_under_torchrun_records_the_start_up_peak(tmp_path):
           f"whole model {whole} B (vocab {vocab})")
     assert abs(startup - expected) <= BOOKKEEPING_BYTES and abs(startup_max - expected) <= BOOKKEEPING_BYTES
     assert startup_max < whole, (startup_max, whole)
+
+
+def test_a_model_whose_init_cannot_be_replayed_is_refused_in_one_line(starts):
+    for rank, results in starts.items():
+        uninitialised, draws = results["refusals"]
+        print(f"rank {rank}: {results['refusals']}")
+        assert uninitialised.startswith("w: the model's _init_weights leaves it uninitialised"), uninitialised
+        assert "aten.normal.Tensor_float" in draws and "tensor inputs" in draws, draws
+        assert "\n" not in uninitialised + draws
