@@ -14,6 +14,10 @@ Semantics:
   ``loss/train`` is the mean of the ranks' losses (the global-batch loss), memory is per rank:
   ``memory/peak_max(GiB)`` and ``memory/peak_mean(GiB)`` beside rank 0's ``memory/peak(GiB)``.
 - Checkpoints go through ``torch.distributed.checkpoint`` (``experiments.dist_checkpoint``).
+- ``fsdp2`` starts on the meta device (``build_sharded``, torchtitan's order): meta build, ``fully_shard``,
+  ``to_empty``, then each shard gets exactly its rows of the single-process init (``experiments.meta_init``);
+  start-up peak per rank: its shards + the largest parameter at full size (``memory.startup_peak_bytes``).
+  ``model.path`` with weights is still loaded whole, then sharded (``docs/fsdp2_meta_init.md``).
 - Activation policies (``hmt_core.activations``) apply per rank as in a single process, after ``fully_shard``/
   DDP: a recomputed decoder layer is checkpointed *inside* its ``forward`` (non-reentrant
   ``torch.utils.checkpoint``), so FSDP2's pre-/post-forward hooks on ``__call__`` stay outside the region and the
