@@ -14,6 +14,10 @@ Semantics:
   ``loss/train`` is the mean of the ranks' losses (the global-batch loss), memory is per rank:
   ``memory/peak_max(GiB)`` and ``memory/peak_mean(GiB)`` beside rank 0's ``memory/peak(GiB)``.
 - Checkpoints go through ``torch.distributed.checkpoint`` (``experiments.dist_checkpoint``).
+- ``fsdp2`` starts on the meta device (``build_sharded``, torchtitan's order): meta build, ``fully_shard``,
+  ``to_empty``, then each shard gets exactly its rows of the single-process init (``experiments.meta_init``);
+  start-up peak per rank: its shards + the largest parameter at full size (``memory.startup_peak_bytes``).
+  ``model.path`` with weights is still loaded whole, then sharded (``docs/fsdp2_meta_init.md``).
 - Activation policies (``hmt_core.activations``) apply per rank as in a single process, after ``fully_shard``/
   DDP: a recomputed decoder layer is checkpointed *inside* its ``forward`` (non-reentrant
   ``torch.utils.checkpoint``), so FSDP2's pre-/post-forward hooks on ``__call__`` stay outside the region and the
@@ -89,9 +93,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from experiments import meta_init
+from experiments.config import ModelConfig
 from experiments.dist_comm import CommCounter, GradAverager, StepBytes, row_sparse_names
 from experiments.dist_checks import check_launch, resolve_backend
 from experiments.errors import UserError
+from experiments.models import build_model, model_source
 from hmt_core.int8_weights import is_phantom
 
 GIB = 2**30
@@ -168,6 +175,10 @@ class DistContext:
         if self.step_bytes is not None:
             out.update(self.step_bytes.metrics())
         return out
+
+    def max_int(self, value: int) -> int:
+        """The largest of the ranks' ``value`` (e.g. the start-up peak bytes)."""
+        return int(max(self.gather_floats(value)))
 
     def memory_summary(self, peak_bytes: int) -> dict:
         peaks = [int(p) for p in self.gather_floats(peak_bytes)]
@@ -259,8 +270,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def shard_model(model: nn.Module, ctx: DistContext | None) -> nn.Module:
-    """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head)."""
+def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.BuildRecord | None = None) -> nn.Module:
+    """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head). A model
+    built on meta (``build``: its recorded RNG draws, ``experiments.meta_init``) then gets its shards on
+    ``ctx.device`` (``to_empty``) filled with the single-process values, torchtitan's order."""
     if ctx is None or ctx.mode != "fsdp2":
         return model
     from torch.distributed.fsdp import fully_shard
@@ -268,7 +281,28 @@ def shard_model(model: nn.Module, ctx: DistContext | None) -> nn.Module:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=ctx.mesh)
     fully_shard(model, mesh=ctx.mesh)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        model.to_empty(device=ctx.device)
+        if build is not None:
+            meta_init.replay(model, build, ctx.device)
     return model
+
+
+def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_size: int | None,
+                  device: torch.device, values: bool = True) -> nn.Module:
+    """The model to train, prepared by ``method`` and sharded as ``ctx`` says. ``dist=fsdp2`` with random init
+    (no weights at ``model.path``): built on meta and initialised shard by shard (start-up peak: this rank's
+    shards + one module at full size; ``values=False``, a dry run's fake tensors: the shards are left empty);
+    otherwise built whole on ``device`` (FSDP2 from weights: loaded whole, then sharded)."""
+    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights":
+        return shard_model(method.prepare(build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
+    if not values:
+        return shard_model(method.prepare(build_model(cfg, vocab_size=vocab_size, device="meta")), ctx)
+    try:
+        model, record = meta_init.record_build(lambda: build_model(cfg, vocab_size=vocab_size, device="meta"))
+        return shard_model(method.prepare(model), ctx, build=record)
+    except meta_init.UnreplayableInit as e:
+        raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
 
 
 @contextlib.contextmanager

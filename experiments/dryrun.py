@@ -35,7 +35,7 @@ from experiments.errors import UserError
 from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, modeled_verdicts
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
-from experiments.models import build_model, count_params
+from experiments.models import count_params
 from experiments.results import RunDir
 from hmt_core.activations import apply_policy, probe
 from hmt_core.activations.measure import PROBE_TOKENS, probe_batch
@@ -193,8 +193,8 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
             unpacked_sequences() if fake else contextlib.nullcontext():
         rows = t.batch_size // (ctx.world_size if ctx is not None else 1)  # this rank's share of the global batch
         torch.manual_seed(run.seed)
-        model = build_model(run.model, device="cpu")
-        model = distributed.shard_model(method.prepare(model), ctx)  # fsdp2: fully_shard per layer + root
+        model = distributed.build_sharded(run.model, method, ctx, vocab_size=None, device=torch.device("cpu"),
+                                          values=not fake)  # fsdp2: on meta, fully_shard per layer + root
         model.train()
         params_total, params_trainable = count_params(model)
         meter = MemoryMeter(source="fake" if fake else "tracker")

@@ -106,6 +106,8 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t = _local(t)
+            if t.device.type == "meta":  # a shape without memory (a model built on meta, before to_empty)
+                continue
             try:
                 yield t.untyped_storage()
             except (NotImplementedError, RuntimeError):  # sparse / nested / wrapper tensors without storage
@@ -345,3 +347,28 @@ class MemoryMeter(TorchDispatchMode):
             current_by_category_bytes=current,
             host_device_bytes=self.host_device_bytes,
         )
+
+
+class StartupPeak:
+    """The peak bytes of the start-up (``with StartupPeak(device) as s:`` around building, sharding and
+    initialising the model; then ``s.peak_bytes``): on CUDA the allocator's ``max_memory_allocated`` (reset on
+    entry), elsewhere a ``MemoryMeter``'s live tensor bytes (tensors born inside the block)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes: int | None = None
+        self._meter = None if device.type == "cuda" else MemoryMeter(source="tracker")
+
+    def __enter__(self) -> StartupPeak:
+        if self._meter is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._meter.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._meter is None:
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        self._meter.__exit__(*exc)
+        self.peak_bytes = self._meter.report().peak_bytes

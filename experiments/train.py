@@ -16,9 +16,9 @@ from experiments.config import RunConfig
 from experiments.data import build_corpus, has_tokenizer
 from experiments.dryrun import metered_probe
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
-from experiments.meter import MemoryMeter
+from experiments.meter import MemoryMeter, StartupPeak
 from experiments.errors import UserError, exit_with_error
-from experiments.models import build_model, count_params, has_weights, model_vocab_size
+from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
 from hmt_core.driver import iter_state_tensors
@@ -107,8 +107,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
                         f"{corpus.vocab_size} tokens but the model's embedding has {rows} rows (config.json "
                         f"vocab_size): token ids beyond {rows - 1} would index out of range")
-    model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
-    model = distributed.shard_model(method.prepare(model), ctx)  # fsdp2: fully_shard per layer + root
+    with StartupPeak(device) as startup:  # fsdp2: built on meta, fully_shard per layer + root, shards initialised
+        model = distributed.build_sharded(run.model, method, ctx, vocab_size=corpus.vocab_size, device=device)
     model.train()
     meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
     meter.track(model.parameters(), "params")
@@ -162,10 +162,12 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         rep = meter.report()
         memory = rep.to_dict()
         memory.update(gpu_stats.summary(device))
+        memory["startup_peak_bytes"] = startup.peak_bytes  # build + shard + init, before the first step
         if device.type == "cuda":  # the allocator's peak is the authoritative total on a GPU
             memory["tracker_peak_bytes"] = memory["peak_bytes"]
             memory["peak_bytes"] = memory["cuda_max_allocated_bytes"]
-        dist_summary = {} if ctx is None else {"dist": {**ctx.summary(), **ctx.memory_summary(memory["peak_bytes"])}}
+        dist_summary = {} if ctx is None else {"dist": {**ctx.summary(), **ctx.memory_summary(memory["peak_bytes"]),
+                                                        "startup_peak_max_bytes": ctx.max_int(startup.peak_bytes)}}
         summary = build_summary(
             run, run_dir.run_id, device, params_total=params_total, params_trainable=params_trainable,
             steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
