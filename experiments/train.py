@@ -93,7 +93,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     model = build_model(run.model, vocab_size=corpus.vocab_size, device=device)
     model = distributed.shard_model(method.prepare(model), ctx)  # fsdp2: fully_shard per layer + root
     model.train()
-    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
+    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker", device=device)
     meter.track(model.parameters(), "params")
     meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
     meter.track(model.buffers(), "other")
