@@ -40,6 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hmt_core.driver import same_device
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
 PHASES = ("forward", "backward", "optimizer")
 _METADATA_OPS = {
@@ -208,10 +210,7 @@ class MemoryMeter(TorchDispatchMode):
 
     def space_of(self, device: torch.device) -> str:
         """"device" for the training device (any index when it names none), "host" for every other device."""
-        if self.device is None:
-            return "device"
-        same = device.type == self.device.type and self.device.index in (None, device.index)
-        return "device" if same else "host"
+        return "device" if self.device is None or same_device(device, self.device) else "host"
 
     def _register(self, storage: torch.UntypedStorage, category: str, device: torch.device) -> _Record:
         if category not in CATEGORIES:
