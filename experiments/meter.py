@@ -365,10 +365,6 @@ class MemoryMeter(TorchDispatchMode):
         """Live bytes on the training device."""
         return self._spaces["device"].total
 
-    def current_host_bytes(self) -> int:
-        """Live bytes on every other device (the host)."""
-        return self._spaces["host"].total
-
     def _space_figures(self, name: str) -> dict:
         """Peak, averages (over op ticks since the meter was first entered) and current bytes of one space."""
         space = self._spaces[name]
