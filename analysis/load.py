@@ -8,7 +8,9 @@ Tables (every row keyed by ``run_id``; rows sorted so the same results give the 
 
 * ``runs``: one row per run directory: ``status`` (pending | running | completed | failed), the summary's
   scalars, memory flattened to ``peak_bytes``, ``avg_bytes``, ``peak_<category>_bytes``,
-  ``avg_<category>_bytes``, ``peak_phase_<phase>_bytes``, ``memory_source``; ``setting`` (the id of the run's
+  ``avg_<category>_bytes``, ``peak_phase_<phase>_bytes``, ``memory_source`` (all of them the training device's),
+  ``host_peak_bytes``/``host_avg_bytes`` (storages on other devices, i.e. host copies; absent in results from
+  before the meter told them apart); ``optim_state_bytes`` (the device's) and ``optim_state_host_bytes``; ``setting`` (the id of the run's
   configuration less its seed, ``analysis.settings``) and ``variant`` (the label telling apart the settings of
   one method, model and mode; empty when there is only one); ``lr`` (``method.lr``), ``setting_sans_lr`` and
   ``variant_sans_lr`` (the same, ignoring the learning rate: a learning-rate search's groups). Absent keys are
@@ -65,12 +67,14 @@ def run_row(run: RunFiles) -> dict:
     memory = _mapping(summary.get("memory"))
     row["peak_bytes"], row["avg_bytes"] = memory.get("peak_bytes"), memory.get("avg_bytes")
     row["memory_source"] = memory.get("source")
+    row["host_peak_bytes"], row["host_avg_bytes"] = memory.get("host_peak_bytes"), memory.get("host_avg_bytes")
     for kind in ("peak", "avg"):
         by_category = _mapping(memory.get(f"{kind}_by_category_bytes"))
         for category in CATEGORIES:
             row[f"{kind}_{category}_bytes"] = by_category.get(category)
     method_summary = _mapping(summary.get("method_summary"))
     row["optim_state_bytes"] = method_summary.get("optim/state_bytes")
+    row["optim_state_host_bytes"] = method_summary.get("optim/state_host_bytes")
     row["rank_fixed"] = method_summary.get("rank/fixed")
     finetuned = _mapping(config.get("model")).get("path") or str(row["model"] or "").endswith("-ft")
     row["task"] = "fine-tuning" if finetuned else "pretraining"

@@ -167,7 +167,7 @@ def metered_probe(model: nn.Module, policy, ids: torch.Tensor, *, autocast, sour
     with the step's. ``autocast``: a callable returning the step's autocast context. Returns the probe's metrics,
     its peak bytes and its token count; under FakeTensorMode the metrics are NaN and the peak is the dry run's."""
     pids = probe_batch(ids, max_tokens)
-    meter = MemoryMeter(source=source)
+    meter = MemoryMeter(source=source, device=pids.device)
     meter.track(model.parameters(), "params")
     meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
     meter.track(model.buffers(), "other")
@@ -197,7 +197,7 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
                                           values=not fake)  # fsdp2: on meta, fully_shard per layer + root
         model.train()
         params_total, params_trainable = count_params(model)
-        meter = MemoryMeter(source="fake" if fake else "tracker")
+        meter = MemoryMeter(source="fake" if fake else "tracker", device=next(model.parameters()).device)
         meter.track(model.parameters(), "params")
         meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
         meter.track(model.buffers(), "other")

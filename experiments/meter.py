@@ -18,6 +18,14 @@ Categories are assigned *after the fact*: a storage created as ``temp`` during t
 later marked ``optimizer`` is counted as ``optimizer`` at the peak too, because the peak is kept as a time
 (op index) and summed at report time over the storages alive then. Time-averaged bytes are averaged over
 dispatched ops (op ticks), which is deterministic and equal for real and fake runs.
+
+Device and host are counted apart (``MemoryMeter(device=...)``, the training device): a storage on that device
+counts toward ``peak_bytes`` and the other device figures (what must fit on the accelerator), a storage on any
+other device — in practice the host: HMT's parked bases (``method.offload_bases=true``), ``offload_cpu``
+activations, refresh copies — toward the ``host_*`` figures, with its own peak, categories and phases. A
+storage's device is its tensor's (a fake tensor's fake device, not its meta storage's), so a dry run with fake
+CUDA tensors and a real run split alike. ``device=None`` (and a CPU run, where host and device are one memory)
+counts everything as device. Design notes: ``docs/memory.md``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from hmt_core.driver import same_device
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
 PHASES = ("forward", "backward", "optimizer")
@@ -49,12 +59,16 @@ _METADATA_OPS = {
 }
 
 
+SPACES = ("device", "host")  # the training device; every other device (the host)
+
+
 @dataclass(eq=False)
 class _Record:
     nbytes: int
     category: str
     born: int  # op tick at allocation
     phase: str | None
+    space: str  # one of SPACES
     died: int | None = None
     serial: int = 0  # the storage's key in the event log
     device: str = ""
@@ -69,9 +83,22 @@ class _PeakWindow:
     died_after_peak: list[_Record] = field(default_factory=list)  # records alive at the peak, freed since
 
 
+@dataclass
+class _Space:
+    """Live total, peak windows (overall and per phase) and released bytes x ticks of one memory space."""
+
+    total: int = 0
+    windows: dict[str, _PeakWindow] = field(default_factory=lambda: {k: _PeakWindow() for k in ("all", *PHASES)})
+    avg_accum: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryReport:
+    """Un-prefixed figures: the training device (``device``; all memory when it is None). ``host_*``: storages
+    on every other device (the host), measured the same way."""
+
     source: str
+    device: str | None
     peak_bytes: int
     avg_bytes: int
     peak_by_category_bytes: dict[str, int]
@@ -79,11 +106,18 @@ class MemoryReport:
     peak_by_phase_bytes: dict[str, int]
     peak_by_phase_category_bytes: dict[str, dict[str, int]]
     current_by_category_bytes: dict[str, int]
-    host_device_bytes: int
+    host_device_bytes: int  # bytes copied between devices (traffic, not residency)
+    host_peak_bytes: int
+    host_avg_bytes: int
+    host_peak_by_category_bytes: dict[str, int]
+    host_avg_by_category_bytes: dict[str, int]
+    host_peak_by_phase_bytes: dict[str, int]
+    host_current_by_category_bytes: dict[str, int]
 
     def to_dict(self) -> dict:
         return {
             "source": self.source,
+            "device": self.device,
             "peak_bytes": self.peak_bytes,
             "avg_bytes": self.avg_bytes,
             "peak_by_category_bytes": dict(self.peak_by_category_bytes),
@@ -91,6 +125,11 @@ class MemoryReport:
             "peak_by_phase_bytes": dict(self.peak_by_phase_bytes),
             "peak_by_phase_category_bytes": {k: dict(v) for k, v in self.peak_by_phase_category_bytes.items()},
             "host_device_bytes": self.host_device_bytes,
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_avg_bytes": self.host_avg_bytes,
+            "host_peak_by_category_bytes": dict(self.host_peak_by_category_bytes),
+            "host_avg_by_category_bytes": dict(self.host_avg_by_category_bytes),
+            "host_peak_by_phase_bytes": dict(self.host_peak_by_phase_bytes),
         }
 
 
@@ -102,14 +141,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]:
+def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
+    """Each tensor's storage with the tensor's device (a fake tensor's storage is a meta storage; its tensor
+    reports the device it stands in for)."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t = _local(t)
             if t.device.type == "meta":  # a shape without memory (a model built on meta, before to_empty)
                 continue
             try:
-                yield t.untyped_storage()
+                yield t.untyped_storage(), t.device
             except (NotImplementedError, RuntimeError):  # sparse / nested / wrapper tensors without storage
                 continue
 
@@ -117,16 +158,15 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[torch.UntypedStorage]
 class MemoryMeter(TorchDispatchMode):
     """Categorized live-tensor-bytes tracker. Use ``with meter:`` around the measured steps."""
 
-    def __init__(self, *, source: str = "tracker") -> None:
+    def __init__(self, *, source: str = "tracker", device: torch.device | str | None = None) -> None:
         super().__init__()
         self.source = source
+        self.device = None if device is None else torch.device(device)
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._live: dict[int, _Record] = {}  # id(record) -> record, for storages still alive
         self._tick = 0
-        self._total = 0
         self._phase: str | None = None
-        self._windows = {key: _PeakWindow() for key in ("all", *PHASES)}
-        self._avg_accum = dict.fromkeys(CATEGORIES, 0)  # bytes x ticks of released records
+        self._spaces = {space: _Space() for space in SPACES}
         self._start_tick: int | None = None
         self._in_op = False
         self.host_device_bytes = 0
@@ -139,8 +179,8 @@ class MemoryMeter(TorchDispatchMode):
     def track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Register already-existing tensors (weights, buffers, batches) under ``category``."""
         self._tick += 1
-        for storage in _storages(tensors):
-            self._register(storage, category)
+        for storage, device in _storages(tensors):
+            self._register(storage, category, device)
         self._update_peaks()
 
     def mark(self, tensors: Iterable[torch.Tensor], category: str) -> None:
@@ -148,10 +188,10 @@ class MemoryMeter(TorchDispatchMode):
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
         self._tick += 1
-        for storage in _storages(tensors):
+        for storage, device in _storages(tensors):
             record = self._records.get(storage)
             if record is None:
-                self._register(storage, category)
+                self._register(storage, category, device)
             else:
                 record.category = category
         self._update_peaks()
@@ -175,18 +215,23 @@ class MemoryMeter(TorchDispatchMode):
             h.remove()
         self._grad_hooks.clear()
 
-    def _register(self, storage: torch.UntypedStorage, category: str) -> _Record:
+    def space_of(self, device: torch.device) -> str:
+        """"device" for the training device (any index when it names none), "host" for every other device."""
+        return "device" if self.device is None or same_device(device, self.device) else "host"
+
+    def _register(self, storage: torch.UntypedStorage, category: str, device: torch.device) -> _Record:
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
         record = self._records.get(storage)
         if record is not None:
             return record
         record = _Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase,
-                         serial=len(self.events), device=str(storage.device))
-        self.events.append((self._tick, record.nbytes, record.serial, record.device))
+                         space=self.space_of(device), serial=len(self.events), device=str(device))
+        if record.space == "device":  # the allocator model replays what the training device's allocator sees
+            self.events.append((self._tick, record.nbytes, record.serial, record.device))
         self._records[storage] = record
         self._live[id(record)] = record
-        self._total += record.nbytes
+        self._spaces[record.space].total += record.nbytes
         weakref.finalize(storage, self._release, record)
         return record
 
@@ -196,11 +241,13 @@ class MemoryMeter(TorchDispatchMode):
         # alive through the current tick unless released inside the op that defines it
         record.died = self._tick if self._in_op else self._tick + 1
         self._live.pop(id(record), None)
-        self._total -= record.nbytes
-        self.events.append((self._tick, -record.nbytes, record.serial, record.device))
+        space = self._spaces[record.space]
+        space.total -= record.nbytes
+        if record.space == "device":
+            self.events.append((self._tick, -record.nbytes, record.serial, record.device))
         start = self._start_tick if self._start_tick is not None else 0
-        self._avg_accum[record.category] += record.nbytes * max(0, record.died - max(record.born, start))
-        for window in self._windows.values():
+        space.avg_accum[record.category] += record.nbytes * max(0, record.died - max(record.born, start))
+        for window in space.windows.values():
             if record.born <= window.tick < record.died:
                 window.died_after_peak.append(record)
 
@@ -219,16 +266,16 @@ class MemoryMeter(TorchDispatchMode):
                         record.category = "activations"
             self._phase = previous
 
-    def storage_resized(self, storage: torch.UntypedStorage) -> None:
+    def storage_resized(self, storage: torch.UntypedStorage, device: torch.device) -> None:
         """A storage resized in place outside ATen (``UntypedStorage.resize_``): its old size is released and a
-        non-empty new size registered as a new allocation of the same category."""
+        non-empty new size registered as a new allocation of the same category. ``device``: its tensor's."""
         self._tick += 1
         old = self._records.get(storage)
         if old is not None:
             del self._records[storage]
             self._release(old)
         if storage.nbytes() > 0:
-            self._register(storage, old.category if old is not None else "temp")
+            self._register(storage, old.category if old is not None else "temp", device)
         self._update_peaks()
 
     @contextlib.contextmanager
@@ -252,7 +299,7 @@ class MemoryMeter(TorchDispatchMode):
                 before = tensor.untyped_storage().nbytes()
                 resize(tensor)
                 if tensor.untyped_storage().nbytes() != before:
-                    self.storage_resized(tensor.untyped_storage())
+                    self.storage_resized(tensor.untyped_storage(), tensor.device)
             return call
 
         patched = [(param_mod, "free_storage", free), (param_mod, "alloc_storage", alloc)]
@@ -292,9 +339,9 @@ class MemoryMeter(TorchDispatchMode):
             self._in_op = False
         self._count_device_moves(func, args, kwargs, out)
         flat_out, _ = tree_flatten(out)
-        for storage in _storages(flat_out):
+        for storage, device in _storages(flat_out):
             if storage not in self._records:
-                self._register(storage, "temp")
+                self._register(storage, "temp", device)
         self._update_peaks()
         return out
 
@@ -307,46 +354,51 @@ class MemoryMeter(TorchDispatchMode):
             self.host_device_bytes += src.numel() * src.element_size()
 
     def _update_peaks(self) -> None:
-        for key in ("all", self._phase):
-            window = self._windows.get(key) if key else None
-            if window is not None and self._total > window.bytes:
-                window.bytes, window.tick = self._total, self._tick
-                window.died_after_peak.clear()
+        for space in self._spaces.values():
+            for key in ("all", self._phase):
+                window = space.windows.get(key) if key else None
+                if window is not None and space.total > window.bytes:
+                    window.bytes, window.tick = space.total, self._tick
+                    window.died_after_peak.clear()
 
     # ---- reporting ----------------------------------------------------------------------------------
-    def _by_category_at(self, window: _PeakWindow) -> dict[str, int]:
+    def _by_category_at(self, space: str, window: _PeakWindow) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
         if window.tick < 0:
             return out
-        for record in list(self._live.values()) + window.died_after_peak:
+        live = [r for r in self._live.values() if r.space == space]
+        for record in live + window.died_after_peak:
             if record.born <= window.tick and (record.died is None or window.tick < record.died):
                 out[record.category] += record.nbytes
         return out
 
     def current_bytes(self) -> int:
-        return self._total
+        """Live bytes on the training device."""
+        return self._spaces["device"].total
 
-    def report(self) -> MemoryReport:
+    def _space_figures(self, name: str) -> dict:
+        """Peak, averages (over op ticks since the meter was first entered) and current bytes of one space."""
+        space = self._spaces[name]
         start = self._start_tick if self._start_tick is not None else 0
         span = max(1, self._tick - start)
-        accum = dict(self._avg_accum)
+        accum = dict(space.avg_accum)
         current = dict.fromkeys(CATEGORIES, 0)
         for record in self._live.values():
-            accum[record.category] += record.nbytes * max(0, self._tick - max(record.born, start))
-            current[record.category] += record.nbytes
-        avg = {k: v // span for k, v in accum.items()}
-        peak_by_cat = self._by_category_at(self._windows["all"])
-        return MemoryReport(
-            source=self.source,
-            peak_bytes=max(0, self._windows["all"].bytes),
-            avg_bytes=sum(accum.values()) // span,
-            peak_by_category_bytes=peak_by_cat,
-            avg_by_category_bytes=avg,
-            peak_by_phase_bytes={p: max(0, self._windows[p].bytes) for p in PHASES},
-            peak_by_phase_category_bytes={p: self._by_category_at(self._windows[p]) for p in PHASES},
-            current_by_category_bytes=current,
-            host_device_bytes=self.host_device_bytes,
-        )
+            if record.space == name:
+                accum[record.category] += record.nbytes * max(0, self._tick - max(record.born, start))
+                current[record.category] += record.nbytes
+        return {"peak_bytes": max(0, space.windows["all"].bytes), "avg_bytes": sum(accum.values()) // span,
+                "peak_by_category_bytes": self._by_category_at(name, space.windows["all"]),
+                "avg_by_category_bytes": {k: v // span for k, v in accum.items()},
+                "peak_by_phase_bytes": {p: max(0, space.windows[p].bytes) for p in PHASES},
+                "peak_by_phase_category_bytes": {p: self._by_category_at(name, space.windows[p]) for p in PHASES},
+                "current_by_category_bytes": current}
+
+    def report(self) -> MemoryReport:
+        dev, host = self._space_figures("device"), self._space_figures("host")
+        del host["peak_by_phase_category_bytes"]
+        return MemoryReport(source=self.source, device=None if self.device is None else str(self.device), **dev,
+                            host_device_bytes=self.host_device_bytes, **{f"host_{k}": v for k, v in host.items()})
 
 
 class StartupPeak:

@@ -102,6 +102,9 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f"  tokens/s, step time    : {_fmt(summary['tokens_per_s'], '.1f')}, {_fmt(summary['step_time_s'], '.4f')} s",
         f"  peak / avg memory      : {gib(mem['peak_bytes'])} / {gib(mem['avg_bytes'])}  (source: {mem['source']})",
         "  peak by category       : " + ", ".join(f"{k} {gib(v)}" for k, v in mem["peak_by_category_bytes"].items()),
+        *([f"  host peak (off device) : {gib(mem['host_peak_bytes'])}  ("
+           + ", ".join(f"{k} {gib(v)}" for k, v in mem["host_peak_by_category_bytes"].items() if v) + ")"]
+          if mem.get("host_peak_bytes") else []),
         f"  cpu rss peak           : {gib(summary['cpu_rss_peak_bytes'])}",
         f"  results                : {run_dir}",
     ]

@@ -110,7 +110,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     with StartupPeak(device) as startup:  # fsdp2: built on meta, fully_shard per layer + root, shards initialised
         model = distributed.build_sharded(run.model, method, ctx, vocab_size=corpus.vocab_size, device=device)
     model.train()
-    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker")
+    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker", device=device)
     meter.track(model.parameters(), "params")
     meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
     meter.track(model.buffers(), "other")

@@ -8,7 +8,7 @@ whole ``Method`` built on it from a baseline's ``prepare``/``build`` functions (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +39,26 @@ def local_bytes(t: torch.Tensor) -> int:
     if isinstance(t, DTensor):
         t = t.to_local()
     return t.numel() * t.element_size()
+
+
+def same_device(device: torch.device, target: torch.device) -> bool:
+    """``device`` is ``target``, or of its type when ``target`` names no index ("cuda" matches "cuda:0")."""
+    return device.type == target.type and target.index in (None, device.index)
+
+
+def state_bytes_summary(tensors: Iterable[torch.Tensor], device: torch.device | None) -> dict[str, int]:
+    """A method's optimizer-state keys, bytes this process holds (``local_bytes``): ``optim/state_device_bytes``
+    on the training ``device``, ``optim/state_host_bytes`` on every other device (the host: HMT's parked bases,
+    ``method.offload_bases=true``), and ``optim/state_bytes``, the device figure (what must fit on the
+    accelerator). ``device=None``, or a CPU run, where host and device are one memory: all of it is device."""
+    on_device = host = 0
+    for t in tensors:
+        n = local_bytes(t)
+        if device is None or same_device(t.device, device):  # a DTensor's device is its local shard's
+            on_device += n
+        else:
+            host += n
+    return {"optim/state_bytes": on_device, "optim/state_device_bytes": on_device, "optim/state_host_bytes": host}
 
 
 def _plain_tensors_replicated(params: list[torch.Tensor]):
@@ -111,11 +131,13 @@ class OptimizerMethod:
         self._prepare = prepare
         self.driver: OptimizerDriver | None = None
         self.built: Built | None = None
+        self.device: torch.device | None = None  # the training device (the model's at attach)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return self._prepare(model) if self._prepare else model
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
+        self.device = next((p.device for p in model.parameters()), None)
         self.built = self._build(model)
         self.driver = OptimizerDriver(self.built.optimizer, max_grad_norm=max_grad_norm)
 
@@ -140,8 +162,7 @@ class OptimizerMethod:
     def summary(self) -> dict[str, Any]:
         if self.built is None:
             return {}
-        state_bytes = sum(local_bytes(t) for t in self.state_tensors())  # per rank under FSDP2
-        return {**self.built.summary, "optim/state_bytes": state_bytes}
+        return {**self.built.summary, **state_bytes_summary(self.state_tensors(), self.device)}  # per rank (FSDP2)
 
     def state_dict(self) -> dict[str, Any]:
         return self.driver.state_dict()

@@ -48,6 +48,7 @@ from torch import nn
 from hmt_core import int8_weights
 from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.basis_cache import BasisCache, basis_bytes
+from hmt_core.driver import state_bytes_summary
 from hmt_core.optim import sharded as sh
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
@@ -229,6 +230,7 @@ class HMTMethod:
         self.engine: PerLayerEngine | None = None
         self.max_grad_norm: float | None = None
         self.last_grad_norm: float | None = None
+        self.device: torch.device | None = None  # the training device (the model's at attach)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers."""
@@ -270,6 +272,7 @@ class HMTMethod:
             slots.append(make(name=name, param=p, index=index, projected=projected,
                               candidates=tuple(int(r) for r in candidates)))
         self.opt = LowRankOptimizer(slots, c)
+        self.device = trainable[0][1].device if trainable else None
         self.max_grad_norm = max_grad_norm
         if self.engine is not None:
             self.engine.remove()
@@ -323,7 +326,7 @@ class HMTMethod:
 
     def summary(self) -> dict[str, Any]:
         out = self.opt.history.summary()
-        out["optim/state_bytes"] = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        out.update(state_bytes_summary(self.state_tensors(), self.device))  # host: parked bases (offload_bases)
         out.update({k: int(v) for k, v in self.opt.budget_metrics().items()})
         out["optim/projected_params"] = sum(1 for s in self.opt.slots if s.projected)  # tensors
         out["projected_params"] = projected_elements(s.param for s in self.opt.slots if s.projected)  # elements

@@ -294,3 +294,23 @@ def test_committed_projected_runs_train_through_several_basis_refreshes() -> Non
     assert set(seen) == set(REFRESH_KEYS), f"projected methods in results/reference: {sorted(seen)}"
     few = [(run, n) for runs_ in seen.values() for run, n in runs_ if n < 3]
     assert not few, f"runs with fewer than 3 basis refreshes: {few}"
+
+
+def test_host_memory_columns_and_results_from_before_the_split(tmp_path: Path) -> None:
+    """Device and host figures load into their own columns; a summary written before the meter told host from
+    device loads with those columns empty (its figures stay the device columns)."""
+    write_run(tmp_path, "hmt-tiny-s0", method="hmt", model="tiny", seed=0, extra={
+        "method_summary": {"optim/state_bytes": 3000, "optim/state_device_bytes": 3000, "optim/state_host_bytes": 700}})
+    old = write_run(tmp_path, "hmt-tiny-s1", method="hmt", model="tiny", seed=1,
+                    extra={"method_summary": {"optim/state_bytes": 3700}})
+    summary_path = tmp_path / "hmt-tiny-s0" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["memory"].update(host_peak_bytes=5 * 2**20, host_avg_bytes=2**20)
+    summary_path.write_text(json.dumps(summary))
+    runs = load_results(tmp_path).runs.set_index("run_id")
+    new_row, old_row = runs.loc["hmt-tiny-s0"], runs.loc[old.name]
+    print(runs[["optim_state_bytes", "optim_state_host_bytes", "host_peak_bytes", "peak_bytes"]])
+    assert (new_row["optim_state_bytes"], new_row["optim_state_host_bytes"]) == (3000, 700)
+    assert (new_row["host_peak_bytes"], new_row["host_avg_bytes"]) == (5 * 2**20, 2**20)
+    assert old_row["optim_state_bytes"] == 3700 and old_row["peak_bytes"] == GIB
+    assert all(pd.isna(old_row[c]) for c in ("optim_state_host_bytes", "host_peak_bytes", "host_avg_bytes"))
