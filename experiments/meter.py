@@ -141,13 +141,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _storages(tensors: Iterable[torch.Tensor]) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
+def _storages(tensors: Iterable[torch.Tensor], *, skip_meta: bool = True
+              ) -> Iterator[tuple[torch.UntypedStorage, torch.device]]:
     """Each tensor's storage with the tensor's device (a fake tensor's storage is a meta storage; its tensor
     reports the device it stands in for)."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t = _local(t)
-            if t.device.type == "meta":  # a shape without memory (a model built on meta, before to_empty)
+            if skip_meta and t.device.type == "meta":  # a shape without memory (a model built on meta, before
+                # to_empty); kept where the meter's own device is meta (the tests' stand-in for a second device)
                 continue
             try:
                 yield t.untyped_storage(), t.device
@@ -162,6 +164,7 @@ class MemoryMeter(TorchDispatchMode):
         super().__init__()
         self.source = source
         self.device = None if device is None else torch.device(device)
+        self._skip_meta = self.device is None or self.device.type != "meta"
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._live: dict[int, _Record] = {}  # id(record) -> record, for storages still alive
         self._tick = 0
@@ -179,7 +182,7 @@ class MemoryMeter(TorchDispatchMode):
     def track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Register already-existing tensors (weights, buffers, batches) under ``category``."""
         self._tick += 1
-        for storage, device in _storages(tensors):
+        for storage, device in _storages(tensors, skip_meta=self._skip_meta):
             self._register(storage, category, device)
         self._update_peaks()
 
@@ -188,7 +191,7 @@ class MemoryMeter(TorchDispatchMode):
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
         self._tick += 1
-        for storage, device in _storages(tensors):
+        for storage, device in _storages(tensors, skip_meta=self._skip_meta):
             record = self._records.get(storage)
             if record is None:
                 self._register(storage, category, device)
@@ -339,7 +342,7 @@ class MemoryMeter(TorchDispatchMode):
             self._in_op = False
         self._count_device_moves(func, args, kwargs, out)
         flat_out, _ = tree_flatten(out)
-        for storage, device in _storages(flat_out):
+        for storage, device in _storages(flat_out, skip_meta=self._skip_meta):
             if storage not in self._records:
                 self._register(storage, "temp", device)
         self._update_peaks()
