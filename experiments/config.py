@@ -160,7 +160,10 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and
 # checkpoints (a configuration with another value is a different run, as usual).
-ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather"}
+# ``method.impl`` (AdamW's kernels): runs recorded without it used torch's implicit choice (single-tensor on CPU,
+# multi-tensor on CUDA); fused AdamW is the same formula with another rounding order (docs/dryrun-cuda.md).
+# ``dryrun.device``: dry runs recorded without it traced fake CPU tensors (CPU kernels and CPU autocast).
+ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("method", "impl"): "fused", ("dryrun", "device"): "cpu"}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -178,9 +181,12 @@ class DryrunConfig:
     cuda_context_gib: float = 1.0  # reserved for the CUDA context + allocator slack when judging "fits"
     gpu_sizes_gib: tuple[int, ...] = (16, 24, 40, 80)
     top_modules: int = 10
+    device: str = "cpu"  # target whose dispatch is traced: cuda | cpu (experiments.dryrun_device)
 
     def __post_init__(self) -> None:
         _positive("dryrun", self, "steps", "top_modules")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"dryrun.device must be cuda or cpu, got {self.device!r}")
         if self.cuda_context_gib < 0:
             raise ValueError(f"dryrun.cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
         object.__setattr__(self, "gpu_sizes_gib", tuple(self.gpu_sizes_gib))

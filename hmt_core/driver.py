@@ -16,6 +16,28 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 
+OPTIMIZER_IMPLS = ("fused", "foreach", "single")
+
+
+def torch_optimizer_impl(impl: str) -> dict[str, bool]:
+    """``fused``/``foreach`` keyword arguments that pin a ``torch.optim`` optimizer's implementation to ``impl``.
+
+    torch's default (``foreach=None``) picks by the tensors' type and device: multi-tensor kernels for real CUDA
+    tensors, single-tensor loops on CPU and for any tensor subclass (FakeTensor included), so a dry run would trace
+    another path than the CUDA run executes (docs/dryrun-cuda.md). ``fused``: one kernel per parameter group and
+    dtype (CUDA and CPU); ``foreach``: multi-tensor ops (``_foreach_sqrt`` makes a transient copy of every second
+    moment); ``single``: one parameter at a time."""
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer impl must be one of {OPTIMIZER_IMPLS}, got {impl!r}")
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def clip_foreach(params: list[torch.Tensor]) -> bool:
+    """``clip_grad_norm_``'s ``foreach``, decided by device as torch decides it for real tensors (multi-tensor norms
+    on CUDA), not by tensor type (its default declines FakeTensors, so a dry run would trace the per-tensor path)."""
+    return bool(params) and all(p.is_cuda for p in params)
+
+
 def iter_state_tensors(state: Any) -> Iterator[torch.Tensor]:
     """All tensors inside a (nested) optimizer-state structure."""
     if isinstance(state, torch.Tensor):
@@ -66,7 +88,8 @@ class OptimizerDriver:
     def step(self) -> float | None:
         params = [p for p in self.params() if p.grad is not None]
         limit = self.max_grad_norm if self.max_grad_norm else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.zeros(())
+        norm = (torch.nn.utils.clip_grad_norm_(params, limit, foreach=clip_foreach(params)) if params
+                else torch.zeros(()))
         with _plain_tensors_replicated(params):
             self.optimizer.step()
         return None if is_fake(norm) else float(norm)  # a fake tensor (dry run) has no value
