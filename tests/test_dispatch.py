@@ -1,0 +1,149 @@
+"""Kernel dispatch is the same on real tensors, in the dry run (fake tensors) and on CUDA.
+
+torch's optimizers pick their implementation by tensor type and device when left to choose (``foreach=None``):
+a FakeTensor gets the single-tensor loop, a real CUDA tensor the multi-tensor kernels. The baselines choose
+explicitly (``method.impl``), so the ops a step dispatches are counted here on real CPU tensors, fake CPU tensors
+(the dry run) and fake CUDA tensors (``FakeTensorMode`` makes them in a CPU-only torch; an optimizer step on them
+is the dispatch a CUDA run takes) and must be the same. HMT's Triton ops: ``dryrun.device=cuda`` takes the
+decision a CUDA tensor gets, and the ops traced on the kernel path are those the kernel path runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from baselines import adamw, qlora
+from hmt_core import kernels
+from hmt_core.driver import torch_optimizer_impl
+from hmt_core.kernels import ops
+from hmt_core.projection import Basis
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every compute op dispatched, and records each op's output (shape, dtype) in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.outputs: list[tuple[str, tuple, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func).startswith(("prim.", "profiler.")):  # metadata queries (fake mode asks devices) and markers
+            return out
+        self.ops[str(func)] += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.outputs.append((str(func), tuple(t.shape), t.dtype))
+        return out
+
+
+def _model(device: str) -> nn.Module:
+    model = nn.ParameterDict({name: nn.Parameter(torch.ones(shape, dtype=torch.bfloat16, device=device))
+                              for name, shape in (("w1", (8, 16)), ("b1", (8,)), ("w2", (4, 8)))})
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # values do not matter: only which kernels run is compared
+    return model
+
+
+def _step_ops(impl: str, fake_device: str | None) -> Counter[str]:
+    """Ops of two ``method=adamw`` optimizer steps (the first creates the state) on real CPU tensors
+    (``fake_device=None``) or fake tensors on ``fake_device``."""
+    with FakeTensorMode() if fake_device else torch.device("cpu"):
+        model = _model(fake_device or "cpu")
+        opt = adamw.build(model, adamw.Config(impl=impl)).optimizer
+        counter = OpCounter()
+        with counter:
+            opt.step()
+            opt.step()
+    return counter.ops
+
+
+KERNEL = {"fused": "aten._fused_adamw_.default", "foreach": "aten._foreach_sqrt.default", "single": "aten.sqrt.default"}
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "single"])
+def test_adamw_runs_the_chosen_kernels_on_real_fake_and_fake_cuda_tensors(impl):
+    real, fake, fake_cuda = _step_ops(impl, None), _step_ops(impl, "cpu"), _step_ops(impl, "cuda")
+    assert fake == real, f"dry run (fake CPU) dispatches {fake}, a real step {real}"
+    assert fake_cuda == real, f"fake CUDA dispatches {fake_cuda}, a real CPU step {real}"
+    others = [k for name, k in KERNEL.items() if name != impl]
+    # 3 parameters (2 weights, 1 bias), 2 steps: one fused/foreach call per step, one sqrt per parameter per step
+    assert real[KERNEL[impl]] == (6 if impl == "single" else 2), real
+    assert not any(real[k] for k in others), real
+
+
+def test_torch_optimizer_impl_is_explicit_for_every_choice():
+    assert torch_optimizer_impl("fused") == {"fused": True, "foreach": False}
+    assert torch_optimizer_impl("foreach") == {"fused": False, "foreach": True}
+    assert torch_optimizer_impl("single") == {"fused": False, "foreach": False}
+    with pytest.raises(ValueError, match="impl"):
+        torch_optimizer_impl("auto")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: adamw.Config(impl="apex"),
+    lambda: adamw.Config(impl="foreach", eight_bit=True),
+    lambda: adamw.Config(impl="single", master_weights=True),
+    lambda: qlora.Config(impl="foreach", optimizer="adamw8bit"),
+    lambda: qlora.Config(impl="none"),
+])
+def test_impl_refuses_what_it_cannot_choose(make):
+    with pytest.raises(ValueError, match="method.impl"):
+        make()
+
+
+# ------------------------------------------------------------------------------------------ HMT Triton kernels
+def _fake(device: str, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def test_dryrun_cuda_target_takes_the_triton_decision_of_a_cuda_tensor():
+    with FakeTensorMode():
+        cpu, cuda = _fake("cpu", 8, 4), _fake("cuda", 8, 4)
+        on_cuda = kernels.use_triton(cuda)  # what a CUDA run decides ("auto": CUDA and triton importable)
+        assert on_cuda == kernels.triton_available()
+        assert not kernels.use_triton(cpu)  # dryrun.device=cpu: the fallback, as on a CPU run
+        with kernels.fake_tensors_on("cuda"):
+            assert kernels.use_triton(cpu) == on_cuda
+        assert not kernels.use_triton(cpu)  # restored on exit
+    assert not kernels.use_triton(torch.zeros(2))  # real CPU tensors are never taken for CUDA ones
+    with kernels.fake_tensors_on("cuda"):
+        assert not kernels.use_triton(torch.zeros(2))
+
+
+def _lowrank_step(make, backend: str | None) -> OpCounter:
+    """HMT's kernel-path helpers on one (32, 24) weight with a two-sided rank-4 basis; ops recorded. The Adam
+    step gets a non-contiguous gradient, which the kernel reads through a contiguous copy."""
+    w, grad = make(32, 24), make(32, 24)
+    basis = Basis(make(32, 4), make(4, 24))
+    m, v = make(4, 4), make(4, 4).abs()  # v: a second moment (>= 0)
+    counter = OpCounter()
+    with counter:
+        low = ops.project(grad, basis, backend=backend)
+        d, step_size = ops.adam_step(m, v, low.t(), 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, style="torch",
+                                     backend=backend)
+        ops.lowrank_update(w, d, basis, scale=1.0, step_size=step_size, lr=1e-3, weight_decay=0.0, style="torch",
+                           backend=backend)
+    return counter
+
+
+def test_triton_path_traces_the_ops_and_tensors_the_kernels_run():
+    """The dry run (fake CPU tensors, ``dryrun.device=cuda``, backend auto) against the kernels themselves (real
+    CPU tensors in Triton's interpreter, backend triton): the same ops, each returning tensors of the same shapes
+    and dtypes — the custom ops' fake implementations allocate what the launches allocate."""
+    real = _lowrank_step(lambda *s: torch.randn(s), "triton")
+    with FakeTensorMode(), kernels.fake_tensors_on("cuda"):
+        fake = _lowrank_step(lambda *s: torch.empty(s), None)
+    assert fake.outputs == real.outputs, f"dry run {fake.outputs}\nkernels {real.outputs}"
+    # two-sided projection: two launches (Pᵀ G, then (Pᵀ G) Q), the (r, in) intermediate among the outputs
+    assert real.ops["hmt.project.default"] == 2 and real.ops["hmt.adam_lowrank_.default"] == 1, real.ops
+    assert ("hmt.project.default", (4, 24), torch.float32) in real.outputs, real.outputs
+    assert real.ops["hmt.lowrank_update_.default"] == 1, real.ops
+    assert real.ops["aten.clone.default"] == 1, real.ops  # the Adam kernel's contiguous copy of the gradient
