@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 
 OPTIMIZER_IMPLS = ("fused", "foreach", "single")
+IMPL_KEYS = ("fused", "foreach")  # torch.optim group options that choose the kernels
 
 
 def torch_optimizer_impl(impl: str) -> dict[str, bool]:
@@ -110,6 +111,12 @@ class OptimizerDriver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.base_lrs = list(state["base_lrs"])
+        # torch restores every saved group option, the kernel choice too: the run's choice (method.impl) wins over
+        # a checkpoint's (e.g. one written before the choice was explicit, with foreach=None)
+        for group in self.optimizer.param_groups:
+            for key in IMPL_KEYS:
+                if key in self.optimizer.defaults:
+                    group[key] = self.optimizer.defaults[key]
 
 
 class Built(NamedTuple):

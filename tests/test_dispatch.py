@@ -147,3 +147,20 @@ def test_triton_path_traces_the_ops_and_tensors_the_kernels_run():
     assert ("hmt.project.default", (4, 24), torch.float32) in real.outputs, real.outputs
     assert real.ops["hmt.lowrank_update_.default"] == 1, real.ops
     assert real.ops["aten.clone.default"] == 1, real.ops  # the Adam kernel's contiguous copy of the gradient
+
+
+def test_resume_keeps_the_runs_kernels_not_the_checkpoints():
+    """A checkpoint written by torch's implicit choice (``foreach=None``, before ``method.impl`` existed) resumes on
+    the run's kernels: torch's ``load_state_dict`` would restore the saved ``fused``/``foreach`` options."""
+    model = _model("cpu")
+    old = torch.optim.AdamW(model.parameters(), lr=1e-3)  # what a run before method.impl built
+    old.step()
+    method = adamw.make(adamw.Config(impl="fused"))
+    method.attach(model, max_grad_norm=None)
+    method.load_state_dict({"optimizer": old.state_dict(), "base_lrs": [1e-3]})
+    opt = method.driver.optimizer
+    assert [(g["fused"], g["foreach"]) for g in opt.param_groups] == [(True, False)], opt.param_groups
+    counter = OpCounter()
+    with counter:
+        opt.step()
+    assert counter.ops["aten._fused_adamw_.default"] == 1 and not counter.ops["aten.sqrt.default"], counter.ops
