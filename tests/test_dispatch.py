@@ -10,10 +10,12 @@ decision a CUDA tensor gets, and the ops traced on the kernel path are those the
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,3 +166,61 @@ def test_resume_keeps_the_runs_kernels_not_the_checkpoints():
     with counter:
         opt.step()
     assert counter.ops["aten._fused_adamw_.default"] == 1 and not counter.ops["aten.sqrt.default"], counter.ops
+
+
+# --------------------------------------------------------------------------------------------------- autocast
+@contextlib.contextmanager
+def cuda_autocast():
+    """``torch.autocast("cuda", torch.bfloat16)``'s thread-local state, set without its CUDA-availability check, so
+    the AutocastCUDA kernels (in every torch build) act on fake CUDA tensors in a CPU-only torch."""
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", dtype)
+
+
+def _autocast_dtype(op, device: str, in_dtype: torch.dtype) -> torch.dtype:
+    with FakeTensorMode():
+        x = torch.empty(16, 16, dtype=in_dtype, device=device)  # no indexing: it needs a CUDA device guard
+        with torch.autocast("cpu", dtype=torch.bfloat16) if device == "cpu" else cuda_autocast():
+            return op(x).dtype
+
+
+DECODER_OPS = {  # what a decoder step runs under autocast (RMSNorm and RoPE cast to fp32 themselves)
+    "linear": lambda x: F.linear(x, x.t()),
+    "matmul": lambda x: x @ x,
+    "sdpa": lambda x: F.scaled_dot_product_attention(*(x.view(1, 1, 16, 16),) * 3, is_causal=True),
+    "silu": F.silu,
+    "cross_entropy": lambda x: F.cross_entropy(x, torch.zeros(16, dtype=torch.long, device=x.device)),
+}
+CUDA_FP32_ONLY = {  # on CUDA's fp32 list, not on CPU's: a BF16 input runs in fp32 on CUDA, in BF16 in the dry run
+    "softmax": lambda x: torch.softmax(x, -1),
+    "log_softmax": lambda x: torch.log_softmax(x, -1),
+    "rms_norm": lambda x: F.rms_norm(x, (16,)),
+    "pow": lambda x: x.pow(2),
+    "sum": lambda x: x.sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODER_OPS))
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_dryrun_autocast_gives_a_decoder_step_the_dtypes_cuda_gives(name, in_dtype):
+    op = DECODER_OPS[name]
+    cpu, cuda = _autocast_dtype(op, "cpu", in_dtype), _autocast_dtype(op, "cuda", in_dtype)
+    assert cpu == cuda, f"{name} on {in_dtype}: dry run (CPU autocast) {cpu}, CUDA autocast {cuda}"
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_FP32_ONLY))
+def test_documented_autocast_differences_hold(name):
+    """docs/dryrun-cuda.md lists these as the ops whose BF16 inputs CUDA autocast runs in fp32 and CPU autocast does
+    not; if torch changes its lists, this fails and the page must be updated."""
+    op = CUDA_FP32_ONLY[name]
+    got = (_autocast_dtype(op, "cpu", torch.bfloat16), _autocast_dtype(op, "cuda", torch.bfloat16))
+    assert got == (torch.bfloat16, torch.float32), f"{name}: (CPU, CUDA) autocast dtypes {got}"
