@@ -1,7 +1,8 @@
 """QLoRA baseline (Dettmers et al., 2023): frozen 4-bit NF4 base weights (bitsandbytes ``Linear4bit``, optional
 double quantization) plus trainable LoRA adapters (peft; Hu et al., 2021: W x + (alpha/r) B A x), trained with
-AdamW (torch, with its kernels chosen explicitly by ``impl``, fused by default, or bitsandbytes 8-bit). The base model's Linear layers are quantized in place, so no copy of the
-model is written to disk and a model of any size can be prepared; everything else follows peft's recipe
+AdamW (torch's, its kernels chosen by ``impl``: fused by default, see docs/dryrun-cuda.md; or bitsandbytes' 8-bit).
+The base model's Linear layers are quantized in place, so no copy of the model is written to disk and a model of
+any size can be prepared; everything else follows peft's recipe
 (``prepare_model_for_kbit_training``: non-quantized parameters in fp32, input grads enabled).
 
 Target modules: ``target_modules`` are leaf module names (Llama's projections by default); for a model that has
