@@ -10,9 +10,9 @@ CUDA tensors run the forward but not the backward, whose autograd engine asks th
   tensors), whose custom ops' fake implementations allocate what the Triton launch allocates.
 
 Autocast keeps CPU's op lists: which ops run in BF16 is decided by the AutocastCPU/AutocastCUDA dispatch keys of
-the tensors' device, not by any setting. For the ops of a decoder step (linear, matmul, bmm, SDPA in BF16; the
-model's RMSNorm and RoPE casting to fp32 themselves) both lists agree; docs/dryrun-cuda.md lists where they
-differ, and a test pins the decisions that agree.
+the tensors' device, not by any setting. For the ops of a decoder step (linear, matmul, SDPA in BF16; SiLU and
+cross entropy; the model's RMSNorm and RoPE casting to fp32 themselves) both lists agree (tests/test_dispatch.py);
+docs/dryrun-cuda.md lists where they differ.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ def torch_optimizer_impl(impl: str) -> dict[str, bool]:
 
 
 def clip_foreach(params: list[torch.Tensor]) -> bool:
-    """``clip_grad_norm_``'s ``foreach``, decided by device as torch decides it for real tensors (multi-tensor norms
-    on CUDA), not by tensor type (its default declines FakeTensors, so a dry run would trace the per-tensor path)."""
+    """``clip_grad_norm_``'s ``foreach``, explicit and decided by device: multi-tensor norms on CUDA (torch's choice
+    there), per-tensor elsewhere (torch refuses ``foreach=True`` on CPU tensors, fake ones included, so a dry run
+    traces the per-tensor path; both allocate one 0-d norm per gradient and scale the gradients in place)."""
     return bool(params) and all(p.is_cuda for p in params)
 
 
