@@ -1,5 +1,10 @@
 """BF16 AdamW baseline: ``torch.optim.AdamW`` (Loshchilov & Hutter, 2019) on every trainable parameter.
 
+Kernels (``impl``): ``fused`` (default: one fused kernel per parameter group and dtype, no temporaries beyond its
+own, the fastest path on CUDA), ``foreach`` (multi-tensor ops, torch's own default on CUDA: ``_foreach_sqrt``
+copies every second moment at once) or ``single`` (one parameter at a time, torch's default on CPU). The choice is
+always explicit, so a dry run traces the path a CUDA run executes (docs/dryrun-cuda.md).
+
 Weight storage dtype comes from ``model.dtype`` (BF16 by default, as in GaLore's "BF16 baseline", whose
 Adam moments then are BF16 too, since torch keeps moments in the parameter dtype).
 
@@ -34,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from hmt_core.driver import Built, OptimizerMethod
+from hmt_core.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
 from hmt_core.method import named_trainable_parameters, trainable_parameters
 from hmt_core.optim import update as upd
 from hmt_core.precision import UpdateWriter, write_rows
@@ -53,6 +58,7 @@ class Config:
     seed: int = 0  # stochastic rounding's generator
     eight_bit: bool = False  # bitsandbytes AdamW8bit: block-wise 8-bit moments
     paged: bool = False  # with eight_bit: PagedAdamW8bit (CUDA unified memory for the state)
+    impl: str = "fused"  # torch.optim.AdamW's kernels: fused | foreach | single (hmt_core.driver.torch_optimizer_impl)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -67,6 +73,12 @@ class Config:
         if self.eight_bit and (self.master_weights or self.stochastic_rounding):
             raise ValueError("method.eight_bit=true (bitsandbytes AdamW8bit writes the weights itself) cannot be "
                              "combined with method.master_weights or method.stochastic_rounding")
+        if self.impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"method.impl must be one of {OPTIMIZER_IMPLS}, got {self.impl!r}")
+        if self.impl != "fused" and (self.eight_bit or self.master_weights or self.stochastic_rounding):
+            raise ValueError(f"method.impl={self.impl} chooses torch.optim.AdamW's kernels; with method.eight_bit, "
+                             "method.master_weights or method.stochastic_rounding another optimizer runs: leave "
+                             "method.impl at fused")
         if self.paged and not self.eight_bit:
             raise ValueError("method.paged=true pages bitsandbytes' 8-bit state: it needs method.eight_bit=true")
 
@@ -184,8 +196,8 @@ def build(model: nn.Module, config: Config) -> Built:
                              weight_decay=c.weight_decay, writer=writer)
         return Built(opt)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
-                            weight_decay=c.weight_decay)
-    return Built(opt)
+                            weight_decay=c.weight_decay, **torch_optimizer_impl(c.impl))
+    return Built(opt, summary={"optim/impl": c.impl})
 
 
 def make(config: Config) -> OptimizerMethod:

@@ -1,7 +1,8 @@
 """QLoRA baseline (Dettmers et al., 2023): frozen 4-bit NF4 base weights (bitsandbytes ``Linear4bit``, optional
 double quantization) plus trainable LoRA adapters (peft; Hu et al., 2021: W x + (alpha/r) B A x), trained with
-AdamW (torch, or bitsandbytes 8-bit). The base model's Linear layers are quantized in place, so no copy of the
-model is written to disk and a model of any size can be prepared; everything else follows peft's recipe
+AdamW (torch's, its kernels chosen by ``impl``: fused by default, see docs/dryrun-cuda.md; or bitsandbytes' 8-bit).
+The base model's Linear layers are quantized in place, so no copy of the model is written to disk and a model of
+any size can be prepared; everything else follows peft's recipe
 (``prepare_model_for_kbit_training``: non-quantized parameters in fp32, input grads enabled).
 
 Target modules: ``target_modules`` are leaf module names (Llama's projections by default); for a model that has
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch import nn
 
 from experiments.errors import UserError
-from hmt_core.driver import Built, OptimizerMethod
+from hmt_core.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
 from hmt_core.method import trainable_parameters
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -44,6 +45,7 @@ class Config:
     double_quant: bool = True
     compute_dtype: str = "bf16"
     optimizer: str = "adamw"
+    impl: str = "fused"  # optimizer=adamw: torch.optim.AdamW's kernels, fused | foreach | single
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -54,6 +56,11 @@ class Config:
             raise ValueError(f"method.lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"method.optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"method.impl must be one of {OPTIMIZER_IMPLS}, got {self.impl!r}")
+        if self.impl != "fused" and self.optimizer != "adamw":
+            raise ValueError(f"method.impl={self.impl} chooses torch.optim.AdamW's kernels; it needs "
+                             "method.optimizer=adamw (bitsandbytes' AdamW8bit runs its own fused kernel)")
         if self.compute_dtype not in ("bf16", "fp32", "fp16"):
             raise ValueError(f"method.compute_dtype must be bf16|fp32|fp16, got {self.compute_dtype!r}")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
@@ -188,7 +195,7 @@ def build(model: nn.Module, config: Config) -> Built:
     if c.optimizer == "adamw8bit":
         opt = bnb.optim.AdamW8bit(params, lr=c.lr, weight_decay=c.weight_decay)
     else:
-        opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+        opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay, **torch_optimizer_impl(c.impl))
     quantized = sum(1 for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
     return Built(opt, summary={"quantized_linear_layers": quantized, "lora_r": c.lora_r})
 

@@ -186,9 +186,13 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # checkpoints (a configuration with another value is a different run, as usual).
 # (dryrun.reserve, gpu_arch and expandable_segments only change how a dry run judges "fits", never a training
 # trajectory.)
+# ``method.impl`` (AdamW's kernels): runs recorded without it used torch's implicit choice (single-tensor on CPU,
+# multi-tensor on CUDA); fused AdamW is the same formula with another rounding order (docs/dryrun-cuda.md).
+# ``dryrun.device``: dry runs recorded without it traced fake CPU tensors (CPU kernels and CPU autocast).
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("train", "deterministic"): "auto",
-                      ("dryrun", "reserve"): "modeled",
-                      ("dryrun", "gpu_arch"): "hopper", ("dryrun", "expandable_segments"): False}
+                      ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
+                      ("dryrun", "expandable_segments"): False, ("method", "impl"): "fused",
+                      ("dryrun", "device"): "cpu"}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -211,11 +215,13 @@ class DryrunConfig:
     cuda_context_gib: float = 1.0  # reserve=flat only: GiB for the CUDA context + allocator slack
     gpu_sizes_gib: tuple[int, ...] = (16, 24, 40, 80)
     top_modules: int = 10
+    device: str = "cpu"  # target whose dispatch is traced: cuda | cpu (experiments.dryrun_device)
 
     def __post_init__(self) -> None:
         _positive("dryrun", self, "steps", "top_modules")
         _one_of("dryrun", "reserve", self.reserve, RESERVE_MODES)
         _one_of("dryrun", "gpu_arch", self.gpu_arch, GPU_ARCHS)
+        _one_of("dryrun", "device", self.device, ("cuda", "cpu"))
         if self.cuda_context_gib < 0:
             raise ValueError(f"dryrun.cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
         object.__setattr__(self, "gpu_sizes_gib", tuple(self.gpu_sizes_gib))

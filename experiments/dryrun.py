@@ -29,7 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from experiments import dist_checks, distributed
+from experiments import dist_checks, distributed, dryrun_device
 from experiments.config import RunConfig
 from experiments.errors import UserError
 from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, modeled_verdicts
@@ -188,7 +188,9 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
     is how the fake figures are validated); returns the measured figures."""
     t = run.train
     assumed = AssumedScalars()
-    with distributed.dryrun_context(run) as ctx, \
+    target = torch.device(run.dryrun.device if fake else "cpu")  # whose dispatch decisions are traced
+    dryrun_device.check_target(target.type)
+    with distributed.dryrun_context(run) as ctx, dryrun_device.dispatch_as(target), \
             FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext(), \
             unpacked_sequences() if fake else contextlib.nullcontext():
         rows = t.batch_size // (ctx.world_size if ctx is not None else 1)  # this rank's share of the global batch
@@ -281,7 +283,7 @@ def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, d
                 "verdict_peak_from": "probe" if probe_peak > rep.peak_bytes else "step",
                 **gpu_verdicts(run, traced, verdict_peak)},
     )
-    summary["device"] = f"fake (target {device.type})"
+    summary["device"] = f"fake (target {run.dryrun.device})"
     run_dir.start(config_dict)
     run_dir.finish(summary)
     print_summary(summary, run_dir.path)

@@ -16,6 +16,30 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 
+OPTIMIZER_IMPLS = ("fused", "foreach", "single")
+IMPL_KEYS = ("fused", "foreach")  # torch.optim group options that choose the kernels
+
+
+def torch_optimizer_impl(impl: str) -> dict[str, bool]:
+    """``fused``/``foreach`` keyword arguments that pin a ``torch.optim`` optimizer's implementation to ``impl``.
+
+    torch's default (``foreach=None``) picks by the tensors' type and device: multi-tensor kernels for real CUDA
+    tensors, single-tensor loops on CPU and for any tensor subclass (FakeTensor included), so a dry run would trace
+    another path than the CUDA run executes (docs/dryrun-cuda.md). ``fused``: one kernel per parameter group and
+    dtype (CUDA and CPU); ``foreach``: multi-tensor ops (``_foreach_sqrt`` makes a transient copy of every second
+    moment); ``single``: one parameter at a time."""
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer impl must be one of {OPTIMIZER_IMPLS}, got {impl!r}")
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def clip_foreach(params: list[torch.Tensor]) -> bool:
+    """``clip_grad_norm_``'s ``foreach``, explicit and decided by device: multi-tensor norms on CUDA (torch's choice
+    there), per-tensor elsewhere (torch refuses ``foreach=True`` on CPU tensors, fake ones included, so a dry run
+    traces the per-tensor path; both allocate one 0-d norm per gradient and scale the gradients in place)."""
+    return bool(params) and all(p.is_cuda for p in params)
+
+
 def iter_state_tensors(state: Any) -> Iterator[torch.Tensor]:
     """All tensors inside a (nested) optimizer-state structure."""
     if isinstance(state, torch.Tensor):
@@ -86,7 +110,8 @@ class OptimizerDriver:
     def step(self) -> float | None:
         params = [p for p in self.params() if p.grad is not None]
         limit = self.max_grad_norm if self.max_grad_norm else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.zeros(())
+        norm = (torch.nn.utils.clip_grad_norm_(params, limit, foreach=clip_foreach(params)) if params
+                else torch.zeros(()))
         with _plain_tensors_replicated(params):
             self.optimizer.step()
         return None if is_fake(norm) else float(norm)  # a fake tensor (dry run) has no value
@@ -107,6 +132,12 @@ class OptimizerDriver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.base_lrs = list(state["base_lrs"])
+        # torch restores every saved group option, the kernel choice too: the run's choice (method.impl) wins over
+        # a checkpoint's (e.g. one written before the choice was explicit, with foreach=None)
+        for group in self.optimizer.param_groups:
+            for key in IMPL_KEYS:
+                if key in self.optimizer.defaults:
+                    group[key] = self.optimizer.defaults[key]
 
 
 class Built(NamedTuple):

@@ -149,6 +149,13 @@ def test_rank_larger_than_the_weights(capsys, results):
     assert_one_line_error(capsys, results, ["method.rank=128"], "method.rank=128")
 
 
+def test_kernel_choices_that_do_not_exist_or_do_not_apply(capsys, results):
+    assert_one_line_error(capsys, results, ["method=adamw", "method.impl=apex"], "method.impl", "apex")
+    assert_one_line_error(capsys, results, ["method=adamw", "method.eight_bit=true", "method.impl=foreach"],
+                          "method.impl=foreach", "method.eight_bit")
+    assert_one_line_error(capsys, results, ["mode=dryrun", "dryrun.device=tpu"], "dryrun.device", "tpu")
+
+
 def test_target_patterns_matching_no_weight(capsys, results):
     assert_one_line_error(capsys, results, ["method.target_patterns=[nosuchlayer]"], "method.target_patterns", "nosuchlayer")
 

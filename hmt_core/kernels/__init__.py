@@ -1,7 +1,8 @@
 """Kernel backend switch for HMT's fused ops: Triton kernels or their PyTorch fallbacks.
 
 Backends (``BACKENDS``):
-- ``"auto"`` (default): Triton when every tensor is on CUDA and ``triton`` imports, else the PyTorch fallback;
+- ``"auto"`` (default): Triton when every tensor is on CUDA and ``triton`` imports, else the PyTorch fallback
+  (fake tensors count as CUDA tensors inside ``fake_tensors_on("cuda")``: a dry run with ``dryrun.device=cuda``);
 - ``"triton"``: always Triton — on CUDA, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
   how the tests check the kernels without a GPU); raises if neither is possible;
 - ``"torch"``: always the PyTorch fallback.
@@ -23,10 +24,11 @@ import os
 from collections.abc import Iterator
 
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 BACKENDS = ("auto", "triton", "torch")
 
-_state = {"backend": os.environ.get("HMT_KERNELS", "auto")}
+_state = {"backend": os.environ.get("HMT_KERNELS", "auto"), "fake_device": "cpu"}
 
 
 def _check(name: str) -> str:
@@ -53,6 +55,25 @@ def using(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
+@contextlib.contextmanager
+def fake_tensors_on(device_type: str) -> Iterator[None]:
+    """Within: ``use_triton`` takes fake tensors (FakeTensorMode) for tensors on ``device_type`` ("cuda" | "cpu").
+    A dry run traces on fake CPU tensors; with ``dryrun.device=cuda`` it takes the decisions of a CUDA run (the
+    Triton op, whose fake implementation allocates what the launch allocates) instead of the CPU fallback's."""
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"fake tensors stand for cuda or cpu tensors, got {device_type!r}")
+    previous = _state["fake_device"]
+    _state["fake_device"] = device_type
+    try:
+        yield
+    finally:
+        _state["fake_device"] = previous
+
+
+def _on_cuda(t: Tensor) -> bool:
+    return t.is_cuda or (_state["fake_device"] == "cuda" and is_fake(t))
+
+
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -67,7 +88,7 @@ def use_triton(*tensors: Tensor, backend: str | None = None) -> bool:
     name = _check(backend) if backend else get_backend()
     if name == "torch":
         return False
-    on_cuda = all(t.is_cuda for t in tensors)
+    on_cuda = all(_on_cuda(t) for t in tensors)
     if name == "auto":
         return on_cuda and triton_available()
     if not triton_available():

@@ -12,7 +12,10 @@ decoupled weight decay, Loshchilov & Hutter 2019), each a ``torch.library.custom
 
 The helpers ``lowrank_update`` / ``project`` / ``adam_step`` are what the optimizer calls: they call the op when
 the kernel runs and the fallback *function* directly otherwise, so that the memory meter (a TorchDispatchMode,
-which sees a custom op as one call) still counts the fallback's real temporaries.
+which sees a custom op as one call) still counts the fallback's real temporaries. On the kernel path each op's
+fake implementation allocates exactly the tensors its Triton launch returns (none for ``lowrank_update_``), and
+what the launch allocates besides (``project``'s two-sided intermediate, ``adam_``'s fp32 copy of the gradient)
+is made by the helper, outside the op, where the meter and a dry run (``dryrun.device=cuda``) see it.
 """
 
 from __future__ import annotations
@@ -117,7 +120,11 @@ def project(grad: Tensor, basis: Basis, *, backend: str | None = None) -> Tensor
     """grad: (out, in) -> Ĝ (low-rank), through the Triton op when it runs, else ``projection.project``."""
     tensors = [t for t in (grad, *basis) if t is not None]
     if kernels.use_triton(*tensors, backend=backend):
-        return torch.ops.hmt.project(grad, basis.left, basis.right, backend or kernels.get_backend())
+        name = backend or kernels.get_backend()
+        if basis.left is not None and basis.right is not None:  # the kernel's two launches, one op each, so the
+            low = torch.ops.hmt.project(grad, basis.left, None, name)  # meter sees the (r, in) intermediate
+            return torch.ops.hmt.project(low, None, basis.right, name)
+        return torch.ops.hmt.project(grad, basis.left, basis.right, name)
     return project_torch(grad, basis)
 
 
@@ -149,6 +156,7 @@ def adam_step(m: Tensor, v: Tensor, g: Tensor, t: int, *, lr: float, beta1: floa
               style: str, backend: str | None = None) -> tuple[Tensor, float]:
     """(D, step_size) of ``update.adam_step`` after ``adam_moments_``; m, v updated in place. g: fp32."""
     if kernels.use_triton(m, v, g, backend=backend) and m.is_contiguous() and v.is_contiguous():
+        g = g.float().contiguous()  # the launch's input (lowrank.adam_), here where the meter sees a copy
         d = torch.ops.hmt.adam_lowrank_(m, v, g, t, lr, beta1, beta2, eps, style == "hf",
                                         backend or kernels.get_backend())
         return d, adam_step_size(t, lr=lr, beta1=beta1, beta2=beta2, style=style)
