@@ -170,6 +170,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
     val_batches = corpus.val.fixed_batches(cfg.eval_batches)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     timed_s, timed_steps, step_times, peak_mib = 0.0, 0, [], 0.0
+    pcie = gpu_stats.PcieSampler.for_device(device)  # None on CPU or without NVML
     bar = tqdm(range(start, cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name,
                initial=start, total=cfg.steps)
     with profiler or contextlib.nullcontext():
@@ -179,6 +180,8 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
             metered = step - start < METERED_STEPS
             gpu_stats.synchronize(device)
             t0 = time.perf_counter()
+            if pcie is not None:
+                pcie.start()
             with meter if metered else contextlib.nullcontext():
                 loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
                                                autocast=autocast, skip_nonfinite=True, fused_ce=cfg.fused_ce,
@@ -187,6 +190,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
             loss = float(loss_t) if sync is None else sync.mean(loss_t)
             gpu_stats.synchronize(device)
             dt = time.perf_counter() - t0
+            pcie_metrics = pcie.stop() if pcie is not None else {}
             if not metered:
                 timed_s, timed_steps = timed_s + dt, timed_steps + 1
                 step_times.append(dt)
@@ -215,7 +219,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                 record["memory/peak(GiB)"] = peak_mib / 1024
                 if sync is not None:
                     record.update(sync.memory_metrics(peak_mib * 2**20))
-                record.update(gpu_stats.step_metrics(device))
+                record.update(gpu_stats.step_metrics(device), **pcie_metrics)
                 record.update(method.metrics())
                 if extra_metrics is not None:
                     record.update(extra_metrics())

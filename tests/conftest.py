@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 # Triton kernels run on CPU through Triton's interpreter. It must be chosen before anything imports triton
 # (bitsandbytes and torch may import it), so it is set here, first; the "auto" kernel backend ignores it.
@@ -6,6 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from test_resume import finish, launch, losses  # noqa: E402
 
 # HMT_TEST_THREADS=n runs the tests with n intra-op threads (to check that results do not depend on it)
 torch.set_num_threads(int(os.environ.get("HMT_TEST_THREADS") or 0) or max(1, min(2, os.cpu_count() or 1)))
@@ -17,3 +19,14 @@ def tiny_llama_config():
 
     return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, use_cache=False)
+
+
+@pytest.fixture(scope="session")
+def micro_reference(tmp_path_factory) -> Path:
+    """The run directory of one uninterrupted run of ``test_resume.MICRO`` (10 steps, no checkpoints) in a
+    subprocess: the trajectory every kill/preemption-and-resume test must reproduce, launched once per session."""
+    root = tmp_path_factory.mktemp("micro-reference")
+    rc, out = finish(launch(root, "ref"))
+    assert rc == 0, out
+    assert len(losses(root / "ref")) == 10, losses(root / "ref")
+    return root / "ref"

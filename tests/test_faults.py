@@ -24,20 +24,12 @@ from experiments.models import build_model
 from hmt_core import checkpoint as ck
 from test_resume import ENV, finish, last_step, launch, losses, wait_for
 
-STEPS = ("train.steps=8",)
+# the subprocess runs are test_resume.MICRO's 10 steps: the uninterrupted one is conftest's session fixture
+# ``micro_reference``, shared with test_resume
 
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    root = tmp_path_factory.mktemp("ref")
-    rc, out = finish(launch(root, "ref", *STEPS))
-    assert rc == 0, out
-    return losses(root / "ref")
-
-
-def test_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, reference):
+def test_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, micro_reference):
     run_dir, ckdir = tmp_path / "r", tmp_path / "r" / "checkpoints"
-    common = (*STEPS, "train.checkpoint_every=2", "train.keep_checkpoints=3")
+    common = ("train.checkpoint_every=2", "train.keep_checkpoints=3")
     proc = launch(tmp_path, "r", *common)
     wait_for(lambda: (ckdir / "step-00000004" / "manifest.json").exists(), proc)
     proc.send_signal(signal.SIGKILL)
@@ -54,10 +46,10 @@ def test_corrupted_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resume"]["from_step"] == previous_step < newest_step
     assert summary["resume"]["rejected_checkpoints"] and newest.name in summary["resume"]["rejected_checkpoints"][0]
-    assert losses(run_dir) == reference
+    assert losses(run_dir) == losses(micro_reference)
 
 
-def test_sigterm_and_sigusr1_checkpoint_then_exit_for_requeue(tmp_path, reference):
+def test_sigterm_and_sigusr1_checkpoint_then_exit_for_requeue(tmp_path, micro_reference):
     run_dir = tmp_path / "p"
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -67,7 +59,7 @@ def test_sigterm_and_sigusr1_checkpoint_then_exit_for_requeue(tmp_path, referenc
     slurm_env = {**ENV, "PATH": f"{fake_bin}:{ENV['PATH']}", "SLURM_JOB_ID": "1001", "SLURM_ARRAY_JOB_ID": "1000",
                  "SLURM_ARRAY_TASK_ID": "3"}
     for sig, after, env in ((signal.SIGTERM, 2, ENV), (signal.SIGUSR1, 5, slurm_env)):
-        proc = launch(tmp_path, "p", *STEPS, env=env)  # no periodic checkpoints: only the preemption ones
+        proc = launch(tmp_path, "p", env=env)  # no periodic checkpoints: only the preemption ones
         wait_for(lambda after=after: last_step(run_dir) >= after, proc)
         proc.send_signal(sig)
         rc, out = finish(proc)
@@ -79,9 +71,9 @@ def test_sigterm_and_sigusr1_checkpoint_then_exit_for_requeue(tmp_path, referenc
         assert not (run_dir / "error.txt").exists()
         assert ck.list_checkpoints(run_dir / "checkpoints")[0][0] == stopped_after
     assert calls.read_text().split("\n")[0] == "requeue 1000_3"  # only the run under (fake) Slurm asked
-    rc, out = finish(launch(tmp_path, "p", *STEPS))
+    rc, out = finish(launch(tmp_path, "p"))
     assert rc == 0, out
-    assert losses(run_dir) == reference
+    assert losses(run_dir) == losses(micro_reference)
 
 
 # ------------------------------------------------------------------------------------------- in-process loop

@@ -230,8 +230,8 @@ def scenario(clock):
             "hmt": canned("hmt", step_time=0.15),
             "hmt-offload": canned("hmt-offload", host_device=5_000_000)}
     dryruns = {"apollo": dry(4.5), "adamw": dry(4.0, reserved_gib=4.62)}  # apollo 12.5 % above the allocator: MISS
-    metrics = {"hmt-offload": [{"step": 0, "pcie/tx(KB/s)": 0.0, "pcie/rx(KB/s)": 0.0},
-                               {"step": 1, "pcie/tx(KB/s)": 0.0, "pcie/rx(KB/s)": 0.0}]}
+    metrics = {"hmt-offload": [{"step": 0, "pcie/tx_max(MB/s)": 0.0, "pcie/rx_max(MB/s)": 0.0},
+                               {"step": 1, "pcie/tx_max(MB/s)": 0.0, "pcie/rx_max(MB/s)": 0.0}]}
     kernels = [{"name": "codec/int8", "bit_identical": True, "kernel(ms)": 1.0, "fallback(ms)": 4.0},
                {"name": "fused_update/bf16", "max_err(bf16 ulp)": 3.0}]
     return FakeBackend(clock, runs, dryruns, kernels, metrics=metrics)

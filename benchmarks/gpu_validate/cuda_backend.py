@@ -37,7 +37,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import torch
+
 from benchmarks.gpu_validate.orchestrate import RunFailed, RunResult
+from experiments.gpu_stats import nvml_handle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
@@ -53,12 +56,9 @@ def child_env() -> dict[str, str]:
 
 
 def _nvml():
-    """(pynvml, handle of device 0) or (None, None) when NVML is unavailable."""
+    """(pynvml, handle of CUDA device 0 — found by PCI bus id/UUID, so masking is respected) or (None, None)."""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        return nvml_handle(torch.device("cuda", 0))
     except Exception:
         return None, None
 

@@ -263,25 +263,24 @@ class Validation:
                                  (C.PASS if moved > 0 else C.MISS), {"host_device(bytes)": moved},
                                  {"host_device(bytes)": "> 0"}, **base)]
         logged = {key: [row[key] for row in result.metrics if row.get(key) is not None]
-                  for key in ("pcie/tx(KB/s)", "pcie/rx(KB/s)")}
+                  for key in ("pcie/tx_max(MB/s)", "pcie/rx_max(MB/s)")}
         sampled = result.pcie_sampled or {}
-        measured = {"logged_pcie_max_tx(KB/s)": max(logged["pcie/tx(KB/s)"], default=None),
-                    "logged_pcie_max_rx(KB/s)": max(logged["pcie/rx(KB/s)"], default=None),
-                    "logged_samples": len(logged["pcie/tx(KB/s)"]),
+        measured = {"logged_pcie_max_tx(MB/s)": max(logged["pcie/tx_max(MB/s)"], default=None),
+                    "logged_pcie_max_rx(MB/s)": max(logged["pcie/rx_max(MB/s)"], default=None),
+                    "logged_steps": len(logged["pcie/tx_max(MB/s)"]),
                     "sampled_pcie_max_tx(KB/s)": sampled.get("max_tx(KB/s)"),
                     "sampled_pcie_max_rx(KB/s)": sampled.get("max_rx(KB/s)"), "sampled_samples": sampled.get("samples")}
-        if not logged["pcie/tx(KB/s)"]:
+        if not logged["pcie/tx_max(MB/s)"]:
             verdict, note = C.NOT_APPLICABLE, "the run logged no NVML PCIe counters (NVML unavailable?)"
         else:
-            total = (measured["logged_pcie_max_tx(KB/s)"] or 0) + (measured["logged_pcie_max_rx(KB/s)"] or 0)
+            total = (measured["logged_pcie_max_tx(MB/s)"] or 0) + (measured["logged_pcie_max_rx(MB/s)"] or 0)
             beside = ("NVML was not polled beside the run" if not sampled else
                       f"NVML polled beside the run saw at most tx {sampled.get('max_tx(KB/s)')} / rx "
                       f"{sampled.get('max_rx(KB/s)')} KB/s")
             verdict, note = (C.PASS, None) if total > 0 else (
-                C.MISS, "every logged NVML PCIe sample is 0 (the runner samples NVML after each step, when the bus "
-                        f"may be idle); {beside}")
+                C.MISS, "every logged NVML PCIe sample is 0 (the runner polls NVML through each step); " + beside)
         records.append(C.CheckRecord("pcie/nvml_counters", "pcie", verdict, measured,
-                                     {"logged pcie tx + rx (KB/s)": "> 0"}, note, **base))
+                                     {"logged pcie tx + rx (MB/s)": "> 0"}, note, **base))
         return records
 
     def _rsvd(self, check: PlannedCheck) -> list[C.CheckRecord]:
