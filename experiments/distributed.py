@@ -1,84 +1,9 @@
 """Multi-process training on PyTorch's own engine, launched by ``torchrun``: ``dist=ddp`` (``torch.nn.parallel.
 DistributedDataParallel``) or ``dist=fsdp2`` (``torch.distributed.fsdp.fully_shard`` per decoder layer + root).
 
-``torchrun --nproc_per_node N -m experiments.run dist=ddp ...`` starts N processes; each reads torchrun's
-environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and joins the default
-process group (gloo on CPU, nccl on CUDA; each rank on ``cuda:LOCAL_RANK``).
-
-Semantics:
-- ``train.batch_size`` is the **global** batch: rank r of W trains on rows ``[r·B/W, (r+1)·B/W)`` of every global
-  batch (B must be divisible by W), so a run with any W sees the same global batches — and, the loss being a mean
-  over equal-sized shards, the same mean-loss gradient — as the single-process run with the same config.
-- Rank 0 alone writes ``results/<run_id>/`` (other ranks get a ``NullRunDir``) and W&B; every rank evaluates the
-  same validation batches (identical weights give identical values). Logged metrics are reduced across ranks:
-  ``loss/train`` is the mean of the ranks' losses (the global-batch loss), memory is per rank:
-  ``memory/peak_max(GiB)`` and ``memory/peak_mean(GiB)`` beside rank 0's ``memory/peak(GiB)``.
-- Checkpoints go through ``torch.distributed.checkpoint`` (``experiments.dist_checkpoint``).
-- ``fsdp2`` starts on the meta device (``build_sharded``, torchtitan's order): meta build, ``fully_shard``,
-  ``to_empty``, then each shard gets exactly its rows of the single-process init (``experiments.meta_init``);
-  start-up peak per rank: its shards + the largest parameter at full size (``memory.startup_peak_bytes``).
-  ``model.path`` with weights is still loaded whole, then sharded (``docs/fsdp2_meta_init.md``).
-- Activation policies (``hmt_core.activations``) apply per rank as in a single process, after ``fully_shard``/
-  DDP: a recomputed decoder layer is checkpointed *inside* its ``forward`` (non-reentrant
-  ``torch.utils.checkpoint``), so FSDP2's pre-/post-forward hooks on ``__call__`` stay outside the region and the
-  recompute in backward runs on the weights FSDP2's pre-backward hook has all-gathered again — the order
-  torchtitan uses (checkpoint wrapper inside ``fully_shard`` per layer). The single-process activation probe is
-  skipped (``experiments.dist_checks.probe_skipped``).
-
-Which collective each step issues (besides one all-reduce of the loss and of the preemption flag per step, and an
-all-gather of the peak memory on logged steps):
-- ``ddp``, every method but per-layer hmt: DDP's bucketed all-reduce of the gradients during backward (grads
-  divided by W, then summed), once per micro-batch; the optimizer then steps on identical gradients. qlora: DDP
-  reduces only the LoRA gradients; its frozen NF4 base is quantized identically on every rank from the same seeded
-  weights, so only the trainable parameters are broadcast from rank 0 at start (DDP's own broadcast cannot copy
-  bitsandbytes' packed 4-bit weights).
-- ``ddp`` + hmt with ``per_layer=true``: HMT updates each weight inside backward from its
-  ``register_post_accumulate_grad_hook``, which would see the *local* gradient before DDP's bucket all-reduce. So
-  the model is not wrapped in DDP; HMT's engine averages each gradient itself in that hook (``reduce_grad``: divide
-  by W, all-reduce SUM — DDP's arithmetic) before using it: per micro-batch for Mode A weights (the full gradient
-  dies in the hook), on the last micro-batch for the others. Bases are refreshed from the all-reduced gradient
-  with generators seeded identically on every rank, so every rank computes the same basis and the same update;
-  no parameter is ever broadcast after the initial one. With ``dist.lowrank_comm=true`` a Mode A weight between
-  refreshes all-reduces its projection ``Ĝ = project(G_local)`` (r × n) instead (``experiments.dist_comm``).
-
-Bytes handed to collectives are counted (``experiments.dist_comm.CommCounter``: the ``torch.distributed``
-functions wrapped, plus a counting DDP comm hook) and logged as ``comm/grad_bytes_per_step``/``comm/grad(MiB)``,
-with totals in ``summary.dist.comm``.
-- ``fsdp2``: FSDP2's per-layer all-gather of the weights in forward and backward, reduce-scatter (mean) of the
-  gradients in backward; ``method=adamw``: torch AdamW steps on each rank's shard (DTensors).
-- ``fsdp2`` + hmt (per-layer, one-sided; ``hmt_core.optim.sharded``): FSDP2's collectives above, then in
-  each sharded parameter's post-accumulate-grad hook (inside FSDP's post-backward, in the same order on every
-  rank): a right-sided weight (rows ≥ cols) nothing (Ĝ_k = G_k Q on its own rows); a left-sided weight (rows < cols)
-  one all-reduce SUM of its r × n partial projection P_kᵀ G_k; a dense parameter nothing. At a basis refresh
-  (every ``method.update_interval`` steps) one all-gather of that weight's gradient (``DTensor.full_tensor``),
-  which also gives the left-sided Ĝ (no all-reduce then). In ``finish_step`` one all-reduce SUM of a scalar, the
-  local Σ‖G_k‖² (the clipping norm). Updates then touch only the local shard; no parameter is broadcast. Refused:
-  ``sides=identity``, ``per_layer=false``, INT8 weights, master weights, stochastic rounding, offloaded
-  bases, ``lowrank_comm``. With ``train.grad_accum > 1`` a left-sided weight all-reduces the sum of its
-  micro-batches' partial projections once, on the last micro-batch (``hmt_core.optim.sharded``). Checkpoints write the row-sharded moments as ``Shard(0)`` DTensors
-  (``hmt_core.optim.sharded_state``).
-- ``fsdp2`` + hmt in Mode B (APOLLO scaling): per weight and step a scalar all-reduce of ‖G_k‖² (the identical skip
-  decision), a left-sided weight its r × n all-reduce of Σ_k P_kᵀ G_k, tensor scaling one 2-element all-reduce of a
-  right-sided weight's ‖N‖², ‖R‖², the norm-growth limiter one scalar all-reduce; a refresh all-gathers the gradient.
-- ``fsdp2`` + hmt with ``dist.refresh=sketch`` (``method.basis=rsvd`` only; ``hmt_core.optim.sharded_sketch``): a
-  refresh gathers nothing of size m × n; the randomized SVD runs on the row shards instead (w = min(k + oversample,
-  m, n), q = ``method.power_iters``, fp32 unless noted): one all-reduce of a fp64 scalar (‖G‖², also the
-  finiteness decision); a left-sided weight with a previous basis one n × r (the warm start Gᵀ P); per
-  orthonormalization (q + 1 of them) two fp64 all-reduces of w × w (CholeskyQR2; the last one's second is
-  2w × w; a numerically rank-deficient Y all-gathers it instead, m × w); q all-reduces n × w (Gᵀ Y); one w × n
-  (Qᵀ G); a left-sided weight one all-gather of U's k columns (W × ⌈m/W⌉ × k) and its usual r × n all-reduce of
-  Ĝ; one fp64 scalar (the projection-error diagnostic).
-- ``fsdp2`` + galore/apollo: galore-torch's and apollo-torch's optimizers step the DTensor shards unchanged, after
-  backward, and DTensor's operator dispatch issues their collectives (``experiments.dtensor_state``): a
-  right-projected weight (rows ≥ cols) none (G_k Qᵀ and its moments on its own rows); a left-projected one
-  (rows < cols) three all-reduces of its r × n partial projection Σ_k P_kᵀ G_k (DTensor keeps it ``Partial`` and
-  resolves it at each of its three uses in the Adam update: a communication, not an arithmetic, cost); galore-torch's
-  SVD, every ``update_proj_gap`` steps, one all-gather of that gradient (every rank then factors the same matrix);
-  APOLLO's seeded random bases none (drawn identically on every rank), its norm-growth limiter three scalar
-  all-reduces per projected weight, its channel norms of a left-projected weight one r × n all-reduce; clipping one
-  all-reduce of the vector of per-parameter local norms (traced op by op with ``CommDebugMode``, counts in
-  ``tests/test_fsdp2_baselines.py``).
-  Checkpoints gather their state to full values (``experiments.dtensor_state``).
+Each rank reads torchrun's environment and joins the default process group (gloo on CPU, nccl on CUDA);
+``train.batch_size`` is the global batch, rank r training on its rows of each global batch; rank 0 alone writes
+the results. The semantics and the collectives each method issues per step are in docs/distributed-collectives.md.
 """
 
 from __future__ import annotations
