@@ -132,14 +132,17 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 def torch_optim_state(optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
     """(device state, host state) of a ``torch.optim`` optimizer: torch keeps the ``step`` counter of a
-    non-capturable, non-fused Adam on the host by design (a 0-d CPU tensor); everything else must be on the device."""
+    non-capturable, non-fused Adam on the host by design (a 0-d CPU tensor; fused and capturable kernels keep it on
+    the device); everything else must be on the device."""
     from hmt_core.driver import iter_state_tensors
 
+    step_on_host = not any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     device, host = [], []
     for k, st in enumerate(optimizer.state.values()):
         for key, value in st.items():
             named = [(f"state[{k}].{key}", t) for t in iter_state_tensors(value)]
-            (host if key == "step" and isinstance(value, Tensor) and value.dim() == 0 else device).extend(named)
+            counter = key == "step" and isinstance(value, Tensor) and value.dim() == 0
+            (host if counter and step_on_host else device).extend(named)
     return device, host
 
 
