@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hmt_core.activations.apply import apply_policy
@@ -68,19 +68,47 @@ def test_int8_fp8_policies_keep_gradient_cosine(attn, overrides):
 def test_compressed_original_is_freed():
     """What autograd keeps is the compressed form: the original MLP gate output dies after forward under hmt."""
     model, ids = tiny_llama(), batch()
-    refs = []
-    hook = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    refs = []  # the output's storage, not the tensor object (a kept tensor may be saved as a detached alias)
+    hook = model.model.layers[0].mlp.gate_proj.register_forward_hook(
+        lambda m, i, o: refs.append(StorageWeakRef(o.untyped_storage())))
     alive = {}
     for name in ("none", "hmt"):
         refs.clear()
         handle = apply_policy(model, PRESETS[name])
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         gc.collect()
-        alive[name] = refs[0]() is not None
+        alive[name] = not refs[0].expired()
         loss.backward()
         handle.remove()
     hook.remove()
     assert alive == {"none": True, "hmt": False}
+
+
+@pytest.mark.parametrize("name", ["none", "selective", "full_ckpt", "hmt"])
+def test_a_forward_without_backward_frees_everything_it_saved(name):
+    """A step skipped before its backward (a non-finite loss) drops the loss and nothing else: every tensor the
+    forward saved must die with it. A pack hook that hands back the saved tensor itself makes that tensor hold its
+    own grad_fn, a reference cycle through autograd's C++ graph that no collector frees (one step's activations
+    leaked per skipped step). Compared: the live tensor bytes (every storage once) before and after."""
+    model, ids = tiny_llama(), batch()
+
+    def live_bytes() -> int:
+        gc.collect()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+        return sum(storages.values())
+
+    handle = apply_policy(model, PRESETS[name])
+    try:
+        before = live_bytes()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        during = live_bytes()
+        del loss
+        after = live_bytes()
+    finally:
+        handle.remove()
+    assert during > before, f"{name}: the forward saved nothing ({before} -> {during} bytes)"
+    assert after == before, f"{name}: {after - before} bytes of the forward outlive its loss ({before} -> {after})"
 
 
 # ------------------------------------------------------------------------------------------------ measured bytes

@@ -99,15 +99,15 @@ class _State:
                 return t
             if not lossy or not t.is_floating_point() or t.numel() == 0:
                 self.counter.add(component, [t])
-                return t
+                return t.detach()  # not t: a packed tensor holding its own grad_fn is a cycle no collector frees
             ref = StorageWeakRef(t.untyped_storage())
             key = (ref, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
             hit = self.cache.get(key)
             if hit is not None and not hit[0].expired():
                 return hit[1]
             if action == "offload_cpu":
-                packed = t if t.device.type == "cpu" else _Offloaded(t)
-                if packed is t:
+                packed = t.detach() if t.device.type == "cpu" else _Offloaded(t)
+                if not isinstance(packed, _Offloaded):
                     self.counter.add(component, [t])
             else:
                 packed = encode(t, action, block=p.block_size, fp8_format=p.fp8_format, z_threshold=p.outlier_z,
