@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +36,10 @@ from benchmarks.fake_cuda import driver_stand_ins, fake_cuda, fire_backward
 from experiments import methods
 from experiments.config import RunConfig, register_configs, to_run_config
 from experiments.loop import autocast_context, lm_loss
-from experiments.meter import MemoryMeter
+from experiments.meter import MemoryMeter, MemoryReport
 from experiments.models import build_model
 from hmt_core.activations import apply_policy
+from hmt_core.method import Method
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = str(REPO / "experiments" / "conf")
@@ -80,9 +82,14 @@ def train_step(model, method, micro: list[torch.Tensor] | None, meter: MemoryMet
     method.zero_grad()
 
 
-def measure(run: RunConfig, *, steps: int = STEPS) -> tuple[dict, object]:
-    """(summary: ``memory`` = the meter's report, ``method_summary``, ``host_device_bytes``; the method) of
-    ``steps`` hand-driven steps of ``run`` on fake CUDA tensors."""
+class Measured(NamedTuple):
+    summary: dict  # ``memory`` (the meter's report), ``method_summary``, ``host_device_bytes``, ...
+    report: MemoryReport
+    method: Method
+
+
+def measure(run: RunConfig, *, steps: int = STEPS) -> Measured:
+    """``steps`` hand-driven steps of ``run`` on fake CUDA tensors, measured."""
     t = run.train
     with driver_stand_ins(), fake_cuda() as mode:
         torch.manual_seed(run.seed)
@@ -109,7 +116,7 @@ def measure(run: RunConfig, *, steps: int = STEPS) -> tuple[dict, object]:
                    "activation_saved_bytes": handle.saved_bytes() if handle else None}
         if handle is not None:
             handle.remove()
-    return summary, method
+    return Measured(summary, report, method)
 
 
 def read_row(out: Path, model: str, row: str) -> dict:
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [(m, r) for m in args.models for r in hdm.ROWS]
         args.out.mkdir(parents=True, exist_ok=True)
         for model, row in names:
-            summary, _ = measure(compose(*overrides(model, row)))
+            summary = measure(compose(*overrides(model, row))).summary
             (args.out / f"{model}-{row}.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
             print(f"{model:<6} {row:<20} ok", flush=True)
     rows = [read_row(args.out, m, r) for m, r in names]
