@@ -87,11 +87,11 @@ def render(rows: list[dict], extra: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str, path: Path) -> str:
-    begin, end = text.find(BEGIN), text.find(END)
+def replace_block(text: str, block: str, path: Path, begin_marker: str = BEGIN, end_marker: str = END) -> str:
+    begin, end = text.find(begin_marker), text.find(end_marker)
     if begin < 0 or end < begin:
-        raise SystemExit(f"error: {path} has no table markers {BEGIN!r} ... {END!r}")
-    return text[: begin + len(BEGIN)] + "\n" + block + text[end:]
+        raise SystemExit(f"error: {path} has no table markers {begin_marker!r} ... {end_marker!r}")
+    return text[: begin + len(begin_marker)] + "\n" + block + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:

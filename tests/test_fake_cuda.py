@@ -17,14 +17,14 @@ the codec tests below also call the PyTorch bodies themselves on fake CUDA tenso
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from benchmarks import fake_cuda as fake_cuda_tier
+from benchmarks.fake_cuda import fake_cuda, fire_backward
 from device_methods import BASELINES, HMT, model_dtype
 
 if torch.version.cuda is None:
@@ -35,53 +35,13 @@ CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 
 
-class _Stream:
-    """Stands in for a ``torch.cuda.Stream`` / ``Event`` (creating one needs the CUDA driver)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-
 @pytest.fixture(autouse=True)
-def driver_stand_ins(monkeypatch):
-    """What needs the CUDA driver itself and has no fake implementation, replaced for this tier only: a seeded
-    ``torch.Generator(device="cuda")`` (HMT's and apollo-torch's random projections) becomes a CPU generator
-    (a fake ``randn`` ignores the generator's state, so the traced shapes, dtypes and devices are the same), and
-    side streams, events and ``torch.cuda.synchronize`` (HMT's basis prefetch, bitsandbytes' step) become no-ops. The real objects run in the CUDA smoke tests
-    (tests/test_cuda_smoke.py)."""
-    real = torch.Generator
-
-    class HostGenerator(real):
-        def __new__(cls, device="cpu"):
-            return real("cpu")
-
-    monkeypatch.setattr(torch, "Generator", HostGenerator)
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # bitsandbytes' per-step sync
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-
-
-@contextlib.contextmanager
-def fake_cuda() -> Iterator[FakeTensorMode]:
-    """Tensors created inside are fake. No default device is set: a tensor the code under test creates without an
-    explicit device lands on the CPU, which is what the placement checks catch. ``AssumedScalars (the dry run's)
-    answers third-party ``.item()`` calls on fake values (bitsandbytes' optimizers); HMT's own code must not need
-    it: ``test_hmt_keeps_everything_on_cuda`` checks that it was never asked."""
-    from experiments.dryrun import AssumedScalars
-
-    assumed = AssumedScalars()
-    with FakeTensorMode() as mode, assumed:
-        mode.assumed = assumed.sites
-        yield mode
+def driver_stand_ins():
+    """What needs the CUDA driver itself, replaced for this tier only (``benchmarks.fake_cuda.driver_stand_ins``:
+    a CPU generator for ``torch.Generator(device="cuda")``, no-op streams, events and synchronize). The real
+    objects run in the CUDA smoke tests (tests/test_cuda_smoke.py)."""
+    with fake_cuda_tier.driver_stand_ins():
+        yield
 
 
 def tiny_model(dtype: str = "bf16") -> nn.Module:
@@ -93,19 +53,6 @@ def tiny_model(dtype: str = "bf16") -> nn.Module:
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=176, vocab_size=256,
                       max_position_embeddings=128, dtype=dtype)
     return build_model(cfg, device="cuda")
-
-
-def fire_backward(model: nn.Module) -> None:
-    """What backward leaves behind, by hand: each trainable parameter's gradient accumulated into ``.grad``
-    (in place when one exists, like autograd), then its post-accumulate-grad hooks, last parameter first."""
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        g = torch.randn(p.shape, dtype=p.dtype, device=p.device)
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.add_(g)
-        for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
-            hook(p)
 
 
 def drive(method, model: nn.Module, *, steps: int = 2, micro: int = 2, max_grad_norm: float | None = 1.0) -> None:
@@ -132,17 +79,19 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 def torch_optim_state(optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
     """(device state, host state) of a ``torch.optim`` optimizer: torch keeps the ``step`` counter of a
-    non-capturable, non-fused Adam on the host by design (a 0-d CPU tensor; fused and capturable kernels keep it on
-    the device); everything else must be on the device."""
+    non-capturable, non-fused Adam on the host by design (a 0-d CPU tensor); a fused or capturable one keeps it
+    on the device (``hmt_core.driver.torch_optimizer_impl`` picks fused AdamW by default); everything else must
+    be on the device."""
     from hmt_core.driver import iter_state_tensors
 
-    step_on_host = not any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+    host_step = {id(p): not (g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
+                 for p in g["params"]}
     device, host = [], []
-    for k, st in enumerate(optimizer.state.values()):
+    for k, (p, st) in enumerate(optimizer.state.items()):
         for key, value in st.items():
             named = [(f"state[{k}].{key}", t) for t in iter_state_tensors(value)]
-            counter = key == "step" and isinstance(value, Tensor) and value.dim() == 0
-            (host if counter and step_on_host else device).extend(named)
+            on_host = key == "step" and isinstance(value, Tensor) and value.dim() == 0 and host_step.get(id(p), True)
+            (host if on_host else device).extend(named)
     return device, host
 
 
