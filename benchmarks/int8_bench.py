@@ -20,7 +20,9 @@ Target: within 3%.
 larger (the outlier features of trained LLMs, Dettmers et al. 2022, "LLM.int8()"), and the tiny model's projected
 weights after the BF16 run of (c), with the scales' bytes per element: why 256.
 
-Writes ``results/int8_bench/int8_bench.json`` (``--out``).
+Writes ``results/int8_bench/int8_bench.json`` (``--out``). A partial run (``--skip-train``, ``--skip-dryrun``,
+``--sizes``, ``--rows``) updates only what it measured in an existing file, e.g. the AdamW rows alone:
+``python benchmarks/int8_bench.py --skip-train --rows adamw``.
 """
 
 from __future__ import annotations
@@ -199,10 +201,12 @@ def main() -> None:
     ap.add_argument("--out", default="results/int8_bench")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    result: dict = {"schema": "hmt-int8-bench/1", "torch": torch.__version__, "targets_gib": TARGETS_GIB,
-                    "step_time_target_ratio": 1.3, "val_loss_target_rel_gap": 0.03}
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = out_dir / "int8_bench.json"  # a partial run keeps what it does not re-measure
+    result: dict = json.loads(previous.read_text()) if previous.exists() else {}
+    result.update({"schema": "hmt-int8-bench/1", "torch": torch.__version__, "targets_gib": TARGETS_GIB,
+                   "step_time_target_ratio": 1.3, "val_loss_target_rel_gap": 0.03})
 
     def save() -> None:
         tmp = out_dir / "int8_bench.json.tmp"
@@ -242,9 +246,11 @@ def main() -> None:
         unknown = [r for r in wanted if r not in ROWS]
         if unknown:
             raise SystemExit(f"error: --rows: unknown rows {unknown}; choose from {list(ROWS)}")
-        result["dryrun"] = {"seq_len": a.seq, "batch_size": 1, "sizes": {}}
+        kept = result.get("dryrun", {})
+        same_shape = (kept.get("seq_len"), kept.get("batch_size")) == (a.seq, 1)
+        result["dryrun"] = {"seq_len": a.seq, "batch_size": 1, "sizes": kept.get("sizes", {}) if same_shape else {}}
         for size in [s.strip() for s in a.sizes.split(",") if s.strip()]:
-            rows = {}
+            rows = result["dryrun"]["sizes"].get(size, {})
             for label in wanted:
                 rows[label] = dry_run(size, ROWS[label], a.seq)
                 result["dryrun"]["sizes"][size] = rows
