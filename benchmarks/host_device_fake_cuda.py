@@ -181,17 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         table.write_text(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")
         (args.out / "table.md").write_text(block)
     print(block)
-    path = args.docs or args.check_docs
-    if path is not None:
-        text = path.read_text()
-        wanted = hdm.replace_block(text, block, path, BEGIN, END)
-        if args.check_docs and wanted != text:
-            print(f"{path}: fake-CUDA host/device table is stale; regenerate with python -m "
-                  f"benchmarks.host_device_fake_cuda --render-only --docs {path}", file=sys.stderr)
-            return 1
-        if args.docs:
-            path.write_text(wanted)
-    return 0
+    return hdm.update_docs(block, args.docs, args.check_docs, "benchmarks.host_device_fake_cuda", BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -123,16 +123,23 @@ def main(argv: list[str] | None = None) -> int:
         table.write_text(json.dumps({"set": extra, "rows": rows}, indent=2, sort_keys=True) + "\n")
         (args.out / "table.md").write_text(block)
     print(block)
-    path = args.docs or args.check_docs
-    if path is not None:
-        text = path.read_text()
-        wanted = replace_block(text, block, path)
-        if args.check_docs and wanted != text:
-            print(f"{path}: host/device table is stale; regenerate with python -m benchmarks.host_device_memory "
-                  f"--render-only --docs {path}", file=sys.stderr)
-            return 1
-        if args.docs:
-            path.write_text(wanted)
+    return update_docs(block, args.docs, args.check_docs, "benchmarks.host_device_memory")
+
+
+def update_docs(block: str, docs: Path | None, check_docs: Path | None, module: str, begin_marker: str = BEGIN,
+                end_marker: str = END) -> int:
+    """Write ``block`` between the markers of ``docs``, or (``check_docs``) return 1 when the page differs."""
+    path = docs or check_docs
+    if path is None:
+        return 0
+    text = path.read_text()
+    wanted = replace_block(text, block, path, begin_marker, end_marker)
+    if check_docs and wanted != text:
+        print(f"{path}: the table is stale; regenerate with python -m {module} --render-only --docs {path}",
+              file=sys.stderr)
+        return 1
+    if docs:
+        path.write_text(wanted)
     return 0
 
 
