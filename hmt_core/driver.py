@@ -130,14 +130,15 @@ class OptimizerDriver:
         return {"optimizer": self.optimizer.state_dict(), "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        # torch restores every saved group option, the kernel choice too, and places each ``step`` counter by the
+        # saved options (on the device for fused/capturable, else on the host): the run's choice (method.impl) is
+        # written into the saved groups before loading, so a checkpoint written before the choice was explicit
+        # (foreach=None) resumes with this run's kernels and its counters where those kernels need them
+        saved, run = state["optimizer"], {k: self.optimizer.defaults[k] for k in IMPL_KEYS
+                                          if k in self.optimizer.defaults}
+        groups = [{**group, **run} for group in saved["param_groups"]]
+        self.optimizer.load_state_dict({**saved, "param_groups": groups})
         self.base_lrs = list(state["base_lrs"])
-        # torch restores every saved group option, the kernel choice too: the run's choice (method.impl) wins over
-        # a checkpoint's (e.g. one written before the choice was explicit, with foreach=None)
-        for group in self.optimizer.param_groups:
-            for key in IMPL_KEYS:
-                if key in self.optimizer.defaults:
-                    group[key] = self.optimizer.defaults[key]
 
 
 class Built(NamedTuple):

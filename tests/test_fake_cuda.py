@@ -326,3 +326,25 @@ def test_activation_policy_forward_saves_on_the_intended_device(name, monkeypatc
     if name == "offload+codecs":
         codecs_used = {v.codec for v in packed if isinstance(v, Packed)}
         assert host_saved and codecs_used == {"fp8", "int4_outlier", "int8_outlier"}, (len(host_saved), codecs_used)
+
+
+def test_a_checkpoint_of_implicit_kernels_resumes_fused_with_its_step_counters_on_the_device():
+    """A checkpoint written before the kernel choice was explicit (``foreach=None``: torch keeps ``step`` on the
+    host) resumed by a fused AdamW: torch places each ``step`` by the *saved* group options, so the driver writes
+    the run's choice into them before loading; the fused kernel needs every state tensor on the device."""
+    from hmt_core.driver import OptimizerDriver
+
+    with fake_cuda():
+        weight = nn.Parameter(torch.zeros(4, 4, device=CUDA))
+        old = torch.optim.AdamW([weight], lr=1e-3)  # implicit kernels, as before method.impl
+        weight.grad = torch.ones_like(weight)
+        old.step()
+        saved = {"optimizer": old.state_dict(), "base_lrs": [1e-3]}
+        driver = OptimizerDriver(torch.optim.AdamW([weight], lr=1e-3, fused=True), max_grad_norm=None)
+        driver.load_state_dict(saved)
+        state = driver.optimizer.state[weight]
+        group = driver.optimizer.param_groups[0]
+        placed = {key: value.device for key, value in state.items()}
+    assert old.state_dict()["state"][0]["step"].device == CPU, "the old checkpoint's counter was on the host"
+    assert group["fused"] is True and group["foreach"] is None, group
+    assert placed == {"step": CUDA, "exp_avg": CUDA, "exp_avg_sq": CUDA}, placed
