@@ -180,17 +180,23 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
             metered = step - start < METERED_STEPS
             gpu_stats.synchronize(device)
             t0 = time.perf_counter()
-            if pcie is not None:
+            # PCIe counters are sampled only through the steps that are logged anyway (a sampler costs the host up
+            # to one NVML window per step)
+            sampled = pcie is not None and (step % cfg.log_every == 0 or (step + 1) % cfg.eval_every == 0
+                                            or step + 1 == cfg.steps)
+            if sampled:
                 pcie.start()
-            with meter if metered else contextlib.nullcontext():
-                loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
-                                               autocast=autocast, skip_nonfinite=True, fused_ce=cfg.fused_ce,
-                                               ce_chunk_tokens=cfg.ce_chunk_tokens,
-                                               all_finite=sync.all_finite if sync is not None else None)
-            loss = float(loss_t) if sync is None else sync.mean(loss_t)
-            gpu_stats.synchronize(device)
-            dt = time.perf_counter() - t0
-            pcie_metrics = pcie.stop() if pcie is not None else {}
+            try:
+                with meter if metered else contextlib.nullcontext():
+                    loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
+                                                   autocast=autocast, skip_nonfinite=True, fused_ce=cfg.fused_ce,
+                                                   ce_chunk_tokens=cfg.ce_chunk_tokens,
+                                                   all_finite=sync.all_finite if sync is not None else None)
+                loss = float(loss_t) if sync is None else sync.mean(loss_t)
+                gpu_stats.synchronize(device)
+                dt = time.perf_counter() - t0
+            finally:
+                pcie_metrics = pcie.stop() if sampled else {}
             if not metered:
                 timed_s, timed_steps = timed_s + dt, timed_steps + 1
                 step_times.append(dt)
