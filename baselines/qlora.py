@@ -170,10 +170,13 @@ def _module_to_by_data():
 
         for module in self.modules():
             for key, p in module._parameters.items():
-                if p is not None and p.device != convert(p.data).device:  # a fake tensor's device is fixed at birth:
-                    module._parameters[key] = nn.Parameter(convert(p.data), p.requires_grad)  # a new parameter
-                elif p is not None:
-                    p.data = convert(p.data)
+                if p is None:
+                    continue
+                moved = convert(p.data)
+                if moved.device != p.device:  # a fake tensor's device is fixed at birth: a new parameter
+                    module._parameters[key] = nn.Parameter(moved, p.requires_grad)
+                else:
+                    p.data = moved
             for key, b in module._buffers.items():
                 if b is not None:
                     module._buffers[key] = convert(b)

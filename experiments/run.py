@@ -23,7 +23,7 @@ from experiments import methods
 from experiments.checkpointing import INTERRUPTED_EXIT_CODE, TooManyBadSteps, config_differences
 from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config,
                                 without_added_defaults)
-from experiments.errors import UserError, exit_with_error, one_line_errors
+from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
 from experiments.data import MIN_BPE_VOCAB, has_tokenizer
 from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
@@ -174,7 +174,7 @@ def check_completed(run_dir: RunDir, config_dict: dict) -> None:
 
 def run_lock(run: RunConfig, run_dir: RunDir):
     """The run folder's lock, taken by the process that writes it (under torchrun: rank 0)."""
-    if run.dist.mode != "none" and os.environ.get("RANK", "0") != "0":
+    if run.dist.mode != "none" and not says_errors():  # rank 0 (or one process) writes, so it locks
         return contextlib.nullcontext()
     return RunLock(run_dir.path)
 
