@@ -188,6 +188,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         run_dir.preempt()
         if main:  # every rank stops alike (DistCheckpointer agrees on the flag); rank 0 says so, once
             print(e, file=sys.stderr)
+        if ctx is not None:  # no rank exits before rank 0 has written the status: torchrun stops the others
+            ctx.barrier()    # (SIGTERM) as soon as one worker exits non-zero
         raise
     except KeyboardInterrupt:
         run_dir.fail("interrupted (a second Ctrl-C): stopped without a final checkpoint\n")

@@ -394,7 +394,11 @@ def test_sigterm_under_torchrun_ends_preempted_with_one_line_and_the_requeue_cod
     assert len(said) == 1 and said[0].startswith("preempted by SIGTERM after step "), err
     assert not [line for line in err.splitlines() if line.startswith("error:")], err
     assert not re.search(r'File "[^"]*/(experiments|hmt_core)/', err), err  # no worker traceback
-    assert err.count(f"exitcode  : {PREEMPTED_EXIT_CODE} ") == 2 and job.returncode != 0, err
+    # every rank exits 75 after the status is written; torchrun stops a rank still tearing down when the other has
+    # exited (SIGTERM, -15): which one is first depends on the machine's load
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+    assert str(PREEMPTED_EXIT_CODE) in codes and set(codes) <= {str(PREEMPTED_EXIT_CODE), "-15"}, (codes, err)
+    assert job.returncode != 0, err
     assert (run_dir / "status").read_text().strip() == "preempted" and not (run_dir / "error.txt").exists()
     stopped = int(said[0].split("after step ")[1].split(";")[0])
     assert (run_dir / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists(), said[0]
@@ -414,7 +418,10 @@ def test_a_refusal_under_torchrun_is_said_once(tmp_path):
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert job.returncode != 0 and len(errors) == 1, err
     assert "method.weight_dtype=int8 is not supported with sharded weights (dist=fsdp2)" in errors[0], err
-    assert err.count("exitcode  : 2 ") == 2, err  # both ranks refused, with the bad-input exit code
+    # the first rank to refuse exits 2 (the bad-input code); torchrun then stops the other, which may already have
+    # exited 2 itself or be ended by torchrun's SIGTERM (-15) first: a race that depends on the machine's load
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, (codes, err)
     assert not (tmp_path / "r").exists()
 
 
