@@ -57,6 +57,22 @@ def _lookup(nvml, index: int):
 _HANDLES: dict[int, tuple] = {}
 
 
+def first_visible_gpu_handle():
+    """(pynvml, handle) of the first GPU this process may use, from ``CUDA_VISIBLE_DEVICES`` alone (a UUID or an
+    NVML index; unset: NVML's device 0), without initialising CUDA in this process; (None, None) without NVML or
+    for a mask NVML cannot resolve (e.g. a MIG identifier)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        if first.isdigit():
+            return pynvml, pynvml.nvmlDeviceGetHandleByIndex(int(first))
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(first)
+    except Exception:
+        return None, None
+
+
 def nvml_handle(device: torch.device):
     """(pynvml, handle) of the GPU ``device`` runs on, or (None, None) where NVML is unavailable or the GPU cannot
     be identified (NVML figures are then absent, never another GPU's)."""

@@ -106,3 +106,23 @@ def test_the_pcie_sampler_integrates_the_counters_over_the_step(monkeypatch):
     sampler.start()
     assert nvml.exhausted.wait(5)
     assert sampler.stop()["pcie/tx_max(MB/s)"] == pytest.approx(0.5)  # the earlier window's samples are gone
+
+
+@pytest.mark.parametrize("mask, expected", [(None, "nvml-0"), ("2,3", "nvml-2"), (GPUS[3]["uuid"] + ",x", "nvml-3"),
+                                            ("MIG-unknown", None)])
+def test_the_orchestrators_handle_comes_from_the_mask_without_initialising_cuda(monkeypatch, mask, expected):
+    """gpu_validate's orchestrating process names its GPU through NVML alone: the first entry of
+    ``CUDA_VISIBLE_DEVICES`` (an index or a UUID), and no ``torch.cuda`` call (which would initialise CUDA there)."""
+    monkeypatch.setitem(sys.modules, "pynvml", StubNvml())
+    if mask is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("torch.cuda was called")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    nvml, handle = gpu_stats.first_visible_gpu_handle()
+    assert handle == expected, (mask, handle)

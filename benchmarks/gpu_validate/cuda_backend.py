@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_validate.orchestrate import RunFailed, RunResult
-from experiments.gpu_stats import nvml_handle
+from experiments.gpu_stats import first_visible_gpu_handle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
@@ -56,11 +56,9 @@ def child_env() -> dict[str, str]:
 
 
 def _nvml():
-    """(pynvml, handle of CUDA device 0 — found by PCI bus id/UUID, so masking is respected) or (None, None)."""
-    try:
-        return nvml_handle(torch.device("cuda", 0))
-    except Exception:
-        return None, None
+    """(pynvml, handle of the first visible GPU, from ``CUDA_VISIBLE_DEVICES``: masking is respected and CUDA is
+    not initialised in this orchestrating process) or (None, None)."""
+    return first_visible_gpu_handle()
 
 
 class PcieSampler:
