@@ -40,7 +40,6 @@ from experiments.loop import autocast_context, lm_loss
 from experiments.meter import MemoryMeter, MemoryReport
 from experiments.models import build_model
 from hmt_core.activations import apply_policy
-from hmt_core.driver import iter_state_tensors
 from hmt_core.method import Method
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,9 +108,7 @@ def measure(run: RunConfig, *, steps: int = STEPS) -> Measured:
         model = method.prepare(build_model(run.model, device=CUDA))
         model.train()
         meter = MemoryMeter(source="fake", device=CUDA)
-        meter.track(model.parameters(), "params")
-        meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
-        meter.track(model.buffers(), "other")
+        meter.track_model(model)
         meter.watch_grads(model.parameters())
         method.attach(model, max_grad_norm=t.max_grad_norm or None)
         handle = None if run.activation.is_identity() else apply_policy(model, run.activation)

@@ -39,7 +39,6 @@ from experiments.models import count_params
 from experiments.results import RunDir
 from hmt_core.activations import apply_policy, probe
 from hmt_core.activations.measure import PROBE_TOKENS, probe_batch
-from hmt_core.driver import iter_state_tensors
 from hmt_core.method import NotTraceableError
 
 GIB = 2**30
@@ -168,9 +167,7 @@ def metered_probe(model: nn.Module, policy, ids: torch.Tensor, *, autocast, sour
     its peak bytes and its token count; under FakeTensorMode the metrics are NaN and the peak is the dry run's."""
     pids = probe_batch(ids, max_tokens)
     meter = MemoryMeter(source=source, device=pids.device)
-    meter.track(model.parameters(), "params")
-    meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
-    meter.track(model.buffers(), "other")
+    meter.track_model(model)
     meter.track([pids], "other")
 
     def loss_fn(m):
@@ -189,7 +186,6 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
     t = run.train
     assumed = AssumedScalars()
     target = torch.device(run.dryrun.device if fake else "cpu")  # whose dispatch decisions are traced
-    dryrun_device.check_target(target.type)
     with distributed.dryrun_context(run) as ctx, dryrun_device.dispatch_as(target), \
             FakeTensorMode() if fake else contextlib.nullcontext(), assumed if fake else contextlib.nullcontext(), \
             unpacked_sequences() if fake else contextlib.nullcontext():
@@ -200,9 +196,7 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
         model.train()
         params_total, params_trainable = count_params(model)
         meter = MemoryMeter(source="fake" if fake else "tracker", device=next(model.parameters()).device)
-        meter.track(model.parameters(), "params")
-        meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
-        meter.track(model.buffers(), "other")
+        meter.track_model(model)
         meter.watch_grads(model.parameters())
         try:
             method.attach(model, max_grad_norm=t.max_grad_norm or None)

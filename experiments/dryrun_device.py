@@ -21,16 +21,7 @@ import contextlib
 
 import torch
 
-from experiments.errors import UserError
 from hmt_core import kernels
-
-TARGETS = ("cuda", "cpu")
-
-
-def check_target(target: str) -> None:
-    """Before tracing: a ``UserError`` for a target the dry run cannot trace."""
-    if target not in TARGETS:
-        raise UserError(f"dryrun.device must be one of {list(TARGETS)}, got {target!r}")
 
 
 def dispatch_as(target: torch.device) -> contextlib.AbstractContextManager:

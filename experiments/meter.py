@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hmt_core.driver import same_device
+from hmt_core.driver import iter_state_tensors, same_device
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
 PHASES = ("forward", "backward", "optimizer")
@@ -185,6 +185,13 @@ class MemoryMeter(TorchDispatchMode):
         for storage, device in _storages(tensors, skip_meta=self._skip_meta):
             self._register(storage, category, device)
         self._update_peaks()
+
+    def track_model(self, model: torch.nn.Module) -> None:
+        """Register a model before its step: weights and their quantization state (bitsandbytes' ``quant_state``)
+        as ``params``, buffers as ``other``."""
+        self.track(model.parameters(), "params")
+        self.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
+        self.track(model.buffers(), "other")
 
     def mark(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """(Re)classify tensors, registering them if unseen (e.g. optimizer state after a step)."""

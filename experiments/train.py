@@ -21,7 +21,6 @@ from experiments.errors import UserError, exit_with_error
 from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
-from hmt_core.driver import iter_state_tensors
 
 
 def seed_everything(seed: int) -> None:
@@ -111,9 +110,7 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         model = distributed.build_sharded(run.model, method, ctx, vocab_size=corpus.vocab_size, device=device)
     model.train()
     meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker", device=device)
-    meter.track(model.parameters(), "params")
-    meter.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
-    meter.track(model.buffers(), "other")
+    meter.track_model(model)
     meter.watch_grads(model.parameters())  # before the method's own hooks: grads are marked, then used
     try:
         method.attach(model, max_grad_norm=t.max_grad_norm or None)
