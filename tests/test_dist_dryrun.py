@@ -35,7 +35,9 @@ register_configs()
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
 MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
          "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "dryrun.steps=2"]
-LATE_RS_INPUT_BYTES = 512 * 64 * 2  # the embedding's (or lm_head's) unsharded BF16 gradient in MICRO
+# the root unit's reduce-scatter input in MICRO: FSDP2 reduces a unit's gradients as one flat buffer, here the
+# unsharded BF16 gradients of the embedding (512 x 64), lm_head (512 x 64) and the final norm (64)
+LATE_RS_INPUT_BYTES = (2 * 512 * 64 + 64) * 2
 CASES = {
     "fsdp2-adamw": ["dist=fsdp2", "method=adamw"],
     "ddp-adamw": ["dist=ddp", "method=adamw"],
@@ -106,9 +108,9 @@ def test_fake_process_group_rank0_equals_real_two_process_rank0(real, name):
     late = fake["phases"]["optimizer"] + LATE_RS_INPUT_BYTES
     if name.startswith("fsdp2") and fake["phases"]["optimizer"] < expected["phases"]["optimizer"] <= late * 1.01:
         # FSDP2's last reduce-scatter (the root's) runs on gloo's background thread; in a real run its input
-        # buffer — one root weight's unsharded BF16 gradient, 512 × 64 × 2 B — is now and then released only
-        # after the optimizer phase has begun (seen once in a full suite run: +65,682 B). Timing, not bytes:
-        # that one buffer is the only allowance, every other row stays within 1 %.
+        # buffer — the root unit's unsharded BF16 gradients, 131,200 B — is now and then released only after the
+        # optimizer phase has begun (seen in full suite runs under load: +65,682 B once, the whole +131,200 B in
+        # CI once). Timing, not bytes: that one buffer is the only allowance, every other row stays within 1 %.
         expected = {**expected, "phases": {**expected["phases"], "optimizer": fake["phases"]["optimizer"]}}
     bad = _close(fake, expected)
     assert not bad, f"{name}: fake W=2 vs real 2-process rank 0:\n  " + "\n  ".join(bad) + f"\nfake {fake}\nreal {real[name]}"
