@@ -13,7 +13,7 @@ one process under FakeTensorMode, measures what rank 0 of a real multi-process r
 Why 1 %: fake tensors carry shapes, dtypes and storages exactly, so every allocation has the real size; what
 can differ is only which storages are alive at the peak op when the real collectives (gloo) allocate
 scratch tensors the fake process group does not (measured: identical bytes in every category here), and, under
-FSDP2, when gloo's background thread releases the root's last reduce-scatter input (see the test).
+FSDP2, when gloo's background thread releases a unit's reduce-scatter input (at most one such buffer; see the test).
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ register_configs()
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
 MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
          "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "dryrun.steps=2"]
-# the root unit's reduce-scatter input in MICRO: FSDP2 reduces a unit's gradients as one flat buffer, here the
-# unsharded BF16 gradients of the embedding (512 x 64), lm_head (512 x 64) and the final norm (64)
-LATE_RS_INPUT_BYTES = (2 * 512 * 64 + 64) * 2
+# FSDP2 reduces a unit's gradients as one flat buffer: in MICRO a decoder layer's unsharded BF16 gradients
+# (q, k, v, o: 4 x 64 x 64; gate, up, down: 3 x 64 x 176; two norms of 64) and the root's (embedding and lm_head,
+# 512 x 64 each, and the final norm of 64). The largest is the one buffer whose release a real run may delay.
+LAYER_RS_INPUT_BYTES = (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64) * 2
+ROOT_RS_INPUT_BYTES = (2 * 512 * 64 + 64) * 2
+LATE_RS_INPUT_BYTES = max(LAYER_RS_INPUT_BYTES, ROOT_RS_INPUT_BYTES)
 CASES = {
     "fsdp2-adamw": ["dist=fsdp2", "method=adamw"],
     "ddp-adamw": ["dist=ddp", "method=adamw"],
@@ -90,13 +93,18 @@ def real() -> dict:
         return json.loads(Path(out, "rank0.json").read_text())
 
 
-def _close(actual: dict, expected: dict) -> list[str]:
-    """Rows that differ by more than 1 % (categories: or 64 bytes, a step counter's size) — printed on failure."""
+def _close(actual: dict, expected: dict, *, late_bytes: int = 0) -> list[str]:
+    """Rows that differ by more than 1 % (categories: or 64 bytes, a step counter's size) — printed on failure.
+
+    ``late_bytes``: the real run (``expected``) may hold up to this many bytes more than the fake one, never less.
+    """
     bad = []
     for key, value in expected.items():
         if isinstance(value, dict):
-            bad += [f"{key}.{row}" for row in _close(actual[key], value)]
-        elif abs(actual[key] - value) > max(0.01 * abs(value), 64):
+            bad += [f"{key}.{row}" for row in _close(actual[key], value, late_bytes=late_bytes)]
+            continue
+        slack = max(0.01 * abs(value), 64)
+        if not -slack <= value - actual[key] <= slack + late_bytes:
             bad.append(f"{key}: fake {actual[key]:,} vs real {value:,}")
     return bad
 
@@ -104,15 +112,15 @@ def _close(actual: dict, expected: dict) -> list[str]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_fake_process_group_rank0_equals_real_two_process_rank0(real, name):
     fake = _figures(_trace(_run(*CASES[name], "dist.world_size=2"))["report"])
-    expected = real[name]
-    late = fake["phases"]["optimizer"] + LATE_RS_INPUT_BYTES
-    if name.startswith("fsdp2") and fake["phases"]["optimizer"] < expected["phases"]["optimizer"] <= late * 1.01:
-        # FSDP2's last reduce-scatter (the root's) runs on gloo's background thread; in a real run its input
-        # buffer — the root unit's unsharded BF16 gradients, 131,200 B — is now and then released only after the
-        # optimizer phase has begun (seen in full suite runs under load: +65,682 B once, the whole +131,200 B in
-        # CI once). Timing, not bytes: that one buffer is the only allowance, every other row stays within 1 %.
-        expected = {**expected, "phases": {**expected["phases"], "optimizer": fake["phases"]["optimizer"]}}
-    bad = _close(fake, expected)
+    # FSDP2's reduce-scatters run on gloo's background thread, which drops its reference to a unit's input buffer
+    # (the unit's unsharded BF16 gradients) only some time after the collective completed: now and then a real
+    # run still holds one such buffer at a later peak. Seen under load: +65,682 B and +131,200 B (the root's) in
+    # the optimizer phase, +100,620 B (a decoder layer's, 100,608 B) at the backward peak, the bytes landing in
+    # whatever category the meter was counting. Timing, not bytes: the real run may exceed the fake one by at
+    # most the largest such buffer, in any row, and never fall below it by more than 1 %. DDP reduces into its
+    # persistent bucket buffers, which nothing releases late, so it keeps the plain 1 %.
+    late = LATE_RS_INPUT_BYTES if name.startswith("fsdp2") else 0
+    bad = _close(fake, real[name], late_bytes=late)
     assert not bad, f"{name}: fake W=2 vs real 2-process rank 0:\n  " + "\n  ".join(bad) + f"\nfake {fake}\nreal {real[name]}"
 
 
