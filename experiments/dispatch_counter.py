@@ -14,7 +14,12 @@ CPU run counts what a CUDA run would launch and where it would wait:
 - **ATen ops by phase** (a kernel-launch proxy): every op except pure metadata queries (``METADATA_OPS``, the memory
   meter's list) and view ops (``OpOverload.is_view``: ``view``, ``t``, ``transpose``, ``expand``, ``select``,
   ``slice``, ``detach``, ...; they launch no kernel), which are counted apart (``view_ops``). The phase is set with
-  ``with counter.phase(name):`` (the memory meter's phases); ops outside any phase are counted under ``other``;
+  ``with counter.phase(name):`` or ``set_phase(name)`` (the memory meter's phases); ops outside any phase are
+  counted under ``other``. Two rules follow the autograd engine: an op the engine runs (``loss.backward()``) while
+  the phase is ``forward`` moves the phase on to ``backward`` (so a caller marks only where forward starts;
+  ``backward()``'s seed gradient, made before the engine starts, stays in ``forward``), and
+  an op the engine runs inside a method's per-parameter hook (a frame of ``hook_files`` on the stack: HMT's
+  per-layer updates inside backward) counts as ``optimizer`` work;
 - **collectives**: ``c10d`` ops (what ``torch.distributed.all_reduce``/``reduce_scatter_tensor``/
   ``all_gather_into_tensor``/``broadcast`` dispatch, with their ``async_op`` flag from the op's arguments) and
   functional collectives (``_c10d_functional``, always asynchronous until ``wait_tensor``), each with its op name,
@@ -42,6 +47,7 @@ from experiments.meter import _METADATA_OPS
 
 METADATA_OPS = frozenset(_METADATA_OPS)
 OTHER_PHASE = "other"  # ops outside any ``phase(...)``
+HOOK_FILES = ("hmt_core/optim/hooks.py",)  # HMT's per-layer updates inside backward
 
 _aten = torch.ops.aten
 _SYNC_PACKETS = {  # always a host sync: the host needs the result's value or size
@@ -136,12 +142,31 @@ def _collective(func, args, kwargs) -> Collective | None:
     return Collective(op=f"{namespace}.{name}", bytes=nbytes, async_op=async_op)
 
 
-class DispatchCounter(TorchDispatchMode):
-    """Counts host syncs, ATen ops by phase and collectives. Use ``with counter:`` around the counted code."""
+def _in_backward() -> bool:
+    """Whether the autograd engine is running the current op (``loss.backward()``, its hooks included)."""
+    return torch._C._current_graph_task_id() != -1
 
-    def __init__(self) -> None:
+
+def _under(files: tuple[str, ...]) -> bool:
+    """Whether a frame of ``files`` runs inside the autograd engine (between the op and the engine's entry,
+    ``torch.autograd.graph._engine_run_backward``; the code that called ``backward()`` does not count)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name != "_engine_run_backward":
+        if frame.f_code.co_filename.endswith(files):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts host syncs, ATen ops by phase and collectives. Use ``with counter:`` around the counted code.
+
+    ``hook_files``: source files (path suffixes) whose code, run by the autograd engine, is optimizer work."""
+
+    def __init__(self, *, hook_files: tuple[str, ...] = HOOK_FILES) -> None:
         super().__init__()
         self.counting = True
+        self.hook_files = tuple(os.path.join(*f.split("/")) for f in hook_files)
         self._phase = OTHER_PHASE
         self._ops: dict[str, Counter] = {}
         self._views: Counter = Counter()
@@ -156,6 +181,18 @@ class DispatchCounter(TorchDispatchMode):
             yield
         finally:
             self._phase = previous
+
+    def set_phase(self, name: str) -> None:
+        """Count the following ops under ``name`` (until the next ``set_phase`` or ``phase``)."""
+        self._phase = name
+
+    def _current_phase(self) -> str:
+        if self._phase in ("forward", "backward") and _in_backward():
+            if self._phase == "forward":
+                self._phase = "backward"
+            if self.hook_files and _under(self.hook_files):
+                return "optimizer"
+        return self._phase
 
     def reset(self) -> None:
         """Forget everything counted so far (the mode may stay entered)."""
@@ -176,10 +213,11 @@ class DispatchCounter(TorchDispatchMode):
         if is_host_sync(func, args, kwargs, out):  # before the view test: lift_fresh is an alias op
             self._sync_ops[str(func.overloadpacket)] += 1
             self._sync_sites[first_project_frame()] += 1
+        phase = self._current_phase()
         if func.is_view:
-            self._views[self._phase] += 1
+            self._views[phase] += 1
             return
-        self._ops.setdefault(self._phase, Counter())[str(func.overloadpacket)] += 1
+        self._ops.setdefault(phase, Counter())[str(func.overloadpacket)] += 1
         collective = _collective(func, args, kwargs)
         if collective is not None:
             self._collectives.append(collective)

@@ -110,3 +110,24 @@ def test_gloo_collectives_are_counted_with_bytes_and_async(tmp_path):
         assert ops == [("c10d.allreduce_", 40, False), ("c10d.allreduce_", 24, True),
                        ("c10d._reduce_scatter_base_", 40, False), ("c10d._allgather_base_", 8, True),
                        ("c10d.broadcast_", 40, False)], f"rank {rank}: {ops}"
+
+
+def test_backward_follows_forward_and_hook_work_counts_as_optimizer():
+    """``set_phase("forward")`` only: the autograd engine's ops are backward, a hook's ops (a frame of
+    ``hook_files``, here ``tests/helpers.py``) optimizer work."""
+    import helpers
+
+    w = torch.randn(3, 3, requires_grad=True)
+    counter = DispatchCounter(hook_files=("tests/helpers.py",))
+    w.register_post_accumulate_grad_hook(helpers.sgd_hook)
+    with counter:
+        counter.set_phase("forward")
+        loss = (w * 2).sum()  # mul, sum
+        loss.backward()  # engine: mul (sum's backward is an expand, a view); hook: sgd_hook's ops
+        counter.set_phase("optimizer")
+    r = counter.report()
+    # backward()'s seed gradient (ones_like) is made in Python before the engine starts: still forward
+    assert r.op_names["forward"] == {"aten.mul": 1, "aten.sum": 1, "aten.ones_like": 1}, r.op_names
+    assert r.op_names["optimizer"] == {"aten.add_": 1, "aten.mul": 1}, r.op_names  # sgd_hook: mul + add_
+    assert r.op_names["backward"] == {"aten.mul": 1}, r.op_names
+    assert r.host_syncs == 0, r.sync_sites
