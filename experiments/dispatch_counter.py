@@ -13,7 +13,10 @@ CPU run counts what a CUDA run would launch and where it would wait:
   expects none names the culprit;
 - **ATen ops by phase** (a kernel-launch proxy): every op except pure metadata queries (``METADATA_OPS``, the memory
   meter's list) and view ops (``OpOverload.is_view``: ``view``, ``t``, ``transpose``, ``expand``, ``select``,
-  ``slice``, ``detach``, ...; they launch no kernel), which are counted apart (``view_ops``). The phase is set with
+  ``slice``, ``detach``, ...; they launch no kernel), which are counted apart (``view_ops``). Host phases
+  (``host_phases``, default ``data``: the loop's batch, built from host memory before it moves to the device)
+  hold host tensors in a CUDA run as well: their syncs are recorded apart (``host_side_sync_sites``), not as host
+  syncs. The phase is set with
   ``with counter.phase(name):`` or ``set_phase(name)`` (the memory meter's phases); ops outside any phase are
   counted under ``other``. Two rules follow the autograd engine: an op the engine runs (``loss.backward()``) while
   the phase is ``forward`` moves the phase on to ``backward`` (so a caller marks only where forward starts;
@@ -48,6 +51,7 @@ from experiments.meter import _METADATA_OPS
 METADATA_OPS = frozenset(_METADATA_OPS)
 OTHER_PHASE = "other"  # ops outside any ``phase(...)``
 HOOK_FILES = ("hmt_core/optim/hooks.py",)  # HMT's per-layer updates inside backward
+HOST_PHASES = ("data",)  # phases whose tensors live on the host in a CUDA run too
 
 _aten = torch.ops.aten
 _SYNC_PACKETS = {  # always a host sync: the host needs the result's value or size
@@ -75,6 +79,7 @@ class DispatchCounts:
     host_syncs: int
     sync_ops: dict[str, int]  # ATen op -> count
     sync_sites: dict[str, int]  # "path:line" of the first project frame -> count
+    host_side_sync_sites: dict[str, int]  # the same, of the host phases' ops (not host syncs)
     aten_ops: dict[str, int]  # phase -> ops (views and metadata queries excluded)
     view_ops: dict[str, int]  # phase -> view ops
     op_names: dict[str, dict[str, int]]  # phase -> ATen op -> count
@@ -82,7 +87,8 @@ class DispatchCounts:
 
     def to_dict(self) -> dict:
         return {"host_syncs": self.host_syncs, "sync_ops": dict(self.sync_ops),
-                "sync_sites": dict(self.sync_sites), "aten_ops": dict(self.aten_ops),
+                "sync_sites": dict(self.sync_sites), "host_side_sync_sites": dict(self.host_side_sync_sites),
+                "aten_ops": dict(self.aten_ops),
                 "view_ops": dict(self.view_ops), "collectives": [c.to_dict() for c in self.collectives]}
 
 
@@ -108,21 +114,28 @@ def is_host_sync(func, args, kwargs, out) -> bool:
     return False
 
 
-def first_project_frame() -> str:
-    """``path:line`` (relative to the repository) of the innermost Python frame in this project's code outside
-    this module; the innermost frame outside torch when there is none (a test's own file is in the project)."""
+def _library_path(path: str) -> str:
+    """A path under ``site-packages`` from the package on (``transformers/models/llama/modeling_llama.py``)."""
+    marker = f"site-packages{os.sep}"
+    return path.split(marker, 1)[1] if marker in path else path
+
+
+def sync_site() -> str:
+    """Where a host sync comes from: ``path:line`` (relative to the repository) of the innermost Python frame in
+    this project's code, followed by `` <- package/file.py:line`` when the innermost frame outside torch is a
+    library's (e.g. transformers'); the innermost frame outside torch when no project frame is on the stack."""
     frame = sys._getframe(1)
-    fallback = "?"
+    library = None
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path != _THIS_FILE:
-            torch_code = f"{os.sep}torch{os.sep}" in path or "torch/utils/_python_dispatch" in path
-            if path.startswith(_REPO_ROOT + os.sep) and not torch_code:
-                return f"{os.path.relpath(path, _REPO_ROOT)}:{frame.f_lineno}"
-            if fallback == "?" and not torch_code:
-                fallback = f"{path}:{frame.f_lineno}"
+        if path != _THIS_FILE and f"{os.sep}torch{os.sep}" not in path:
+            where = f"{frame.f_lineno}"
+            if path.startswith(_REPO_ROOT + os.sep):
+                site = f"{os.path.relpath(path, _REPO_ROOT)}:{where}"
+                return site if library is None else f"{site} <- {library}"
+            library = library or f"{_library_path(path)}:{where}"
         frame = frame.f_back
-    return fallback
+    return library or "?"
 
 
 def _collective(func, args, kwargs) -> Collective | None:
@@ -161,17 +174,21 @@ def _under(files: tuple[str, ...]) -> bool:
 class DispatchCounter(TorchDispatchMode):
     """Counts host syncs, ATen ops by phase and collectives. Use ``with counter:`` around the counted code.
 
-    ``hook_files``: source files (path suffixes) whose code, run by the autograd engine, is optimizer work."""
+    ``hook_files``: source files (path suffixes) whose code, run by the autograd engine, is optimizer work.
+    ``host_phases``: phases whose syncs are host-side (see the module docstring)."""
 
-    def __init__(self, *, hook_files: tuple[str, ...] = HOOK_FILES) -> None:
+    def __init__(self, *, hook_files: tuple[str, ...] = HOOK_FILES,
+                 host_phases: tuple[str, ...] = HOST_PHASES) -> None:
         super().__init__()
         self.counting = True
+        self.host_phases = host_phases
         self.hook_files = tuple(os.path.join(*f.split("/")) for f in hook_files)
         self._phase = OTHER_PHASE
         self._ops: dict[str, Counter] = {}
         self._views: Counter = Counter()
         self._sync_ops: Counter = Counter()
         self._sync_sites: Counter = Counter()
+        self._host_side: Counter = Counter()
         self._collectives: list[Collective] = []
 
     @contextlib.contextmanager
@@ -200,6 +217,7 @@ class DispatchCounter(TorchDispatchMode):
         self._views.clear()
         self._sync_ops.clear()
         self._sync_sites.clear()
+        self._host_side.clear()
         self._collectives.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -210,10 +228,13 @@ class DispatchCounter(TorchDispatchMode):
         return out
 
     def _count(self, func, args, kwargs, out) -> None:
-        if is_host_sync(func, args, kwargs, out):  # before the view test: lift_fresh is an alias op
-            self._sync_ops[str(func.overloadpacket)] += 1
-            self._sync_sites[first_project_frame()] += 1
         phase = self._current_phase()
+        if is_host_sync(func, args, kwargs, out):  # before the view test: lift_fresh is an alias op
+            if phase in self.host_phases:
+                self._host_side[sync_site()] += 1
+            else:
+                self._sync_ops[str(func.overloadpacket)] += 1
+                self._sync_sites[sync_site()] += 1
         if func.is_view:
             self._views[phase] += 1
             return
@@ -225,6 +246,6 @@ class DispatchCounter(TorchDispatchMode):
     def report(self) -> DispatchCounts:
         return DispatchCounts(
             host_syncs=sum(self._sync_ops.values()), sync_ops=dict(self._sync_ops),
-            sync_sites=dict(self._sync_sites.most_common()),
+            sync_sites=dict(self._sync_sites.most_common()), host_side_sync_sites=dict(self._host_side.most_common()),
             aten_ops={p: sum(c.values()) for p, c in self._ops.items()}, view_ops=dict(self._views),
             op_names={p: dict(c.most_common()) for p, c in self._ops.items()}, collectives=list(self._collectives))

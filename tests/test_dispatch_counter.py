@@ -65,6 +65,21 @@ def test_device_side_code_has_no_sync_and_ops_are_counted_by_phase_without_views
     assert r.op_names["forward"] == {"aten.mm": 1, "aten.relu": 1}, r.op_names
 
 
+def test_syncs_of_a_host_phase_are_host_side():
+    counter = DispatchCounter()
+    order = torch.randperm(8)
+    with counter:
+        counter.set_phase("data")  # the loop's batch: host tensors in a CUDA run too
+        rows = [int(order[i]) for i in range(2)]  # host-side
+        counter.set_phase("forward")
+        order.sum().item()  # sync-forward
+    r = counter.report()
+    assert r.host_side_sync_sites == {f"{_HERE}:{_line_of('host-side')}": 2}, r.host_side_sync_sites
+    assert r.sync_sites == {f"{_HERE}:{_line_of('sync-forward')}": 1}, r.sync_sites
+    assert r.aten_ops == {"data": 2, "forward": 2}, r.op_names  # data: 2 _local_scalar_dense (select: a view)
+    assert len(rows) == 2
+
+
 def test_reset_forgets_and_the_counter_nests_under_another_mode():
     from experiments.meter import MemoryMeter
 
