@@ -111,12 +111,43 @@ class PhasedMethod:
             self._counter.set_phase(OTHER_PHASE)
 
 
+def _optimizers(method) -> list[torch.optim.Optimizer]:
+    """The torch optimizers among the method's attributes and theirs (``OptimizerMethod.driver.optimizer``)."""
+    found, seen = [], set()
+    level = [method]
+    for _ in range(3):
+        nxt = []
+        for obj in level:
+            for v in getattr(obj, "__dict__", {}).values():
+                if isinstance(v, torch.optim.Optimizer) and id(v) not in seen:
+                    seen.add(id(v))
+                    found.append(v)
+                elif not isinstance(v, (torch.Tensor, torch.nn.Module, type)) and hasattr(v, "__dict__"):
+                    nxt.append(v)
+        level = nxt
+    return found
+
+
+def host_step_counts(method) -> list[torch.Tensor]:
+    """The ``step`` tensors of the method's torch optimizers that torch keeps on the CPU in a CUDA run too (every
+    group that is neither fused nor capturable): reading them (``foreach`` AdamW's bias corrections) is no sync."""
+    out = []
+    for opt in _optimizers(method):
+        for group in opt.param_groups:
+            if group.get("fused") or group.get("capturable"):
+                continue
+            steps = (opt.state.get(p, {}).get("step") for p in group["params"])
+            out += [t for t in steps if isinstance(t, torch.Tensor)]
+    return out
+
+
 class StepWindow:
     """``run_training``'s ``profiler`` (entered around the loop, ``step()`` after each step): times each step
-    (from the previous ``step()``) and keeps the counter entered through the steps of ``counted``."""
+    (from the previous ``step()``) and keeps the counter entered through the steps of ``counted``; ``host``: the
+    tensors to mark host-resident on entering (``host_step_counts``)."""
 
-    def __init__(self, counter: DispatchCounter, counted: dict[int, str]) -> None:
-        self.counter, self.counted = counter, counted
+    def __init__(self, counter: DispatchCounter, counted: dict[int, str], host=lambda: ()) -> None:
+        self.counter, self.counted, self.host = counter, counted, host
         self.step_s: dict[int, float] = {}
         self.counts: dict[str, DispatchCounts] = {}
         self._step, self._entered = 0, False
@@ -140,6 +171,7 @@ class StepWindow:
         self._step += 1
         if self._step in self.counted:
             self.counter.reset()
+            self.counter.mark_host(self.host())
             self.counter.set_phase(OTHER_PHASE)
             self.counter.__enter__()
             self._entered = True
@@ -177,7 +209,7 @@ def profile(run: RunConfig, device: torch.device = torch.device("cpu")) -> dict:
         forward_model = distributed.wrap_for_forward(model, method, ctx)
         handle = None if run.activation.is_identity() else apply_policy(model, run.activation)
         counter = DispatchCounter()
-        window = StepWindow(counter, {COUNTED: "step", LOG_STEP: "log_step"})
+        window = StepWindow(counter, {COUNTED: "step", LOG_STEP: "log_step"}, lambda: host_step_counts(method))
         run_training(forward_model, PhasedMethod(method, counter), corpus, distributed.for_rank(run.train, ctx),
                      device, log=lambda record: None, meter=meter, profiler=window, sync=ctx,
                      extra_metrics=handle.metrics if handle else None)
@@ -334,8 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                "rows": with_ratios(out)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        print(render(doc))
+    # the page's table: the committed results, before vs after
     block = render(_read(OUT / "step_profile.json"), _read(OUT / "before.json"))
-    print(block)
+    if args.render_only:
+        print(block)
     return hdm.update_docs(block, args.docs, args.check_docs, "benchmarks.step_profile", BEGIN, END)
 
 

@@ -16,7 +16,8 @@ CPU run counts what a CUDA run would launch and where it would wait:
   ``slice``, ``detach``, ...; they launch no kernel), which are counted apart (``view_ops``). Host phases
   (``host_phases``, default ``data``: the loop's batch, built from host memory before it moves to the device)
   hold host tensors in a CUDA run as well: their syncs are recorded apart (``host_side_sync_sites``), not as host
-  syncs. The phase is set with
+  syncs; so is reading a tensor declared host-resident with ``mark_host`` (torch.optim's ``step`` counts, which
+  torch keeps on the CPU unless the optimizer is fused or capturable). The phase is set with
   ``with counter.phase(name):`` or ``set_phase(name)`` (the memory meter's phases); ops outside any phase are
   counted under ``other``. Two rules follow the autograd engine: an op the engine runs (``loss.backward()``) while
   the phase is ``forward`` moves the phase on to ``backward`` (so a caller marks only where forward starts;
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from experiments.meter import _METADATA_OPS
 
@@ -62,6 +64,8 @@ _INDEX_PACKETS = {_aten.index, _aten.index_put, _aten.index_put_, _aten._index_p
 _COPY_PACKETS = {_aten._to_copy, _aten.copy_}
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THIS_FILE = os.path.abspath(__file__)
+_MACHINERY = tuple(os.path.join("torch", *f.split("/")) for f in (  # what torch calls a dispatch mode through
+    "_compile.py", "_dynamo/eval_frame.py", "utils/_python_dispatch.py"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,18 +126,19 @@ def _library_path(path: str) -> str:
 
 def sync_site() -> str:
     """Where a host sync comes from: ``path:line`` (relative to the repository) of the innermost Python frame in
-    this project's code, followed by `` <- package/file.py:line`` when the innermost frame outside torch is a
-    library's (e.g. transformers'); the innermost frame outside torch when no project frame is on the stack."""
+    this project's code, followed by `` <- package/file.py:line`` when the op's caller is a library's (e.g.
+    transformers', torch.optim's); the caller when no project frame is on the stack."""
     frame = sys._getframe(1)
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename) == _THIS_FILE
+                                 or frame.f_code.co_filename.endswith(_MACHINERY)):
+        frame = frame.f_back  # the mode's own frames and the wrappers torch calls it through
     library = None
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path != _THIS_FILE and f"{os.sep}torch{os.sep}" not in path:
-            where = f"{frame.f_lineno}"
-            if path.startswith(_REPO_ROOT + os.sep):
-                site = f"{os.path.relpath(path, _REPO_ROOT)}:{where}"
-                return site if library is None else f"{site} <- {library}"
-            library = library or f"{_library_path(path)}:{where}"
+        if path.startswith(_REPO_ROOT + os.sep):
+            site = f"{os.path.relpath(path, _REPO_ROOT)}:{frame.f_lineno}"
+            return site if library is None else f"{site} <- {library}"
+        library = library or f"{_library_path(path)}:{frame.f_lineno}"
         frame = frame.f_back
     return library or "?"
 
@@ -189,6 +194,7 @@ class DispatchCounter(TorchDispatchMode):
         self._sync_ops: Counter = Counter()
         self._sync_sites: Counter = Counter()
         self._host_side: Counter = Counter()
+        self._host_storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._collectives: list[Collective] = []
 
     @contextlib.contextmanager
@@ -198,6 +204,15 @@ class DispatchCounter(TorchDispatchMode):
             yield
         finally:
             self._phase = previous
+
+    def mark_host(self, tensors) -> None:
+        """Declare ``tensors`` host-resident in a CUDA run too: reading their value is no host sync."""
+        for t in tensors:
+            self._host_storages[t.untyped_storage()] = True
+
+    def _host_side_read(self, func, args) -> bool:
+        return (func.overloadpacket is _aten._local_scalar_dense and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage() in self._host_storages)
 
     def set_phase(self, name: str) -> None:
         """Count the following ops under ``name`` (until the next ``set_phase`` or ``phase``)."""
@@ -230,7 +245,7 @@ class DispatchCounter(TorchDispatchMode):
     def _count(self, func, args, kwargs, out) -> None:
         phase = self._current_phase()
         if is_host_sync(func, args, kwargs, out):  # before the view test: lift_fresh is an alias op
-            if phase in self.host_phases:
+            if phase in self.host_phases or self._host_side_read(func, args):
                 self._host_side[sync_site()] += 1
             else:
                 self._sync_ops[str(func.overloadpacket)] += 1

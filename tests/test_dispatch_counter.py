@@ -80,6 +80,18 @@ def test_syncs_of_a_host_phase_are_host_side():
     assert len(rows) == 2
 
 
+def test_reading_a_tensor_marked_host_resident_is_host_side():
+    step, x = torch.zeros(()), torch.randn(3)
+    counter = DispatchCounter()
+    counter.mark_host([step])  # e.g. torch.optim's step count, kept on the CPU by a non-fused AdamW
+    with counter:
+        step.add_(1)
+        beta_power = 0.9 ** step.item()  # host-read
+        x.mul_(beta_power)
+    r = counter.report()
+    assert r.host_syncs == 0 and r.host_side_sync_sites == {f"{_HERE}:{_line_of('host-read')}": 1}, r
+
+
 def test_reset_forgets_and_the_counter_nests_under_another_mode():
     from experiments.meter import MemoryMeter
 
