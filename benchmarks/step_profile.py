@@ -191,8 +191,19 @@ def random_corpus(run: RunConfig) -> Corpus:
                   vocab_size=vocab, tokenizer=None, stats={})
 
 
+def check_schedule(run: RunConfig) -> None:
+    """The counted steps are ``train.log_every - 1`` and ``train.log_every``, after the metered and timed ones."""
+    t = run.train
+    if t.log_every < METERED_STEPS + 2 or t.steps < t.log_every + 2 or t.eval_every <= t.log_every:
+        raise ValueError(f"train.log_every={t.log_every}, train.steps={t.steps}, train.eval_every={t.eval_every}: "
+                         f"the profile needs log_every >= {METERED_STEPS + 2} (metered, timed, counted steps), "
+                         "steps >= log_every + 2 and eval_every > log_every (counted steps without validation)")
+
+
 def profile(run: RunConfig, device: torch.device = torch.device("cpu")) -> dict:
-    """One row: build as ``execute_train`` does, run ``run_training`` with the counter on the counted steps."""
+    """One row: build as ``execute_train`` does, run ``run_training`` with the counter on the counted steps
+    (``check_schedule``)."""
+    check_schedule(run)
     ctx = distributed.setup(run, device)
     device = ctx.device if ctx is not None else device
     try:
@@ -209,7 +220,8 @@ def profile(run: RunConfig, device: torch.device = torch.device("cpu")) -> dict:
         forward_model = distributed.wrap_for_forward(model, method, ctx)
         handle = None if run.activation.is_identity() else apply_policy(model, run.activation)
         counter = DispatchCounter()
-        window = StepWindow(counter, {COUNTED: "step", LOG_STEP: "log_step"}, lambda: host_step_counts(method))
+        counted = run.train.log_every - 1  # then the logging step
+        window = StepWindow(counter, {counted: "step", counted + 1: "log_step"}, lambda: host_step_counts(method))
         run_training(forward_model, PhasedMethod(method, counter), corpus, distributed.for_rank(run.train, ctx),
                      device, log=lambda record: None, meter=meter, profiler=window, sync=ctx,
                      extra_metrics=handle.metrics if handle else None)
@@ -217,12 +229,13 @@ def profile(run: RunConfig, device: torch.device = torch.device("cpu")) -> dict:
         projected = method.summary().get("optim/projected_params")
     finally:
         distributed.teardown(ctx)
-    return _row(window, projected, world=ctx.world_size if ctx is not None else 1)
+    return _row(window, projected, world=ctx.world_size if ctx is not None else 1,
+                timed=range(METERED_STEPS, counted))
 
 
-def _row(window: StepWindow, projected: int | None, *, world: int) -> dict:
+def _row(window: StepWindow, projected: int | None, *, world: int, timed: range) -> dict:
     step, log = window.counts["step"], window.counts["log_step"]
-    timed = [window.step_s[s] for s in range(METERED_STEPS, COUNTED)]
+    timed = [window.step_s[s] for s in timed]
     optimizer_ops = step.aten_ops.get("optimizer", 0)
     return {"host_syncs": step.host_syncs, "host_syncs_log_step": log.host_syncs,
             "sync_sites": step.sync_sites, "sync_sites_log_step": log.sync_sites, "sync_ops": step.sync_ops,
