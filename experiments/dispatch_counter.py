@@ -7,8 +7,11 @@ CPU run counts what a CUDA run would launch and where it would wait:
 - **host syncs**: ops whose result the host must wait for, or that carry host data to the device —
   ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``), ``aten.nonzero``,
   ``aten.masked_select``, ``aten.unique*``, ``aten.equal``, ``aten.index``/``index_put`` with a bool index
-  (boolean-mask indexing), ``aten.lift_fresh``/``lift_fresh_copy`` (a tensor built from host data,
-  ``torch.tensor(list)``) and ``aten._to_copy``/``copy_`` from the CPU to another device (host-to-device). Each is
+  (boolean-mask indexing), ``aten.repeat_interleave`` without ``output_size``, ``aten.bincount``/``histc``,
+  ``aten._linalg_check_errors`` (``torch.linalg.cholesky``/``inv``/``solve``' error check),
+  ``aten.lift_fresh``/``lift_fresh_copy`` (a tensor built from host data, ``torch.tensor(list)``) and
+  ``aten._to_copy``/``copy_`` between the CPU and another device (either way; never seen on a CPU run, nor
+  ``tolist()``, which copies to the host without a Python-visible op on the CPU). Each is
   recorded with the ``file:line`` of the first project frame on the Python stack (``sync_sites``), so a test that
   expects none names the culprit;
 - **ATen ops by phase** (a kernel-launch proxy): every op except pure metadata queries (``METADATA_OPS``, the memory
@@ -59,6 +62,7 @@ _aten = torch.ops.aten
 _SYNC_PACKETS = {  # always a host sync: the host needs the result's value or size
     _aten._local_scalar_dense, _aten.nonzero, _aten.masked_select, _aten.equal, _aten.unique_dim,
     _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.lift_fresh, _aten.lift_fresh_copy,
+    _aten._linalg_check_errors, _aten.bincount, _aten.histc,  # an error check / an output size read on the host
 }
 _INDEX_PACKETS = {_aten.index, _aten.index_put, _aten.index_put_, _aten._index_put_impl_}
 _COPY_PACKETS = {_aten._to_copy, _aten.copy_}
@@ -112,9 +116,12 @@ def is_host_sync(func, args, kwargs, out) -> bool:
         return True
     if packet in _INDEX_PACKETS:
         return _has_bool_index(args)
-    if packet in _COPY_PACKETS:  # host-to-device: from the CPU to another device
+    if packet is _aten.repeat_interleave:  # the output size is read on the host unless given
+        return func is not _aten.repeat_interleave.self_int and kwargs.get("output_size") is None
+    if packet in _COPY_PACKETS:  # between the host and another device, either way
         src, dst = (args[1], args[0]) if packet is _aten.copy_ else (args[0], out)
-        return _device_type(src) == "cpu" and _device_type(dst) not in (None, "cpu", "meta")
+        devices = {_device_type(src), _device_type(dst)}
+        return "cpu" in devices and len(devices - {None, "meta"}) == 2
     return False
 
 

@@ -34,15 +34,18 @@ def test_each_kind_of_host_sync_is_counted_at_its_line():
         _ = x[x > 0]  # sync-mask
         _ = torch.tensor([1.0, 2.0])  # sync-list
         _ = x.nonzero()  # sync-nonzero
+        _ = torch.repeat_interleave(x, torch.ones(4, dtype=torch.long))  # sync-repeat
+        _ = torch.repeat_interleave(x, 2)  # an int repeat: the size is known on the host
         _ = x[torch.arange(2)]  # integer indexing: no sync
         _ = torch.where(x > 0, x, 0.0)  # device-side select: no sync
     r = counter.report()
     expected = {f"{_HERE}:{_line_of(m)}": 1
-                for m in ("sync-item", "sync-bool", "sync-float", "sync-mask", "sync-list", "sync-nonzero")}
+                for m in ("sync-item", "sync-bool", "sync-float", "sync-mask", "sync-list", "sync-nonzero",
+                          "sync-repeat")}
     assert r.sync_sites == expected, f"sync sites {r.sync_sites}, expected {expected}"
-    assert r.host_syncs == 6, r.sync_ops
+    assert r.host_syncs == 7, r.sync_ops
     assert r.sync_ops == {"aten._local_scalar_dense": 3, "aten.index": 1, "aten.lift_fresh": 1,
-                          "aten.nonzero": 1}, r.sync_ops
+                          "aten.nonzero": 1, "aten.repeat_interleave": 1}, r.sync_ops
 
 
 def test_device_side_code_has_no_sync_and_ops_are_counted_by_phase_without_views():
