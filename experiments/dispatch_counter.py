@@ -12,8 +12,9 @@ CPU run counts what a CUDA run would launch and where it would wait:
   ``aten.lift_fresh``/``lift_fresh_copy`` (a tensor built from host data, ``torch.tensor(list)``) and
   ``aten._to_copy``/``copy_`` between the CPU and another device (either way; never seen on a CPU run, nor
   ``tolist()``, which copies to the host without a Python-visible op on the CPU). Each is
-  recorded with the ``file:line`` of the first project frame on the Python stack (``sync_sites``), so a test that
-  expects none names the culprit;
+  recorded with the ``file:line`` of the first project frame on the Python stack, and the library line under it
+  (``hmt_core/fused_ce.py:229 <- transformers/masking_utils.py:761``; ``sync_sites``), so a test that expects
+  none names the culprit;
 - **ATen ops by phase** (a kernel-launch proxy): every op except pure metadata queries (``METADATA_OPS``, the memory
   meter's list) and view ops (``OpOverload.is_view``: ``view``, ``t``, ``transpose``, ``expand``, ``select``,
   ``slice``, ``detach``, ...; they launch no kernel), which are counted apart (``view_ops``). Host phases
@@ -43,7 +44,7 @@ import contextlib
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +168,13 @@ def _collective(func, args, kwargs) -> Collective | None:
     return Collective(op=f"{namespace}.{name}", bytes=nbytes, async_op=async_op)
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # wrapper subclasses without a storage
+        return None
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running the current op (``loss.backward()``, its hooks included)."""
     return torch._C._current_graph_task_id() != -1
@@ -212,14 +220,18 @@ class DispatchCounter(TorchDispatchMode):
         finally:
             self._phase = previous
 
-    def mark_host(self, tensors) -> None:
+    def mark_host(self, tensors: Iterable[torch.Tensor]) -> None:
         """Declare ``tensors`` host-resident in a CUDA run too: reading their value is no host sync."""
         for t in tensors:
-            self._host_storages[t.untyped_storage()] = True
+            storage = _storage(t)
+            if storage is not None:
+                self._host_storages[storage] = True
 
     def _host_side_read(self, func, args) -> bool:
-        return (func.overloadpacket is _aten._local_scalar_dense and isinstance(args[0], torch.Tensor)
-                and args[0].untyped_storage() in self._host_storages)
+        if func.overloadpacket is not _aten._local_scalar_dense or not isinstance(args[0], torch.Tensor):
+            return False
+        storage = _storage(args[0])
+        return storage is not None and storage in self._host_storages
 
     def set_phase(self, name: str) -> None:
         """Count the following ops under ``name`` (until the next ``set_phase`` or ``phase``)."""
