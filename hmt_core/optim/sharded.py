@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.kernels import ops as kops
 from hmt_core.optim.hooks import PerLayerEngine
@@ -80,6 +81,26 @@ def sharded_config_error(cfg) -> str | None:
         if getattr(cfg, key) != want:
             return f"method.{key}={getattr(cfg, key)} is not supported with sharded weights (dist=fsdp2): {why}"
     return None
+
+
+def rank_from_root(group=None):
+    """``LowRankOptimizer.agree_rank`` across the ranks of ``group`` (None: the default group): group rank 0's
+    (rank, τ-rank), broadcast (one 2-element int64 broadcast per refresh of a dynamic-rank weight). Every process
+    computes its own SVD; near the τ threshold (or at a budget tie) two processes may pick different ranks from
+    rounding-level differences of their inputs (another GPU's reduction order), and then the low-rank collectives
+    that follow (a left-sided Ĝ all-reduce, ``lowrank_comm``'s) would disagree on shapes and hang. A dry run's fake
+    values are not read (the local decision stands: one process)."""
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+
+    def agree(rank: int, tau_rank: int, device: torch.device) -> tuple[int, int]:
+        pair = torch.tensor([rank, tau_rank], dtype=torch.int64).to(device)  # (2,)
+        dist.broadcast(pair, src=root, group=group)
+        if is_fake(pair):
+            return rank, tau_rank
+        agreed = pair.tolist()  # the rank sets tensor shapes: read on the host, at refreshes only
+        return int(agreed[0]), int(agreed[1])
+
+    return agree
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> slice:
@@ -117,6 +138,8 @@ class ShardedEngine(PerLayerEngine):
         mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
         self.refresh_mode = "gather"  # dist.refresh (set by experiments.distributed): "gather" | "sketch"
+        if self.group is not None:
+            opt.agree_rank = rank_from_root(self.group)
 
     @torch.no_grad()
     def _on_grad_body(self, s: Slot, param: Tensor) -> None:
