@@ -49,6 +49,9 @@ refused).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -58,6 +61,29 @@ from hmt_core.kernels import ops as kops
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.sharded_sketch import RowSketch
+
+
+@contextlib.contextmanager
+def off_reduce_scatter_stream(grad: Tensor) -> Iterator[None]:  # grad: the local gradient shard FSDP2 handed over
+    """Runs the body on the device's default stream. FSDP2 calls post-accumulate-grad hooks on its reduce-scatter
+    stream (``foreach_reduce``, inside ``device_handle.stream(post_reduce_stream)``); HMT's GEMMs, SVDs and
+    collectives there would hold up the next unit's reduce-scatter. So: an event recorded on that stream, the
+    default stream waits for it (the gradient is reduced), the gradient's storage is marked as used by the default
+    stream (``record_stream``: the caching allocator must not hand the reduce-scatter output to a later
+    reduce-scatter while the default stream still reads it), and the hook work is issued on the default stream,
+    where torch's optimizer would run it. Anything but a CUDA tensor on a side stream: the body as it is."""
+    if grad.device.type != "cuda":
+        yield
+        return
+    side, main = torch.cuda.current_stream(grad.device), torch.cuda.default_stream(grad.device)
+    if side == main:
+        yield
+        return
+    reduced = side.record_event()
+    main.wait_event(reduced)
+    grad.record_stream(main)
+    with torch.cuda.stream(main):
+        yield
 
 
 def is_sharded(param: Tensor) -> bool:
@@ -140,6 +166,13 @@ class ShardedEngine(PerLayerEngine):
         self.refresh_mode = "gather"  # dist.refresh (set by experiments.distributed): "gather" | "sketch"
         if self.group is not None:
             opt.agree_rank = rank_from_root(self.group)
+
+    def _on_grad(self, s: Slot, param: Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return super()._on_grad(s, param)
+        with off_reduce_scatter_stream(getattr(grad, "_local_tensor", grad)):
+            super()._on_grad(s, param)
 
     @torch.no_grad()
     def _on_grad_body(self, s: Slot, param: Tensor) -> None:
