@@ -93,6 +93,7 @@ def _bucket_log(rank: int, data) -> dict:
     import torch.distributed as dist
 
     from experiments import distributed
+    from experiments.dispatch_counter import DispatchCounter
     from helpers import tiny_llama
 
     ctx = _ctx(rank, bucket_mb=SMALL_MB)
@@ -115,11 +116,13 @@ def _bucket_log(rank: int, data) -> dict:
 
     reducer.full, dist.all_reduce = record_full, record_all_reduce
     try:
-        _train_step(forward, method, ctx, _batches(data[0], rank, 1))
+        with DispatchCounter() as counter:
+            _train_step(forward, method, ctx, _batches(data[0], rank, 1))
     finally:
         dist.all_reduce = original
+    dispatched = [[c.op, c.bytes, c.async_op] for c in counter.report().collectives]
     return {"tensors": tensors, "launches": launches, "syncs": syncs, "done_at": done_at,
-            "cap_bytes": int(SMALL_MB * 2**20)}
+            "cap_bytes": int(SMALL_MB * 2**20), "dispatched": dispatched}
 
 
 def _fp16_average(rank: int) -> dict:
@@ -251,11 +254,16 @@ def test_buckets_are_async_fp32_all_reduces_of_consecutive_hook_tensors_that_ove
         if bucket:
             expected.append(bucket)
         print(f"rank {rank}: {len(log['tensors'])} gradients -> buckets of {expected} elements; launched "
-              f"{log['launches']}; synchronous all-reduces in backward: {log['syncs']}")
+              f"{log['launches']}; synchronous all-reduces in backward: {log['syncs']}; dispatched collectives "
+              f"of the step: {log['dispatched']}")
         assert len(expected) >= 3, expected  # the cap really splits the step (or the test shows nothing)
         assert [n for n, _ in log["launches"]] == expected, log
         assert all(dtype == "torch.float32" for _, dtype in log["launches"]), log["launches"]
         assert log["syncs"] == [], log["syncs"]
+        # the same, as dispatched to c10d (experiments.dispatch_counter): the asynchronous all-reduces are the
+        # buckets, in fp32 bytes
+        assert [b for op, b, is_async in log["dispatched"] if is_async] == [4 * n for n in expected], log
+        assert all(op == "c10d.allreduce_" for op, _, is_async in log["dispatched"] if is_async), log
         order = [i for i, _ in log["done_at"]]
         assert order == list(range(len(log["tensors"]))), order  # hook work in hook order
         for i, launched in log["done_at"]:  # bucket k's work after bucket k + 1's launch (the last: at flush)
