@@ -38,9 +38,14 @@ update and returns a NaN norm. With Mode A + clipping (the default) a skipped st
 when updates happen inside backward, layers updated before the bad gradient appeared keep their update.
 
 Multi-process (``experiments.distributed``): ``reduce_grad`` (set by the harness, None otherwise) averages a
-gradient across ranks in place before the hook uses it — each micro-batch's gradient of a Mode A weight (it is
-freed in the hook), the accumulated gradient of every other parameter on the last micro-batch — so refreshes,
-norms and updates see the global gradient, identically on every rank.
+gradient across ranks in place before it is used — each micro-batch's gradient of a Mode A weight, the accumulated
+gradient of every other parameter on the last micro-batch — so refreshes, norms and updates see the global
+gradient, identically on every rank. The reducer may defer (bucketed asynchronous all-reduces, like DDP's
+``Reducer``): the hook hands the gradient over with the rest of its work as a continuation (``_mode_a``,
+``_full_grad``), which runs once the mean is there, in hook order, at the latest when the backward pass ends (the
+reducer's ``flush`` is queued on autograd's engine). A continuation re-checks the step's non-finite flag, so the
+skip semantics below are those of the unbucketed order; a Mode A weight's full gradient lives until its bucket
+is reduced.
 
 Low-rank gradient communication (``reduce_grad.lowrank``, ``dist.lowrank_comm=true``): a Mode A weight whose
 basis is not refreshed in this hook projects its *local* gradient with the basis every rank holds identically,
