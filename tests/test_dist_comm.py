@@ -94,6 +94,7 @@ def _bucket_log(rank: int, data) -> dict:
 
     from experiments import distributed
     from experiments.dispatch_counter import DispatchCounter
+    from experiments.loop import lm_loss
     from helpers import tiny_llama
 
     ctx = _ctx(rank, bucket_mb=SMALL_MB)
@@ -121,8 +122,14 @@ def _bucket_log(rank: int, data) -> dict:
     finally:
         dist.all_reduce = original
     dispatched = [[c.op, c.bytes, c.async_op] for c in counter.report().collectives]
-    return {"tensors": tensors, "launches": launches, "syncs": syncs, "done_at": done_at,
-            "cap_bytes": int(SMALL_MB * 2**20), "dispatched": dispatched}
+    out = {"tensors": list(tensors), "launches": launches, "syncs": syncs, "done_at": list(done_at),
+           "cap_bytes": int(SMALL_MB * 2**20), "dispatched": dispatched}
+    method.start_micro_batch(0, 2)  # a first micro-batch's backward alone: nothing left queued when it returns
+    lm_loss(forward, _batches(data[1], rank, 2)[0]).backward()
+    out["handed_over"] = len(tensors) - len(out["tensors"])
+    out["queued_after_backward"] = len(reducer._filling) + len(reducer._in_flight)
+    out["done_after_backward"] = len(done_at) - len(out["done_at"])
+    return out
 
 
 def _fp16_average(rank: int) -> dict:
@@ -264,6 +271,9 @@ def test_buckets_are_async_fp32_all_reduces_of_consecutive_hook_tensors_that_ove
         # buckets, in fp32 bytes
         assert [b for op, b, is_async in log["dispatched"] if is_async] == [4 * n for n in expected], log
         assert all(op == "c10d.allreduce_" for op, _, is_async in log["dispatched"] if is_async), log
+        # the end of a backward flushes: every tensor handed over in it is reduced and its work done
+        assert log["handed_over"] > 0 and log["done_after_backward"] == log["handed_over"], log
+        assert log["queued_after_backward"] == 0, log
         order = [i for i, _ in log["done_at"]]
         assert order == list(range(len(log["tensors"]))), order  # hook work in hook order
         for i, launched in log["done_at"]:  # bucket k's work after bucket k + 1's launch (the last: at flush)
