@@ -298,3 +298,11 @@ def test_a_dynamic_rank_is_rank_0s_choice_on_every_rank(spawned, case):
     assert zero["chosen"] and zero["chosen"].keys() == zero["ranks"].keys(), zero  # every weight refreshed
     assert all(one["chosen"][k] != v for k, v in zero["chosen"].items()), (zero, one)  # disagreement forced
     assert zero["ranks"] == one["ranks"] == zero["chosen"], (zero, one)
+
+
+# ------------------------------------------------------------------------------------------------ bad settings
+from test_bad_inputs import assert_one_line_error, results  # noqa: E402,F401  (the fixture: an earlier run)
+
+
+def test_a_negative_bucket_size_fails_with_one_line(capsys, results):
+    assert_one_line_error(capsys, results, ["dist=ddp", "dist.bucket_mb=-1"], "dist.bucket_mb must be >= 0", "-1")
