@@ -158,14 +158,14 @@ class PerLayerEngine:
                 return self._reduce(g, s, lambda: self._mode_a(s, g, None, refresh=refresh, last=last))
             low = kops.project(g, s.basis, backend=opt.kernels).float()  # Pᵀ G_local, reduced: r × n, not m × n
             self._queue_flush()
-            return self.reduce_grad.projected(low, lambda: self._mode_a(s, g, low, refresh=False, last=last))
+            return self.reduce_grad.projected(low, lambda: self._mode_a(s, None, low, refresh=False, last=last))
         if not last:
             return  # p.grad keeps accumulating
         self._reduce(g, s, lambda: self._full_grad(s, param, g))
 
     @torch.no_grad()
-    def _mode_a(self, s: Slot, g: Tensor, low: Tensor | None, *, refresh: bool, last: bool) -> None:
-        # g: the (averaged, unless ``low`` is given) gradient (out, in); low: the averaged Ĝ of the local gradient
+    def _mode_a(self, s: Slot, g: Tensor | None, low: Tensor | None, *, refresh: bool, last: bool) -> None:
+        # g: the averaged gradient (out, in); None (not kept) when ``low``, the averaged Ĝ of the local one, is given
         """A Mode A weight's gradient, once averaged: a due refresh, then Ĝ accumulated, and the update (applied
         here, or deferred to ``finish_step`` by clipping)."""
         if self.nonfinite:  # seen since the hook handed the gradient over
