@@ -189,7 +189,10 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # ``method.impl`` (AdamW's kernels): runs recorded without it used torch's implicit choice (single-tensor on CPU,
 # multi-tensor on CUDA); fused AdamW is the same formula with another rounding order (docs/dryrun-cuda.md).
 # ``dryrun.device``: dry runs recorded without it traced fake CPU tensors (CPU kernels and CPU autocast).
-ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("train", "deterministic"): "auto",
+# ``dist.bucket_mb``: ddp + per-layer hmt runs recorded without it all-reduced each gradient on its own (divided by W
+# first); the buckets sum in fp32 and divide after, the same values for W = 2 and fp32 gradients.
+ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
+                      ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
                       ("dryrun", "expandable_segments"): False, ("method", "impl"): "fused",
                       ("dryrun", "device"): "cpu"}
@@ -249,12 +252,15 @@ class DistConfig:
     lowrank_comm: bool = False  # per-layer hmt Mode A under ddp: all-reduce Ĝ = Pᵀ G between refreshes, not G
     world_size: int | None = None  # mode=dryrun only: trace rank 0 of this many (fake process group, one process)
     refresh: str = "gather"  # fsdp2 + hmt basis refresh: "gather" the gradient (exact) | "sketch" (distributed rsvd)
+    bucket_mb: float = 25.0  # ddp + per-layer hmt: fp32 gradient bucket size (MiB) of its async all-reduces (DDP's)
 
     def __post_init__(self) -> None:
         _one_of("dist", "mode", self.mode, DIST_MODES)
         _one_of("dist", "backend", self.backend, DIST_BACKENDS)
         _one_of("dist", "refresh", self.refresh, DIST_REFRESH)
         _positive("dist", self, "timeout_s")
+        if not self.bucket_mb >= 0:
+            raise ValueError(f"dist.bucket_mb must be >= 0 (0: one all-reduce per gradient), got {self.bucket_mb}")
         if self.world_size is not None:
             _positive("dist", self, "world_size")
             if self.mode == "none":

@@ -26,8 +26,11 @@ gathered refresh gradient, clipping norms), counted in the current scope.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -153,35 +156,91 @@ class CommCounter:
 
 
 class GradAverager:
-    """Per-layer HMT's ``reduce_grad`` (``hmt_core.optim.hooks.GradReducer``): DDP's arithmetic, divide by W,
-    then all-reduce SUM, in place — on the full gradient, or (``lowrank``) on a Mode A weight's projection.
+    """Per-layer HMT's ``reduce_grad`` (``hmt_core.optim.hooks.GradReducer``): the mean over ranks of the gradients
+    handed to it (full gradients, or with ``lowrank`` a Mode A weight's projection), bucketed and asynchronous like
+    torch DDP's ``Reducer``.
+
+    Tensors are packed in hook order into fp32 buckets of about ``bucket_bytes``; a full bucket is all-reduced
+    (SUM) with ``async_op=True``, then the previous bucket is waited, divided by W (after the fp32 sum, not before),
+    copied back into its tensors (in place, cast to their dtype) and each tensor's ``done`` callback runs, in the
+    order the tensors came. ``flush`` launches the last, partly filled bucket and completes every bucket (the engine
+    calls it at the end of each backward). So the reduction of bucket k overlaps the hook work of bucket k−1, and
+    the continuations run in hook order (the per-layer updates, their stochastic-rounding draws and the non-finite
+    decisions keep the unbucketed order). ``bucket_bytes=0``: every tensor is its own bucket.
 
     ``row_sparse`` (with ``lowrank``): names of parameters whose gradient is row-sparse — an ``nn.Embedding``'s
     weight (not tied to an output layer) has non-zero rows only for the tokens in the batch. Those gradients are
-    all-reduced as a sparse COO tensor of their non-zero rows (``torch.distributed``'s sparse all-reduce, which
-    gloo implements; NCCL does not, so on NCCL they stay dense). Exact: rows that are zero on every rank stay zero,
-    the others are summed like the dense all-reduce sums them."""
+    all-reduced at once (after launching the bucket filled so far) as a sparse COO tensor of their non-zero rows
+    (``torch.distributed``'s sparse all-reduce, which gloo implements; NCCL does not, so on NCCL they stay dense).
+    Exact: rows that are zero on every rank stay zero, the others are summed like the dense all-reduce sums them."""
 
-    def __init__(self, world_size: int, *, lowrank: bool = False, row_sparse: frozenset[str] = frozenset()) -> None:
+    def __init__(self, world_size: int, *, lowrank: bool = False, row_sparse: frozenset[str] = frozenset(),
+                 bucket_bytes: int = 25 * MIB, group=None) -> None:
         self.world_size, self.lowrank, self.row_sparse = world_size, lowrank, frozenset(row_sparse)
+        self.bucket_bytes, self.group = int(bucket_bytes), group
+        self._filling: list[tuple[Tensor, Callable[[], None]]] = []
+        self._filling_bytes = 0
+        self._in_flight: collections.deque[_Bucket] = collections.deque()
 
-    def full(self, grad: Tensor, name: str = "") -> None:  # grad: (out, in) or any parameter's shape
-        grad.div_(self.world_size)
+    def full(self, grad: Tensor, name: str, done: Callable[[], None]) -> None:  # grad: any parameter's shape
         if self.lowrank and name in self.row_sparse and grad.dim() == 2:
-            return all_reduce_rows(grad)
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+            self._launch()
+            all_reduce_rows(grad, self.group)
+            grad.div_(self.world_size)
+            self._in_flight.append(_Bucket(None, None, [(grad, done)]))
+            return self._complete(keep=1)
+        self._add(grad, done)
 
-    def projected(self, low: Tensor) -> None:  # low: Ĝ = project(G_local), (out, r) | (r, in) | (r, r) fp32
-        low.div_(self.world_size)
-        dist.all_reduce(low, op=dist.ReduceOp.SUM)
+    def projected(self, low: Tensor, done: Callable[[], None]) -> None:  # low: Ĝ = project(G_local), fp32
+        self._add(low, done)
+
+    def flush(self) -> None:
+        """Launch the partly filled bucket, then wait every bucket and run its callbacks, in order."""
+        self._launch()
+        self._complete(keep=0)
+
+    def _add(self, t: Tensor, done: Callable[[], None]) -> None:
+        self._filling.append((t, done))
+        self._filling_bytes += t.numel() * 4  # the fp32 bucket's bytes
+        if self._filling_bytes >= self.bucket_bytes:
+            self._launch()
+            self._complete(keep=1)  # the bucket just launched stays in flight while the previous one is used
+
+    def _launch(self) -> None:
+        if not self._filling:
+            return
+        flat = torch.cat([t.detach().reshape(-1).float() for t, _ in self._filling])  # (Σ numel,) fp32
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._in_flight.append(_Bucket(work, flat, self._filling))
+        self._filling, self._filling_bytes = [], 0
+
+    def _complete(self, *, keep: int) -> None:
+        while len(self._in_flight) > keep:
+            bucket = self._in_flight.popleft()
+            if bucket.flat is not None:
+                bucket.work.wait()
+                bucket.flat.div_(self.world_size)  # the mean, from the fp32 sum
+                offset = 0
+                for t, _ in bucket.entries:
+                    t.copy_(bucket.flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+            for _, done in bucket.entries:
+                done()
 
 
-def all_reduce_rows(grad: Tensor) -> None:  # grad: (rows, cols), most rows zero
+@dataclass
+class _Bucket:
+    work: object | None  # dist.Work of the async all-reduce; None: reduced already (a sparse gradient)
+    flat: Tensor | None  # (Σ numel,) fp32, the entries packed in order
+    entries: list[tuple[Tensor, Callable[[], None]]]
+
+
+def all_reduce_rows(grad: Tensor, group=None) -> None:  # grad: (rows, cols), most rows zero
     """All-reduce SUM of ``grad`` in place, sending only its non-zero rows (sparse COO all-reduce)."""
     rows = grad.abs().amax(dim=1).nonzero().flatten()  # (nnz_rows,)
     sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), grad.index_select(0, rows), grad.shape,
                                      check_invariants=False, is_coalesced=True)
-    dist.all_reduce(sparse, op=dist.ReduceOp.SUM)
+    dist.all_reduce(sparse, op=dist.ReduceOp.SUM, group=group)
     sparse = sparse.coalesce()
     grad.zero_().index_copy_(0, sparse.indices()[0], sparse.values())
 

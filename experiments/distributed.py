@@ -20,11 +20,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from experiments import meta_init
 from experiments.config import ModelConfig
-from experiments.dist_comm import CommCounter, GradAverager, StepBytes, row_sparse_names
+from experiments.dist_comm import MIB, CommCounter, GradAverager, StepBytes, row_sparse_names
 from experiments.dist_checks import check_launch, resolve_backend
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
 from hmt_core.int8_weights import is_phantom
+from hmt_core.optim.sharded import rank_from_root
 
 GIB = 2**30
 
@@ -43,6 +44,7 @@ class DistContext:
     comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist_comm), installed by setup
     mesh: object | None = None  # fsdp2's DeviceMesh (None: fully_shard builds the default one)
     refresh: str = "gather"  # dist.refresh: fsdp2 + hmt basis refresh, "gather" | "sketch" (hmt_core.optim.sharded)
+    bucket_mb: float = 25.0  # dist.bucket_mb: ddp + per-layer hmt's gradient buckets (experiments.dist_comm)
 
     def __post_init__(self) -> None:
         self.step_bytes = StepBytes(self.comm) if self.comm is not None else None
@@ -134,7 +136,7 @@ def setup(run, device: torch.device) -> DistContext | None:
                                 device_id=device if device.type == "cuda" else None)
     return DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=local, backend=backend,
                        device=device, lowrank_comm=run.dist.lowrank_comm, comm=CommCounter().install(),
-                       refresh=run.dist.refresh)
+                       refresh=run.dist.refresh, bucket_mb=run.dist.bucket_mb)
 
 
 def teardown(ctx: DistContext | None) -> None:
@@ -196,16 +198,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.BuildRecord | None = None) -> nn.Module:
-    """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head). A model
+    """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head), with the
+    weights computed in their own dtype and the gradients reduce-scattered in fp32 (``reduce_dtype``: a bf16 model's
+    unit gradients are copied into an fp32 reduce-scatter input, summed and averaged in fp32, then cast back). A model
     built on meta (``build``: its recorded RNG draws, ``experiments.meta_init``) then gets its shards on
     ``ctx.device`` (``to_empty``) filled with the single-process values, torchtitan's order."""
     if ctx is None or ctx.mode != "fsdp2":
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # weights as they are; gradients summed in fp32
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=ctx.mesh)
-    fully_shard(model, mesh=ctx.mesh)
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
     if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=ctx.device)
         if build is not None:
@@ -254,7 +259,8 @@ def dryrun_context(run):
 
             mesh = init_device_mesh("cpu", (world,))
         yield DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=rank,
-                          backend=dist.get_backend(), device=torch.device("cpu"), mesh=mesh, refresh=run.dist.refresh)
+                          backend=dist.get_backend(), device=torch.device("cpu"), mesh=mesh, refresh=run.dist.refresh,
+                          bucket_mb=run.dist.bucket_mb)
     finally:
         if own:
             dist.destroy_process_group()
@@ -285,7 +291,9 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_
             with setup_scope:
                 broadcast_module(model)
         sparse = row_sparse_names(model) if ctx.backend == "gloo" else frozenset()  # NCCL: no sparse all-reduce
-        engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm, row_sparse=sparse)
+        engine.opt.agree_rank = rank_from_root()  # one rank decision for every process (lowrank_comm's shapes)
+        engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm, row_sparse=sparse,
+                                          bucket_bytes=int(ctx.bucket_mb * MIB))
         return model
     if ctx.lowrank_comm:  # check_launch refuses it first; a direct caller gets the same message
         raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments import dist_checks, distributed, dryrun_device
 from experiments.config import RunConfig
 from experiments.errors import UserError
-from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, modeled_verdicts
+from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, fsdp_unit_reduce_bytes, modeled_verdicts
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
 from experiments.meter import MemoryMeter
 from experiments.models import count_params
@@ -227,7 +227,7 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
                 "probe_peak_bytes": probed["peak_bytes"] if probed else None,
                 "probe_tokens": probed["tokens"] if probed else None,
                 "alloc_events": [meter.events, probed["events"] if probed else []],
-                "fsdp_unit_bytes": fsdp_unit_bytes(model),
+                "fsdp_unit_bytes": fsdp_unit_bytes(model), "fsdp_unit_reduce_bytes": fsdp_unit_reduce_bytes(model),
                 "assumed_scalars": dict(assumed.sites), "params_total": params_total, "params_trainable": params_trainable,
                 "top_modules": retention.top(run.dryrun.top_modules), "method_summary": method.summary(),
                 "dist": None if ctx is None else {"mode": ctx.mode, "world_size": ctx.world_size,

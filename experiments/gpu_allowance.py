@@ -72,6 +72,7 @@ class GpuTarget:
     dist_mode: str | None = None  # None, "ddp" or "fsdp2"
     gemm_threads: int = 2  # threads issuing GEMMs on the compute stream: the main thread + autograd's device thread
     fsdp_unit_bytes: int = 0  # the largest fully_shard unit's unsharded parameter bytes (fsdp2)
+    fsdp_unit_reduce_bytes: int | None = None  # its fp32 reduce-scatter input (reduce_dtype); None: as the weights
     basis_cache_device_bytes: int = 0  # peak device bytes the basis cache held (method.offload_bases=true)
     nccl_channels: int = 32  # NCCL's MAXCHANNELS: an upper bound on the channels it opens per communicator
 
@@ -124,10 +125,13 @@ def allowance_for(target: GpuTarget) -> GpuAllowance:
                    "(docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html)"))
     if target.dist_mode == "fsdp2" and target.world_size > 1:
         lines.append(AllowanceLine(
-            name="FSDP2 all-gather + reduce-scatter stream pools (bound: 3 units unsharded)",
-            bytes=3 * target.fsdp_unit_bytes,
+            name="FSDP2 all-gather + reduce-scatter stream pools (bound: 2 units unsharded + 1 unit's fp32 "
+                 "reduce-scatter input)",
+            bytes=2 * target.fsdp_unit_bytes + (target.fsdp_unit_bytes if target.fsdp_unit_reduce_bytes is None
+                                                else target.fsdp_unit_reduce_bytes),
             source="torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: all-gather output (current + "
-                   "prefetched unit) and reduce-scatter input allocated on their own streams"))
+                   "prefetched unit) and reduce-scatter input (reduce_dtype=fp32, experiments.distributed."
+                   "shard_model) allocated on their own streams"))
     if target.basis_cache_device_bytes:
         lines.append(AllowanceLine(
             name="basis-cache copy stream pool (bound: its peak device bytes)", bytes=target.basis_cache_device_bytes,
@@ -144,6 +148,18 @@ def fsdp_unit_bytes(model) -> int:
         nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
                   for p in sub.parameters()}
         best = max(best, sum(p.numel() * p.element_size() for p in unit.parameters() if id(p) not in nested))
+    return best
+
+
+def fsdp_unit_reduce_bytes(model) -> int:
+    """The largest ``fully_shard`` unit's reduce-scatter input: its unsharded parameters' elements in fp32 (the
+    ``reduce_dtype`` of ``experiments.distributed.shard_model``). 0 for a model without units."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    best = 0
+    for unit in units:
+        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}
+        best = max(best, sum(p.numel() * 4 for p in unit.parameters() if id(p) not in nested))
     return best
 
 
@@ -169,14 +185,15 @@ def modeled_verdicts(event_logs: list[list[AllocEvent]], allowance: GpuAllowance
     return {"predicted": best.to_dict(), "verdicts": verdicts}
 
 
-def target_of(run: RunConfig, *, dist: dict | None = None, fsdp_unit: int = 0, basis_cache_bytes: int = 0) -> GpuTarget:
+def target_of(run: RunConfig, *, dist: dict | None = None, fsdp_unit: int = 0, fsdp_reduce: int | None = None,
+              basis_cache_bytes: int = 0) -> GpuTarget:
     """The GPU run ``run`` stands for: ``dist`` is a dry run's traced ``{"mode", "world_size"}`` (default: from
     ``run.dist``, as the planner knows it before any trace)."""
     if dist is None and run.dist.mode != "none":
         dist = {"mode": run.dist.mode, "world_size": run.dist.world_size or 1}
     return GpuTarget(arch=run.dryrun.gpu_arch, world_size=dist["world_size"] if dist else 1,
                      dist_mode=dist["mode"] if dist else None, fsdp_unit_bytes=fsdp_unit,
-                     basis_cache_device_bytes=basis_cache_bytes)
+                     fsdp_unit_reduce_bytes=fsdp_reduce, basis_cache_device_bytes=basis_cache_bytes)
 
 
 def reserve_bytes(run: RunConfig) -> int:
@@ -209,7 +226,7 @@ def allowance_of_trace(run: RunConfig, traced: dict) -> GpuAllowance:
     largest FSDP2 unit and the basis cache's device peak as traced."""
     cache = int(traced["method_summary"].get("cache/device_bytes_peak", 0))
     return allowance_for(target_of(run, dist=traced["dist"], fsdp_unit=traced["fsdp_unit_bytes"],
-                                   basis_cache_bytes=cache))
+                                   fsdp_reduce=traced.get("fsdp_unit_reduce_bytes"), basis_cache_bytes=cache))
 
 
 def traced_step_bytes(run: RunConfig, traced: dict) -> int:

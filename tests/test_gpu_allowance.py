@@ -115,7 +115,8 @@ def test_fsdp2_dry_run_allowance_counts_nccl_and_the_largest_unit():
     """A 2-rank FSDP2 dry run (fake process group) of a micro Llama (h 64, 2 layers, MLP 176, vocab 512, BF16):
     a decoder layer's unit holds 4·64·64 (attention) + 3·64·176 (MLP) + 2·64 (norms) = 50,304 parameters, the root
     unit the embedding and the untied lm_head (2·512·64) + the final norm (64) = 65,600: 131,200 bytes unsharded,
-    the largest; the pools' bound is 3 of it. NCCL: 32 channels of Simple + LL128 + LL buffers."""
+    the largest; the pools' bound is 2 of it (all-gather outputs) + its 65,600 elements in fp32 (the reduce-scatter
+    input, ``reduce_dtype=fp32``). NCCL: 32 channels of Simple + LL128 + LL buffers."""
     from experiments import methods
     from experiments.dryrun import trace_steps
     from experiments.gpu_allowance import allowance_of_trace
@@ -128,6 +129,10 @@ def test_fsdp2_dry_run_allowance_counts_nccl_and_the_largest_unit():
     assert not run.model.tie_embeddings
     traced = trace_steps(run, methods.make_method(run.method))
     assert traced["fsdp_unit_bytes"] == 131_200, traced["fsdp_unit_bytes"]
+    assert traced["fsdp_unit_reduce_bytes"] == 65_600 * 4, traced["fsdp_unit_reduce_bytes"]
     lines = {line.name: line.bytes for line in allowance_of_trace(run, traced).lines}
+    assert next(v for k, v in lines.items() if k.startswith("FSDP2")) == 2 * 131_200 + 65_600 * 4, lines
+    old_trace = {k: v for k, v in traced.items() if k != "fsdp_unit_reduce_bytes"}  # recorded before fp32 reduction
+    lines = {line.name: line.bytes for line in allowance_of_trace(run, old_trace).lines}
     assert next(v for k, v in lines.items() if k.startswith("FSDP2")) == 3 * 131_200, lines
     assert next(v for k, v in lines.items() if k.startswith("NCCL")) == 32 * (4 * MiB + 4_915_200 + 524_288), lines

@@ -38,9 +38,14 @@ update and returns a NaN norm. With Mode A + clipping (the default) a skipped st
 when updates happen inside backward, layers updated before the bad gradient appeared keep their update.
 
 Multi-process (``experiments.distributed``): ``reduce_grad`` (set by the harness, None otherwise) averages a
-gradient across ranks in place before the hook uses it — each micro-batch's gradient of a Mode A weight (it is
-freed in the hook), the accumulated gradient of every other parameter on the last micro-batch — so refreshes,
-norms and updates see the global gradient, identically on every rank.
+gradient across ranks in place before it is used — each micro-batch's gradient of a Mode A weight, the accumulated
+gradient of every other parameter on the last micro-batch — so refreshes, norms and updates see the global
+gradient, identically on every rank. The reducer may defer (bucketed asynchronous all-reduces, like DDP's
+``Reducer``): the hook hands the gradient over with the rest of its work as a continuation (``_mode_a``,
+``_full_grad``), which runs once the mean is there, in hook order, at the latest when the backward pass ends (the
+reducer's ``flush`` is queued on autograd's engine). A continuation re-checks the step's non-finite flag, so the
+skip semantics below are those of the unbucketed order; a Mode A weight's full gradient lives until its bucket
+is reduced.
 
 Low-rank gradient communication (``reduce_grad.lowrank``, ``dist.lowrank_comm=true``): a Mode A weight whose
 basis is not refreshed in this hook projects its *local* gradient with the basis every rank holds identically,
@@ -55,6 +60,7 @@ the projected norm for Mode A weights under low-rank communication.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -68,13 +74,17 @@ from hmt_core.projection import scalar
 
 
 class GradReducer(Protocol):
-    """Averages gradients across ranks in place (set by ``experiments.distributed``; None single-process)."""
+    """Averages gradients across ranks in place (set by ``experiments.distributed``; None single-process). It may
+    defer (bucket, communicate asynchronously): ``done`` runs once the tensor holds the mean, in the order the
+    tensors were handed over, at the latest in ``flush``."""
 
     lowrank: bool  # Mode A weights between refreshes: reduce Ĝ = project(G_local) instead of G
 
-    def full(self, grad: Tensor, name: str) -> None: ...  # grad: (out, in), any parameter; name: its slot
+    def full(self, grad: Tensor, name: str, done: Callable[[], None]) -> None: ...  # grad: any parameter's shape
 
-    def projected(self, low: Tensor) -> None: ...  # low: Ĝ, (out, r) | (r, in) | (r, r), fp32
+    def projected(self, low: Tensor, done: Callable[[], None]) -> None: ...  # low: Ĝ, (out, r) | (r, in) | (r, r)
+
+    def flush(self) -> None: ...  # every tensor handed over is reduced and its ``done`` has run
 
 
 class PerLayerEngine:
@@ -92,6 +102,7 @@ class PerLayerEngine:
         self.lagged_coef: Tensor | None = None
         self.nonfinite = False  # a non-finite gradient was seen in this step
         self.reduce_grad: GradReducer | None = None  # in place, across ranks (multi-process)
+        self._flush_queued = False  # the reducer's flush is queued for the end of the running backward
         self.handles = [(s.param if s.grad_param is None else s.grad_param).register_post_accumulate_grad_hook(
             self._hook_for(s)) for s in opt.slots]
 
@@ -122,6 +133,7 @@ class PerLayerEngine:
         self._fetch(s, self.next_in_order.get(s.name))
         try:
             self._on_grad_body(s, param)
+            self._flush()  # the continuation needs the basis fetched now: no bucketing with parked bases
         finally:
             s.basis = self.cache.park(s.name, s.basis)
 
@@ -141,34 +153,50 @@ class PerLayerEngine:
             return
         if s.projected and opt.cfg.mode == "A":
             refresh = (self.index == 0 or s.basis is None) and opt.refresh_due(s)
-            lowrank = self.lowrank_comm
-            if refresh or not lowrank:
-                self._reduce(g, s)
-            if refresh:
-                if not self._finite(g):
-                    param.grad = None
-                    return
-                opt.refresh(s, g)
-            low = kops.project(g, s.basis, backend=opt.kernels).float()
-            if lowrank and not refresh:
-                self.reduce_grad.projected(low)  # Pᵀ G_local, then the mean over ranks: r × n, not m × n
-            s.pending = low if s.pending is None else s.pending.add_(low)
-            if self.count == 1:
-                self.norms[s.index] = torch.linalg.vector_norm(low if lowrank else g)
-            param.grad = None  # the full gradient dies here
-            if not last:
-                return
-            if self.count > 1:
-                self.norms[s.index] = torch.linalg.vector_norm(s.pending)
-            if self.clipping:
-                self.deferred_low.append(s)
-            elif self._finite(s.pending):
-                opt.update_low_rank(s, s.pending)
-                s.pending = None
-            return
+            param.grad = None  # the full gradient dies here (or once its reduction has been used)
+            if refresh or not self.lowrank_comm:
+                return self._reduce(g, s, lambda: self._mode_a(s, g, None, refresh=refresh, last=last))
+            low = kops.project(g, s.basis, backend=opt.kernels).float()  # Pᵀ G_local, reduced: r × n, not m × n
+            self._queue_flush()
+            return self.reduce_grad.projected(low, lambda: self._mode_a(s, None, low, refresh=False, last=last))
         if not last:
             return  # p.grad keeps accumulating
-        self._reduce(g, s)
+        self._reduce(g, s, lambda: self._full_grad(s, param, g))
+
+    @torch.no_grad()
+    def _mode_a(self, s: Slot, g: Tensor | None, low: Tensor | None, *, refresh: bool, last: bool) -> None:
+        # g: the averaged gradient (out, in); None (not kept) when ``low``, the averaged Ĝ of the local one, is given
+        """A Mode A weight's gradient, once averaged: a due refresh, then Ĝ accumulated, and the update (applied
+        here, or deferred to ``finish_step`` by clipping)."""
+        if self.nonfinite:  # seen since the hook handed the gradient over
+            return
+        opt = self.opt
+        if refresh:
+            if not self._finite(g):
+                return
+            opt.refresh(s, g)
+        if low is None:
+            low = kops.project(g, s.basis, backend=opt.kernels).float()
+        s.pending = low if s.pending is None else s.pending.add_(low)
+        if self.count == 1:
+            self.norms[s.index] = torch.linalg.vector_norm(low if self.lowrank_comm else g)
+        if not last:
+            return
+        if self.count > 1:
+            self.norms[s.index] = torch.linalg.vector_norm(s.pending)
+        if self.clipping:
+            self.deferred_low.append(s)
+        elif self._finite(s.pending):
+            opt.update_low_rank(s, s.pending)
+            s.pending = None
+
+    @torch.no_grad()
+    def _full_grad(self, s: Slot, param: Tensor, g: Tensor) -> None:  # g: param.grad, averaged
+        """A Mode B weight's or a dense parameter's accumulated gradient, once averaged (last micro-batch)."""
+        opt = self.opt
+        if self.nonfinite:
+            param.grad = None
+            return
         self.norms[s.index] = torch.linalg.vector_norm(g)
         if (s.projected or not self.clipping) and not self._finite(self.norms[s.index]):
             param.grad = None
@@ -188,9 +216,24 @@ class PerLayerEngine:
     def lowrank_comm(self) -> bool:
         return self.reduce_grad is not None and bool(getattr(self.reduce_grad, "lowrank", False))
 
-    def _reduce(self, g: Tensor, s: Slot) -> None:
+    def _reduce(self, g: Tensor, s: Slot, done: Callable[[], None]) -> None:
+        """``done`` once ``g`` is averaged across ranks (at once single-process). The reducer's ``flush`` is queued
+        to run when this backward pass ends (like DDP's ``Reducer`` finalizing), so every deferred continuation has
+        run before the next micro-batch's hooks or ``finish_step``."""
+        if self.reduce_grad is None:
+            return done()
+        self._queue_flush()
+        self.reduce_grad.full(g, s.name, done)
+
+    def _queue_flush(self) -> None:
+        if not self._flush_queued and torch._C._current_graph_task_id() != -1:  # inside an autograd backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self._flush_queued = True
+
+    def _flush(self) -> None:
+        self._flush_queued = False
         if self.reduce_grad is not None:
-            self.reduce_grad.full(g, s.name)
+            self.reduce_grad.flush()
 
     def _finite(self, t: Tensor) -> bool:
         """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass."""
@@ -213,6 +256,7 @@ class PerLayerEngine:
     @torch.no_grad()
     def finish_step(self) -> float:
         """After the last micro-batch's backward: the global norm, then any deferred (clipped) updates."""
+        self._flush()  # normally done at the end of backward already
         if self.nonfinite:
             self.discard_step()
             return float("nan")

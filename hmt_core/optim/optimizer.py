@@ -93,6 +93,9 @@ class LowRankOptimizer:
         self.cfg = cfg
         self.lr = cfg.lr
         self.history = RankHistory()
+        # multi-process: (rank, τ-rank, device) -> rank 0's pair, so every process takes one rank decision
+        # (``hmt_core.optim.sharded.rank_from_root``); None: this process decides alone
+        self.agree_rank: Callable[[int, int, torch.device], tuple[int, int]] | None = None
         self.refreshes = 0
         self.fallbacks = 0
         self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32
@@ -161,6 +164,8 @@ class LowRankOptimizer:
             tau_rank = rank
             if self.budget is not None:  # dynamic rank only (a fixed rank has no budget)
                 rank = self.budget.choose(s.name, s.step, tau_rank, curve)
+            if self.agree_rank is not None and c.rank is None:  # a dynamic rank: rank 0's, on every process
+                rank, tau_rank = self.agree_rank(rank, tau_rank, device)
             if factors is not None and c.basis == "rsvd" and rank > factors.s.numel():  # full rank: every vector
                 exact = proj.exact_svd(grad, rank) if sketch is None else sketch.randomized_svd(rank, **kw)
                 factors = exact or factors

@@ -49,14 +49,41 @@ refused).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.kernels import ops as kops
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.sharded_sketch import RowSketch
+
+
+@contextlib.contextmanager
+def off_reduce_scatter_stream(grad: Tensor) -> Iterator[None]:  # grad: the local gradient shard FSDP2 handed over
+    """Runs the body on the device's default stream. FSDP2 calls post-accumulate-grad hooks on its reduce-scatter
+    stream (``foreach_reduce``, inside ``device_handle.stream(post_reduce_stream)``); HMT's GEMMs, SVDs and
+    collectives there would hold up the next unit's reduce-scatter. So: an event recorded on that stream, the
+    default stream waits for it (the gradient is reduced), the gradient's storage is marked as used by the default
+    stream (``record_stream``: the caching allocator must not hand the reduce-scatter output to a later
+    reduce-scatter while the default stream still reads it), and the hook work is issued on the default stream,
+    where torch's optimizer would run it. Anything but a CUDA tensor on a side stream: the body as it is."""
+    if grad.device.type != "cuda":
+        yield
+        return
+    side, main = torch.cuda.current_stream(grad.device), torch.cuda.default_stream(grad.device)
+    if side == main:
+        yield
+        return
+    reduced = side.record_event()
+    main.wait_event(reduced)
+    grad.record_stream(main)
+    with torch.cuda.stream(main):
+        yield
 
 
 def is_sharded(param: Tensor) -> bool:
@@ -80,6 +107,26 @@ def sharded_config_error(cfg) -> str | None:
         if getattr(cfg, key) != want:
             return f"method.{key}={getattr(cfg, key)} is not supported with sharded weights (dist=fsdp2): {why}"
     return None
+
+
+def rank_from_root(group=None):
+    """``LowRankOptimizer.agree_rank`` across the ranks of ``group`` (None: the default group): group rank 0's
+    (rank, τ-rank), broadcast (one 2-element int64 broadcast per refresh of a dynamic-rank weight). Every process
+    computes its own SVD; near the τ threshold (or at a budget tie) two processes may pick different ranks from
+    rounding-level differences of their inputs (another GPU's reduction order), and then the low-rank collectives
+    that follow (a left-sided Ĝ all-reduce, ``lowrank_comm``'s) would disagree on shapes and hang. A dry run's fake
+    values are not read (the local decision stands: one process)."""
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+
+    def agree(rank: int, tau_rank: int, device: torch.device) -> tuple[int, int]:
+        pair = torch.tensor([rank, tau_rank], dtype=torch.int64).to(device)  # (2,)
+        dist.broadcast(pair, src=root, group=group)
+        if is_fake(pair):
+            return rank, tau_rank
+        agreed = pair.tolist()  # the rank sets tensor shapes: read on the host, at refreshes only
+        return int(agreed[0]), int(agreed[1])
+
+    return agree
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> slice:
@@ -117,6 +164,15 @@ class ShardedEngine(PerLayerEngine):
         mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
         self.refresh_mode = "gather"  # dist.refresh (set by experiments.distributed): "gather" | "sketch"
+        if self.group is not None:
+            opt.agree_rank = rank_from_root(self.group)
+
+    def _on_grad(self, s: Slot, param: Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return super()._on_grad(s, param)
+        with off_reduce_scatter_stream(getattr(grad, "_local_tensor", grad)):
+            super()._on_grad(s, param)
 
     @torch.no_grad()
     def _on_grad_body(self, s: Slot, param: Tensor) -> None:
