@@ -103,6 +103,23 @@ class Attempt:
         self.checkpoint, self.checkpoint_step, self.peak_bytes = checkpoint, checkpoint_step, peak_bytes
 
 
+def resumed_plan(run: RunConfig, recorded: dict[str, object] | None, attempt: Attempt | None
+                 ) -> tuple[RunConfig, dict[str, object]]:
+    """The plan to resume a checkpoint with: ``run`` with the steps down the checkpoint records (its meta
+    ``replan``) on top of this process's own; returns it with all overrides in force (written into the next
+    checkpoints). A later process started with the same command so continues on the plan that fitted."""
+    own = attempt.overrides if attempt is not None else {}
+    merged = {**(recorded or {}), **own}
+    new = {k: v for k, v in merged.items() if k not in own}
+    if new:
+        print("resuming with the checkpoint's replanned settings: " + " ".join(f"{k}={_show(v)}" for k, v in
+                                                                              new.items()), file=sys.stderr)
+        run = apply_overrides(run, new)
+    if attempt is not None:
+        attempt.overrides = merged
+    return run, merged
+
+
 def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
     """The memory an attempt must fit: the meter's cap, else the CUDA device's total memory."""
     if run.train.memory_cap_gib is not None:
@@ -110,6 +127,10 @@ def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3f} MiB"
 
 
 def _release(device: torch.device) -> None:
@@ -132,11 +153,12 @@ def train_with_replans(run: RunConfig, device: torch.device,
             reason = (str(e).strip().splitlines() or ["out of memory"])[0]
         _release(device)
         peak, limit = attempt.peak_bytes, limit_bytes(run, device)
-        measured = (f"peak {peak / GIB:.4f} GiB" if peak is not None else "peak unknown") + \
-                   (f" of {limit / GIB:.4f} GiB" if limit is not None else "")
+        measured = (f"peak {_size(peak)}" if peak is not None else "peak unknown") + \
+                   (f" > {_size(limit)}" if limit is not None else "")
         where = (f"step {attempt.checkpoint_step} from {attempt.checkpoint}" if attempt.checkpoint
                  else "step 0 (no checkpoint yet; train.checkpoint_every=N keeps more)")
-        rung = next_plan(current) if len(attempt.replans) < run.train.max_replans else None
+        in_force = apply_overrides(run, attempt.overrides)  # with the steps down a resumed checkpoint recorded
+        rung = next_plan(in_force) if len(attempt.replans) < run.train.max_replans else None
         if rung is None:
             why = (f"train.max_replans={run.train.max_replans} steps down taken" if len(attempt.replans) >=
                    run.train.max_replans else "no leaner plan left (layer recomputation on, micro-batch 1)")

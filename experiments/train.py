@@ -19,7 +19,7 @@ from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes
 from experiments.meter import MemoryMeter, StartupPeak
 from experiments.errors import UserError, exit_with_error
 from experiments.models import count_params, has_weights, model_vocab_size
-from experiments.replan import Attempt, train_with_replans
+from experiments.replan import Attempt, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
 
@@ -109,6 +109,8 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     run_dir = distributed.rank_run_dir(run_dir, ctx)
     ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
     resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
+    run, replanned = resumed_plan(run, (resume_point.manifest.get("meta") or {}).get("replan") if resume_point else None,
+                                  attempt)  # train.on_oom=replan's steps down, recorded in the checkpoint
     seed_everything(run.seed)
     set_deterministic(run.train.deterministic, device)
     t = run.train
@@ -140,7 +142,7 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     checkpointer = distributed.checkpointer_class(ctx, Checkpointer)(  # DCP under torchrun
         ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model, method=method,
         meta={"run_id": run_dir.run_id, "config": config_dict,
-              **({"replan": attempt.overrides} if attempt is not None and attempt.overrides else {})})
+              **({"replan": replanned} if replanned else {})})
     if resume_point is not None:
         checkpointer.check_resume(resume_point)  # dist: a world-size change only where DCP reshards the state
     if main:

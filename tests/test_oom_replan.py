@@ -88,9 +88,9 @@ def test_cap_forces_two_steps_down_and_the_loss_curve_continues(tmp_path, capsys
 
 
 def test_too_few_steps_down_fail_in_one_line_keeping_what_was_written(tmp_path, capsys, measured) -> None:
+    command = (f"train.memory_cap_gib={measured['cap_gib']!r}", "train.on_oom=replan", "train.max_replans=1")
     with pytest.raises(SystemExit) as exc:
-        run(tmp_path, "oom", f"train.memory_cap_gib={measured['cap_gib']!r}", "train.on_oom=replan",
-            "train.max_replans=1")
+        run(tmp_path, "oom", *command)
     assert exc.value.code == 1, exc.value.code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -100,6 +100,18 @@ def test_too_few_steps_down_fail_in_one_line_keeping_what_was_written(tmp_path, 
     assert read_status(run_dir) == "failed"
     assert [r["step"] for r in read_metrics(run_dir)] == [0], read_metrics(run_dir)
     assert [step for step, _ in ck.list_checkpoints(run_dir / "checkpoints")] == [1]
+    # the same command again resumes at step 1 on the plan its checkpoint records (layer recomputation), so its
+    # one step down is the micro-batch, and it completes; from the plan as given it would need two again
+    summary = run(tmp_path, "oom", *command)
+    err = capsys.readouterr().err
+    assert "resuming with the checkpoint's replanned settings: activation.layer_recompute=true" in err, err
+    assert [r["overrides"] for r in summary["replans"]] == [
+        {"train.batch_size": 4, "train.grad_accum": 2, "train.eval_batches": 4}], summary["replans"]
+    assert read_status(run_dir) == "completed"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3], rows
+    for row, want in zip(rows, measured["losses"]):  # tolerance: see the test above
+        assert math.isclose(row["loss/train"], want, rel_tol=1e-4), (row["step"], row["loss/train"], want)
 
 
 def test_on_oom_fail_ends_in_one_line(tmp_path, capsys, measured) -> None:
