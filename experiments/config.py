@@ -304,8 +304,8 @@ class RunConfig:
             raise ValueError(f"results_dir={self.results_dir!r} is empty: it would write the run into the current "
                              "directory; name a folder (default: results_dir=results)")
         if self.train.on_oom == "replan" and self.dist.mode != "none":
-            raise ValueError(f"train.on_oom=replan needs dist=none (got dist={self.dist.mode}): one rank's out-of-memory "
-                             "error is not agreed across ranks, so the others would wait in a collective")
+            raise ValueError(f"train.on_oom=replan needs dist=none (got dist={self.dist.mode}): one rank's "
+                             "out-of-memory error is not agreed across ranks, so the others would wait in a collective")
         if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
             raise ValueError(f"run_id={self.run_id!r} must be one folder name: letters, digits and . _ = + - "
                              "(no '/', no leading '.' or '-', at most 200 characters)")

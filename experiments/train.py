@@ -109,8 +109,8 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     run_dir = distributed.rank_run_dir(run_dir, ctx)
     ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
     resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
-    run, replanned = resumed_plan(run, (resume_point.manifest.get("meta") or {}).get("replan") if resume_point else None,
-                                  attempt)  # train.on_oom=replan's steps down, recorded in the checkpoint
+    recorded = (resume_point.manifest.get("meta") or {}).get("replan") if resume_point else None
+    run, replanned = resumed_plan(run, recorded, attempt)  # train.on_oom=replan's steps down, kept in checkpoints
     seed_everything(run.seed)
     set_deterministic(run.train.deterministic, device)
     t = run.train

@@ -9,6 +9,7 @@ checkpoint) and the third fits."""
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from test_runner import CONF, MICRO
 
+from transformers import PreTrainedModel
+
+from experiments import replan
 from experiments.config import to_run_config
 from experiments.replan import apply_overrides, next_plan
 from experiments.results import read_metrics, read_recorded_config, read_status
@@ -58,8 +62,20 @@ def measured(tmp_path_factory) -> dict:
             "peaks": (given, recompute, halved)}
 
 
-def test_cap_forces_two_steps_down_and_the_loss_curve_continues(tmp_path, capsys, measured) -> None:
+def test_cap_forces_two_steps_down_and_the_loss_curve_continues(tmp_path, capsys, measured, monkeypatch) -> None:
+    def models_alive() -> int:
+        gc.collect()  # what only cycles hold is freed (as _release does)
+        return sum(isinstance(o, PreTrainedModel) for o in gc.get_objects())
+
+    before, alive_at_release = models_alive(), []  # a failed attempt's model left alive would hold its GPU memory
+
+    def release(device, original=replan._release) -> None:
+        original(device)
+        alive_at_release.append(models_alive())
+
+    monkeypatch.setattr(replan, "_release", release)
     summary = run(tmp_path, "oom", f"train.memory_cap_gib={measured['cap_gib']!r}", "train.on_oom=replan")
+    assert alive_at_release == [before, before], (alive_at_release, before)
     err = capsys.readouterr().err
     print(err, measured["peaks"])
     replans = summary["replans"]
@@ -68,8 +84,7 @@ def test_cap_forces_two_steps_down_and_the_loss_curve_continues(tmp_path, capsys
         {"train.batch_size": 4, "train.grad_accum": 2, "train.eval_batches": 4}], replans
     assert [r["resumed_step"] for r in replans] == [0, 1], replans  # no checkpoint yet, then the step-0 one
     assert all(r["peak_bytes"] > r["limit_bytes"] for r in replans), replans
-    assert [line for line in err.splitlines() if "replan " in line and line.startswith("out of memory")] \
-        .__len__() == 2, err
+    assert len([line for line in err.splitlines() if line.startswith("out of memory") and "replan " in line]) == 2, err
     run_dir = tmp_path / "oom"
     assert read_status(run_dir) == "completed"
     rows = read_metrics(run_dir)
