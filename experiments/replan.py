@@ -90,8 +90,8 @@ def apply_overrides(run: RunConfig, overrides: dict[str, object]) -> RunConfig:
 @dataclass
 class Attempt:
     """What one attempt leaves for the next: plain values only, so the failed attempt's tensors can be freed.
-    ``experiments.train`` fills ``checkpoint``/``checkpoint_step``/``peak_bytes`` when an attempt runs out of
-    memory."""
+    ``experiments.train`` sets ``checkpoint``/``checkpoint_step`` to the attempt's resume point when it starts, and
+    to its newest checkpoint with ``peak_bytes`` when it runs out of memory."""
 
     overrides: dict[str, object] = field(default_factory=dict)  # all steps down so far
     replans: list[dict] = field(default_factory=list)  # one record per step down (summary.json "replans")

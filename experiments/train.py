@@ -111,6 +111,9 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
     recorded = (resume_point.manifest.get("meta") or {}).get("replan") if resume_point else None
     run, replanned = resumed_plan(run, recorded, attempt)  # train.on_oom=replan's steps down, kept in checkpoints
+    if attempt is not None:  # where the next attempt resumes unless this one saves a checkpoint
+        attempt.failed(checkpoint=str(resume_point.path) if resume_point else None,
+                       checkpoint_step=resume_point.step if resume_point else None, peak_bytes=None)
     seed_everything(run.seed)
     set_deterministic(run.train.deterministic, device)
     t = run.train
@@ -220,8 +223,8 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         run_dir.fail("".join(traceback.format_exception(e)))
         if attempt is not None and isinstance(e, torch.OutOfMemoryError):  # what the next attempt starts from
             last = checkpointer.saved[-1] if checkpointer.saved else None
-            attempt.failed(checkpoint=last["path"] if last else (str(resume_point.path) if resume_point else None),
-                           checkpoint_step=last["step"] if last else (resume_point.step if resume_point else None),
+            attempt.failed(checkpoint=last["path"] if last else attempt.checkpoint,
+                           checkpoint_step=last["step"] if last else attempt.checkpoint_step,
                            peak_bytes=_oom_peak(meter, device))
         if distributed.is_peer_failure(e, ctx):  # another rank died: one line, not this rank's traceback
             last = checkpointer.saved[-1]["path"] if checkpointer.saved else None
