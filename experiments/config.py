@@ -31,6 +31,7 @@ WANDB_MODES = ("disabled", "offline", "online")
 DIST_MODES = ("none", "ddp", "fsdp2")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 DIST_REFRESH = ("gather", "sketch")
+OOM_POLICIES = ("fail", "replan")
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -151,6 +152,11 @@ class TrainConfig:
     fused_ce: bool = True  # loss from hidden states + lm_head in token chunks, logits never whole (hmt_core.fused_ce)
     ce_chunk_tokens: int = 1024  # tokens per chunk of the fused loss (logits held: ce_chunk_tokens x vocab)
     deterministic: str = "auto"  # torch deterministic algorithms: "auto" (on for CPU, off on CUDA) | "true" | "false"
+    # out of memory (torch.OutOfMemoryError): "fail" | "replan" (experiments.replan: keep what was written, step down
+    # to a leaner plan, resume from the last checkpoint; at most max_replans times)
+    on_oom: str = "fail"
+    max_replans: int = 3
+    memory_cap_gib: float | None = None  # live device bytes the memory meter allows (it raises torch.OutOfMemoryError)
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
@@ -174,12 +180,17 @@ class TrainConfig:
         if deterministic not in ("auto", "true", "false"):
             raise ValueError(f"train.deterministic must be auto, true or false, got {self.deterministic}")
         object.__setattr__(self, "deterministic", deterministic)
+        _one_of("train", "on_oom", self.on_oom, OOM_POLICIES)
+        if self.max_replans < 0:
+            raise ValueError(f"train.max_replans must be >= 0, got {self.max_replans}")
+        if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
+            raise ValueError(f"train.memory_cap_gib must be > 0 (GiB) or null, got {self.memory_cap_gib}")
 
 
 # Keys that never change a run's trajectory, left out of the default run_id so that a restart with
 # e.g. train.resume=... lands in the same results directory.
 RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
-                             "max_bad_steps")
+                             "max_bad_steps", "on_oom", "max_replans")
 
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and
@@ -191,11 +202,14 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # ``dryrun.device``: dry runs recorded without it traced fake CPU tensors (CPU kernels and CPU autocast).
 # ``dist.bucket_mb``: ddp + per-layer hmt runs recorded without it all-reduced each gradient on its own (divided by W
 # first); the buckets sum in fp32 and divide after, the same values for W = 2 and fp32 gradients.
+# ``train.on_oom``, ``train.max_replans``, ``train.memory_cap_gib``: runs recorded without them failed on an OOM and
+# had no meter-enforced cap.
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
                       ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
                       ("dryrun", "expandable_segments"): False, ("method", "impl"): "fused",
-                      ("dryrun", "device"): "cpu"}
+                      ("dryrun", "device"): "cpu", ("train", "on_oom"): "fail", ("train", "max_replans"): 3,
+                      ("train", "memory_cap_gib"): None}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -295,6 +309,9 @@ class RunConfig:
         if not self.results_dir.strip():
             raise ValueError(f"results_dir={self.results_dir!r} is empty: it would write the run into the current "
                              "directory; name a folder (default: results_dir=results)")
+        if self.train.on_oom == "replan" and self.dist.mode != "none":
+            raise ValueError(f"train.on_oom=replan needs dist=none (got dist={self.dist.mode}): one rank's "
+                             "out-of-memory error is not agreed across ranks, so the others would wait in a collective")
         if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
             raise ValueError(f"run_id={self.run_id!r} must be one folder name: letters, digits and . _ = + - "
                              "(no '/', no leading '.' or '-', at most 200 characters)")

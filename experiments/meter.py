@@ -160,9 +160,13 @@ def _storages(tensors: Iterable[torch.Tensor], *, skip_meta: bool = True
 class MemoryMeter(TorchDispatchMode):
     """Categorized live-tensor-bytes tracker. Use ``with meter:`` around the measured steps."""
 
-    def __init__(self, *, source: str = "tracker", device: torch.device | str | None = None) -> None:
+    def __init__(self, *, source: str = "tracker", device: torch.device | str | None = None,
+                 cap_bytes: int | None = None) -> None:
         super().__init__()
         self.source = source
+        # live training-device bytes allowed (``train.memory_cap_gib``): beyond them the meter raises
+        # torch.OutOfMemoryError, standing in for a smaller device (checked wherever the meter sees memory grow)
+        self.cap_bytes = cap_bytes
         self.device = None if device is None else torch.device(device)
         self._skip_meta = self.device is None or self.device.type != "meta"
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -370,6 +374,10 @@ class MemoryMeter(TorchDispatchMode):
                 if window is not None and space.total > window.bytes:
                     window.bytes, window.tick = space.total, self._tick
                     window.died_after_peak.clear()
+        live = self._spaces["device"].total
+        if self.cap_bytes is not None and live > self.cap_bytes:  # the peak above already counts this total
+            raise torch.OutOfMemoryError(f"memory cap exceeded: {live:,} live bytes on the device > cap "
+                                         f"{self.cap_bytes:,} bytes (train.memory_cap_gib)")
 
     # ---- reporting ----------------------------------------------------------------------------------
     def _by_category_at(self, space: str, window: _PeakWindow) -> dict[str, int]:

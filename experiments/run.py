@@ -26,6 +26,7 @@ from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_c
 from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
 from experiments.data import MIN_BPE_VOCAB, has_tokenizer
 from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size
+from experiments.replan import OutOfMemoryGiveUp
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
 from hmt_core.checkpoint import CheckpointError
 
@@ -208,10 +209,15 @@ def main_with_config(cfg: DictConfig) -> dict | None:
     try:
         return one_line_errors(lambda: execute(run, to_plain_dict(run)), PermissionError, FileNotFoundError,
                                CheckpointError)
-    except TooManyBadSteps as e:  # the run diverged: status failed, error.txt and its checkpoints are kept
+    except (TooManyBadSteps, OutOfMemoryGiveUp) as e:  # status failed, error.txt and its checkpoints are kept
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         exit_with_error(f"training failed: {e}", code=1)
+    except torch.OutOfMemoryError as e:  # train.on_oom=fail: status failed, error.txt and its checkpoints are kept
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        exit_with_error(f"training failed: out of memory ({(str(e).strip().splitlines() or ['no message'])[0]}); "
+                        "train.on_oom=replan steps down to a leaner plan and resumes from the last checkpoint", code=1)
     except KeyboardInterrupt:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

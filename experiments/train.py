@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from experiments import dist_checks, distributed, gpu_stats
+from experiments import dist_checks, distributed, gpu_stats, methods
 from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
 from experiments.data import build_corpus, has_tokenizer
@@ -19,6 +19,7 @@ from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes
 from experiments.meter import MemoryMeter, StartupPeak
 from experiments.errors import UserError, exit_with_error
 from experiments.models import count_params, has_weights, model_vocab_size
+from experiments.replan import Attempt, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
 
@@ -82,6 +83,23 @@ def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
 
 def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                   build_summary, print_summary) -> dict:
+    """``train_attempt``, or with ``train.on_oom=replan`` as many attempts as ``experiments.replan`` steps down (each
+    with a new method object: the failed attempt's is attached to its model). ``config_dict`` (the configuration
+    as given) is what config.yaml, the run id and the checkpoints' resume check see."""
+    if run.train.on_oom != "replan":
+        return train_attempt(run, config_dict, method, run_dir, device, build_summary, print_summary)
+    unused = [method]
+
+    def attempt_fn(current: RunConfig, attempt: Attempt) -> dict:
+        fresh = unused.pop() if unused else methods.make_method(current.method)
+        return train_attempt(current, config_dict, fresh, run_dir, device, build_summary, print_summary,
+                             attempt=attempt)
+
+    return train_with_replans(run, device, attempt_fn)
+
+
+def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
+                  build_summary, print_summary, *, attempt: Attempt | None = None) -> dict:
     """Set up (data, model, method: every check that needs them fails here, before any compute and before
     anything is written), then train and write ``run_dir``. Under torchrun (``dist=ddp|fsdp2``) every rank runs
     this; rank 0 alone writes (``experiments.distributed``)."""
@@ -91,6 +109,11 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     run_dir = distributed.rank_run_dir(run_dir, ctx)
     ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
     resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
+    recorded = (resume_point.manifest.get("meta") or {}).get("replan") if resume_point else None
+    run, replanned = resumed_plan(run, recorded, attempt)  # train.on_oom=replan's steps down, kept in checkpoints
+    if attempt is not None:  # where the next attempt resumes unless this one saves a checkpoint
+        attempt.failed(checkpoint=str(resume_point.path) if resume_point else None,
+                       checkpoint_step=resume_point.step if resume_point else None, peak_bytes=None)
     seed_everything(run.seed)
     set_deterministic(run.train.deterministic, device)
     t = run.train
@@ -109,7 +132,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     with StartupPeak(device) as startup:  # fsdp2: built on meta, fully_shard per layer + root, shards initialised
         model = distributed.build_sharded(run.model, method, ctx, vocab_size=corpus.vocab_size, device=device)
     model.train()
-    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker", device=device)
+    meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker", device=device,
+                        cap_bytes=None if t.memory_cap_gib is None else int(t.memory_cap_gib * 2**30))
     meter.track_model(model)
     meter.watch_grads(model.parameters())  # before the method's own hooks: grads are marked, then used
     try:
@@ -120,7 +144,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     forward_model = distributed.wrap_for_forward(model, method, ctx)  # ddp: the DDP wrapper (or hmt's own reduce)
     checkpointer = distributed.checkpointer_class(ctx, Checkpointer)(  # DCP under torchrun
         ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model, method=method,
-        meta={"run_id": run_dir.run_id, "config": config_dict})
+        meta={"run_id": run_dir.run_id, "config": config_dict,
+              **({"replan": replanned} if replanned else {})})
     if resume_point is not None:
         checkpointer.check_resume(resume_point)  # dist: a world-size change only where DCP reshards the state
     if main:
@@ -146,6 +171,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             act_handle = apply_policy(model, run.activation)
         params_total, params_trainable = count_params(model)
         state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
+        if state is not None:  # the restored optimizer state is live from the first step on (and counts to the cap)
+            meter.mark(method.state_tensors(), "optimizer")
         checkpointer.install_signal_handlers()
         wandb_run = open_wandb(run, run_dir, config_dict) if main else None
         gpu_stats.reset_peaks(device)
@@ -172,7 +199,8 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
             data=corpus.stats, method_summary=method.summary(),
             activation_summary=_with_saved(activation_summary, act_handle), skipped_steps=result.skipped_steps,
-            resume=_resume_summary(resume_point), checkpoints=checkpointer.summary(), **dist_summary)
+            resume=_resume_summary(resume_point), checkpoints=checkpointer.summary(), **dist_summary,
+            **({"replans": attempt.replans} if attempt is not None else {}))
         if t.save_model and main:
             save_model(model, corpus.tokenizer, run_dir.path / "model")
         run_dir.finish(summary)
@@ -193,6 +221,11 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         raise
     except BaseException as e:
         run_dir.fail("".join(traceback.format_exception(e)))
+        if attempt is not None and isinstance(e, torch.OutOfMemoryError):  # what the next attempt starts from
+            last = checkpointer.saved[-1] if checkpointer.saved else None
+            attempt.failed(checkpoint=last["path"] if last else attempt.checkpoint,
+                           checkpoint_step=last["step"] if last else attempt.checkpoint_step,
+                           peak_bytes=_oom_peak(meter, device))
         if distributed.is_peer_failure(e, ctx):  # another rank died: one line, not this rank's traceback
             last = checkpointer.saved[-1]["path"] if checkpointer.saved else None
             exit_with_error(distributed.peer_failure_message(e, ctx, last), code=1, every_rank=True)
@@ -204,6 +237,13 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             with contextlib.suppress(Exception):
                 wandb_run.finish()
         distributed.teardown(ctx)
+
+
+def _oom_peak(meter: MemoryMeter, device: torch.device) -> int:
+    """The failed attempt's measured peak: the CUDA allocator's, else the meter's."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return meter.report().peak_bytes
 
 
 def announce_start(run: RunConfig, run_dir: RunDir, ckpt_root: Path, point) -> None:

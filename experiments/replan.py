@@ -1,0 +1,176 @@
+"""``train.on_oom=replan``: a run that survives its own out-of-memory error (design: ``docs/gpu_runs.md``).
+
+On ``torch.OutOfMemoryError`` — from the CUDA allocator, or from the memory meter when live device bytes pass
+``train.memory_cap_gib`` (``experiments.meter.MemoryMeter.cap_bytes``) — the failed attempt has already written its
+metrics and keeps its checkpoints (``experiments.train``); ``train_with_replans`` then takes the next rung of
+``next_plan``, says in one line what changed, and runs again from the last checkpoint (the metrics rows of the
+steps after it are replaced by the new attempt's, so every step is logged once). After ``train.max_replans`` steps
+down, or when the ladder is exhausted, the run ends in one ``error:`` line.
+
+The ladder follows the planner's own objective (``experiments.plan``: tokens per micro-batch first, then gradient
+energy, then step time), so time is given up before the micro-batch:
+
+1. full layer recomputation (``activation.layer_recompute=true``, the other decoder-layer components ``keep``);
+2. the micro-batch cut to its largest proper divisor with ``train.grad_accum`` (and ``train.eval_batches``) raised
+   by the same factor, so each step sees the same sequences and validation the same rows; repeated down to 1.
+
+Only rungs that leave the checkpointed state loadable are taken: Mode B, 8-bit or bf16 optimizer state and INT8
+weights change the optimizer state's or the weights' format, which a checkpoint of the current plan cannot be
+loaded into. The MILP planner itself is not called: it plans ``method=hmt`` only, for a CUDA budget with its
+allowance, and traces and verifies dry runs for minutes, which a resumed run should not wait for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from experiments.config import RunConfig
+from hmt_core.activations.policy import LAYER_COMPONENTS
+
+GIB = 2**30
+
+
+class OutOfMemoryGiveUp(RuntimeError):
+    """Out of memory after ``train.max_replans`` steps down (or with no leaner plan left); the run failed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rung:
+    """One step down the ladder: the overrides it adds (``section.key`` -> value) and what it does, in words."""
+
+    overrides: dict[str, object]
+    label: str
+
+    def text(self) -> str:
+        return " ".join(f"{k}={_show(v)}" for k, v in self.overrides.items()) + f" ({self.label})"
+
+
+def _show(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def next_plan(run: RunConfig) -> Rung | None:
+    """The next leaner plan for ``run`` (see the module docstring), or None when none is left."""
+    policy = run.activation
+    if not policy.layer_recompute:
+        changes = {f"activation.{c}": "keep" for c in LAYER_COMPONENTS if getattr(policy, c) != "keep"}
+        return Rung(overrides={"activation.layer_recompute": True, **changes},
+                    label="more recomputation: each decoder layer recomputed from its input")
+    t = run.train
+    if t.batch_size > 1:
+        smaller = max(d for d in range(1, t.batch_size) if t.batch_size % d == 0)
+        factor = t.batch_size // smaller
+        return Rung(overrides={"train.batch_size": smaller, "train.grad_accum": t.grad_accum * factor,
+                               "train.eval_batches": t.eval_batches * factor},
+                    label=f"micro-batch {t.batch_size} -> {smaller}, {factor}x the micro-batches per step: "
+                          f"{t.batch_size * t.grad_accum} sequences per step as before")
+    return None
+
+
+def apply_overrides(run: RunConfig, overrides: dict[str, object]) -> RunConfig:
+    """``run`` with ``overrides`` (``activation.*`` and ``train.*`` keys) applied, validated by the configs."""
+    sections: dict[str, dict[str, object]] = {}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = value
+    unknown = set(sections) - {"activation", "train"}
+    if unknown:
+        raise ValueError(f"replan overrides: unsupported section(s) {sorted(unknown)}")
+    activation = run.activation.replace(**sections["activation"]) if "activation" in sections else run.activation
+    return dataclasses.replace(run, activation=activation, train=dataclasses.replace(run.train,
+                                                                                      **sections.get("train", {})))
+
+
+@dataclass
+class Attempt:
+    """What one attempt leaves for the next: plain values only, so the failed attempt's tensors can be freed.
+    ``experiments.train`` sets ``checkpoint``/``checkpoint_step`` to the attempt's resume point when it starts, and
+    to its newest checkpoint with ``peak_bytes`` when it runs out of memory."""
+
+    overrides: dict[str, object] = field(default_factory=dict)  # all steps down so far
+    replans: list[dict] = field(default_factory=list)  # one record per step down (summary.json "replans")
+    checkpoint: str | None = None  # newest checkpoint of the run when the attempt failed
+    checkpoint_step: int | None = None
+    peak_bytes: int | None = None  # measured peak of the failed attempt (meter or CUDA allocator)
+
+    def failed(self, *, checkpoint: str | None, checkpoint_step: int | None, peak_bytes: int | None) -> None:
+        self.checkpoint, self.checkpoint_step, self.peak_bytes = checkpoint, checkpoint_step, peak_bytes
+
+
+def resumed_plan(run: RunConfig, recorded: dict[str, object] | None, attempt: Attempt | None
+                 ) -> tuple[RunConfig, dict[str, object]]:
+    """The plan to resume a checkpoint with: ``run`` with the steps down the checkpoint records (its meta
+    ``replan``) on top of this process's own; returns it with all overrides in force (written into the next
+    checkpoints). A later process started with the same command so continues on the plan that fitted."""
+    own = attempt.overrides if attempt is not None else {}
+    merged = {**(recorded or {}), **own}
+    new = {k: v for k, v in merged.items() if k not in own}
+    if new:
+        print("resuming with the checkpoint's replanned settings: " + " ".join(f"{k}={_show(v)}" for k, v in
+                                                                              new.items()), file=sys.stderr)
+        run = apply_overrides(run, new)
+    if attempt is not None:
+        attempt.overrides = merged
+    return run, merged
+
+
+def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
+    """The memory an attempt must fit: the meter's cap, else the CUDA device's total memory."""
+    if run.train.memory_cap_gib is not None:
+        return int(run.train.memory_cap_gib * GIB)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3f} MiB"
+
+
+def _release(device: torch.device) -> None:
+    """Free what the failed attempt held (its frames are gone once its exception is dropped)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def train_with_replans(run: RunConfig, device: torch.device,
+                       attempt_fn: Callable[[RunConfig, Attempt], dict]) -> dict:
+    """Run ``attempt_fn`` (one set-up + training from the resume point), stepping down on each out-of-memory
+    error until it completes; ``attempt_fn`` gets the replanned configuration and the ``Attempt`` record."""
+    attempt = Attempt()
+    current = run
+    while True:
+        try:
+            return attempt_fn(current, attempt)
+        except torch.OutOfMemoryError as e:
+            reason = (str(e).strip().splitlines() or ["out of memory"])[0]
+        _release(device)
+        peak, limit = attempt.peak_bytes, limit_bytes(run, device)
+        measured = (f"peak {_size(peak)}" if peak is not None else "peak unknown") + \
+                   (f" > {_size(limit)}" if limit is not None else "")
+        where = (f"step {attempt.checkpoint_step} from {attempt.checkpoint}" if attempt.checkpoint
+                 else "step 0 (no checkpoint yet; train.checkpoint_every=N keeps more)")
+        in_force = apply_overrides(run, attempt.overrides)  # with the steps down a resumed checkpoint recorded
+        rung = next_plan(in_force) if len(attempt.replans) < run.train.max_replans else None
+        if rung is None:
+            why = (f"train.max_replans={run.train.max_replans} steps down taken" if len(attempt.replans) >=
+                   run.train.max_replans else "no leaner plan left (layer recomputation on, micro-batch 1)")
+            raise OutOfMemoryGiveUp(f"out of memory ({reason}; {measured}) and {why}; checkpoints kept, the "
+                                    f"newest: {attempt.checkpoint or 'none'}")
+        attempt.overrides = {**attempt.overrides, **rung.overrides}
+        attempt.replans.append({"reason": reason, "peak_bytes": peak, "limit_bytes": limit,
+                                "overrides": dict(rung.overrides), "label": rung.label,
+                                "resumed_step": attempt.checkpoint_step or 0})
+        print(f"out of memory ({measured}): replan {len(attempt.replans)}/{run.train.max_replans}: {rung.text()}; "
+              f"resuming at {where}", file=sys.stderr)
+        resume = attempt.checkpoint or "auto"
+        current = apply_overrides(dataclasses.replace(run, force=False,
+                                                      train=dataclasses.replace(run.train, resume=resume)),
+                                  attempt.overrides)

@@ -1,0 +1,159 @@
+"""``train.on_oom=replan`` end to end on CPU: the memory meter's cap (``train.memory_cap_gib``) raises
+``torch.OutOfMemoryError`` like a smaller GPU would; the run steps down the ladder (``experiments.replan``), resumes
+from its last checkpoint and completes with every step logged once; without enough steps down it fails in one
+line, keeping its checkpoints and metrics.
+
+The cap is not a hard-coded figure: reference runs measure the per-step peaks of the plans on the ladder, and the
+cap is put between the peaks so that the first plan fails at step 0, the second at step 1 (after its step-0
+checkpoint) and the third fits."""
+
+from __future__ import annotations
+
+import gc
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from test_runner import CONF, MICRO
+
+from transformers import PreTrainedModel
+
+from experiments import replan
+from experiments.config import to_run_config
+from experiments.replan import apply_overrides, next_plan
+from experiments.results import read_metrics, read_recorded_config, read_status
+from experiments.run import main_with_config
+from hmt_core import checkpoint as ck
+
+GIB = 2**30
+# adamw on a 2-layer model, fp32 (no autocast) so that a different micro-batch split only reorders fp32 sums;
+# a checkpoint after every step, all kept
+BASE = [*MICRO, "method=adamw", "train.steps=4", "train.batch_size=8", "train.warmup_steps=0", "train.eval_every=2",
+        "train.autocast=false", "train.checkpoint_every=1", "train.keep_checkpoints=0"]
+RECOMPUTE = ["activation.layer_recompute=true"]
+HALVED = [*RECOMPUTE, "train.batch_size=4", "train.grad_accum=2", "train.eval_batches=4"]
+
+
+def run(results: Path, run_id: str, *overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("run", overrides=[f"results_dir={results}", f"run_id={run_id}", *BASE, *overrides])
+    return main_with_config(cfg)
+
+
+def step_peaks(results: Path, run_id: str) -> list[int]:
+    """The meter's running peak after each step (bytes): the peak of step k where it rises."""
+    return [round(r["memory/peak(GiB)"] * GIB) for r in read_metrics(results / run_id)]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    """Peaks of the three plans on the ladder, the loss curve of the plan as given (no cap), and the cap."""
+    results = tmp_path_factory.mktemp("reference")
+    run(results, "given")
+    run(results, "recompute", "train.steps=2", *RECOMPUTE)
+    run(results, "halved", "train.steps=2", *HALVED)
+    given, recompute, halved = (step_peaks(results, r) for r in ("given", "recompute", "halved"))
+    cap = (recompute[0] + recompute[1]) // 2
+    # the ladder must be able to force two steps down: plan 1 over the cap at step 0, plan 2 under it at step 0
+    # (its optimizer state does not exist yet) and over it at step 1, plan 3 under it from step 1 on
+    assert given[0] > cap > recompute[0] and recompute[1] > cap > max(halved), (given, recompute, halved, cap)
+    return {"cap_gib": cap / GIB, "losses": [r["loss/train"] for r in read_metrics(results / "given")],
+            "peaks": (given, recompute, halved)}
+
+
+def test_cap_forces_two_steps_down_and_the_loss_curve_continues(tmp_path, capsys, measured, monkeypatch) -> None:
+    def models_alive() -> int:
+        gc.collect()  # what only cycles hold is freed (as _release does)
+        return sum(issubclass(type(o), PreTrainedModel) for o in gc.get_objects())  # type(): no proxy warnings
+
+    before, alive_at_release = models_alive(), []  # a failed attempt's model left alive would hold its GPU memory
+
+    def release(device, original=replan._release) -> None:
+        original(device)
+        alive_at_release.append(models_alive())
+
+    monkeypatch.setattr(replan, "_release", release)
+    summary = run(tmp_path, "oom", f"train.memory_cap_gib={measured['cap_gib']!r}", "train.on_oom=replan")
+    assert alive_at_release == [before, before], (alive_at_release, before)
+    err = capsys.readouterr().err
+    print(err, measured["peaks"])
+    replans = summary["replans"]
+    assert [r["overrides"] for r in replans] == [
+        {"activation.layer_recompute": True},
+        {"train.batch_size": 4, "train.grad_accum": 2, "train.eval_batches": 4}], replans
+    assert [r["resumed_step"] for r in replans] == [0, 1], replans  # no checkpoint yet, then the step-0 one
+    assert all(r["peak_bytes"] > r["limit_bytes"] for r in replans), replans
+    assert len([line for line in err.splitlines() if line.startswith("out of memory") and "replan " in line]) == 2, err
+    run_dir = tmp_path / "oom"
+    assert read_status(run_dir) == "completed"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3], rows  # every step once, counted on from the checkpoint
+    # same sequences per step, fp32: the micro-batch split only reorders sums of 8 losses and of the gradients
+    # (relative rounding ~1e-7 per add, a few steps of AdamW amplify it far less than 1e-4)
+    for row, want in zip(rows, measured["losses"]):
+        assert math.isclose(row["loss/train"], want, rel_tol=1e-4), (row["step"], row["loss/train"], want)
+    # the checkpoint written before the second OOM is kept; later ones record the replanned settings
+    steps = {step: path for step, path in ck.list_checkpoints(run_dir / "checkpoints")}
+    assert sorted(steps) == [1, 2, 3, 4], steps
+    assert ck.verify(steps[1])["meta"]["replan"] == {"activation.layer_recompute": True}
+    assert ck.verify(steps[4])["meta"]["replan"]["train.batch_size"] == 4
+    recorded = read_recorded_config(run_dir)  # the configuration as given: run id and resume check unchanged
+    assert recorded["train"]["batch_size"] == 8 and recorded["activation"]["layer_recompute"] is False, recorded
+
+
+def test_too_few_steps_down_fail_in_one_line_keeping_what_was_written(tmp_path, capsys, measured) -> None:
+    command = (f"train.memory_cap_gib={measured['cap_gib']!r}", "train.on_oom=replan", "train.max_replans=1")
+    with pytest.raises(SystemExit) as exc:
+        run(tmp_path, "oom", *command)
+    assert exc.value.code == 1, exc.value.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "out of memory" in lines[0] and "train.max_replans=1" in lines[0], err
+    assert "Traceback" not in err, err
+    run_dir = tmp_path / "oom"
+    assert read_status(run_dir) == "failed"
+    assert [r["step"] for r in read_metrics(run_dir)] == [0], read_metrics(run_dir)
+    assert [step for step, _ in ck.list_checkpoints(run_dir / "checkpoints")] == [1]
+    # the same command again resumes at step 1 on the plan its checkpoint records (layer recomputation), so its
+    # one step down is the micro-batch, and it completes; from the plan as given it would need two again
+    summary = run(tmp_path, "oom", *command)
+    err = capsys.readouterr().err
+    assert "resuming with the checkpoint's replanned settings: activation.layer_recompute=true" in err, err
+    assert [r["overrides"] for r in summary["replans"]] == [
+        {"train.batch_size": 4, "train.grad_accum": 2, "train.eval_batches": 4}], summary["replans"]
+    assert read_status(run_dir) == "completed"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3], rows
+    for row, want in zip(rows, measured["losses"]):  # tolerance: see the test above
+        assert math.isclose(row["loss/train"], want, rel_tol=1e-4), (row["step"], row["loss/train"], want)
+
+
+def test_on_oom_fail_ends_in_one_line(tmp_path, capsys, measured) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(tmp_path, "oom", f"train.memory_cap_gib={measured['cap_gib']!r}")
+    assert exc.value.code == 1, exc.value.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "memory cap exceeded" in lines[0] and "train.on_oom=replan" in lines[0], err
+    assert read_status(tmp_path / "oom") == "failed"
+
+
+def test_ladder_keeps_the_sequences_per_step() -> None:
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        run_cfg = to_run_config(compose("run", overrides=[*BASE, "train.batch_size=6", "activation=hmt"]))
+    seen = []
+    while (rung := next_plan(run_cfg)) is not None:
+        run_cfg = apply_overrides(run_cfg, rung.overrides)
+        seen.append((run_cfg.activation.layer_recompute, run_cfg.train.batch_size, run_cfg.train.grad_accum,
+                     run_cfg.train.eval_batches))
+    # recomputation first (the hmt preset's codecs give way to it), then the micro-batch by its largest divisor
+    assert seen == [(True, 6, 1, 2), (True, 3, 2, 4), (True, 1, 6, 12)], seen
+    assert run_cfg.activation.attn_out == "keep" and run_cfg.activation.mlp_intermediate == "keep"
+
+
+def test_replan_under_torchrun_is_refused(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        run(tmp_path, "x", "train.on_oom=replan", "dist=ddp")
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] and "dist=none" in err, err
