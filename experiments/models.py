@@ -142,7 +142,40 @@ def max_positions(cfg: ModelConfig) -> int | None:
     return None
 
 
+SDPA_CAUSAL = "sdpa_causal"  # torch SDPA with is_causal=True and no mask: HMT's batches are never padded
+
+
 def build_model(cfg: ModelConfig, *, vocab_size: int | None = None, device: torch.device | str = "cpu"):
+    """``_build_model``, then ``causal_attention_without_mask``."""
+    return causal_attention_without_mask(_build_model(cfg, vocab_size=vocab_size, device=device))
+
+
+def causal_attention_without_mask(model):
+    """A model on ``sdpa`` whose layers all attend causally over the full sequence switches to ``SDPA_CAUSAL``: the
+    same ``transformers`` SDPA function, registered under a name that has no mask function
+    (``transformers.AttentionInterface``), so the model builds no mask and SDPA runs with ``is_causal=True``.
+
+    Bit for bit what ``sdpa`` computes on an unpadded batch (its mask builder returns no mask there, leaving
+    ``is_causal`` to SDPA), without its host syncs: ``find_packed_sequence_indices`` reads the position ids on the
+    host once per forward to look for packed sequences. Every batch HMT trains or validates on is rows of
+    ``train.seq_len`` tokens with no padding and no packed-sequence position ids. Models with sliding-window or
+    other non-causal layers (Gemma 2's ``layer_types``) keep ``sdpa`` and its mask."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    full = all(t == "full_attention" for t in layer_types) if layer_types else getattr(config, "sliding_window",
+                                                                                           None) is None
+    if config._attn_implementation != "sdpa" or not full:
+        return model
+    if SDPA_CAUSAL not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SDPA_CAUSAL, sdpa_attention_forward)
+    model.set_attn_implementation(SDPA_CAUSAL)
+    return model
+
+
+def _build_model(cfg: ModelConfig, *, vocab_size: int | None = None, device: torch.device | str = "cpu"):
     """The model ``cfg`` describes, in ``cfg.dtype`` on ``device``: a random-init Llama of the phase's shape,
     or the local model at ``cfg.path`` (``from_pretrained`` with weights, ``from_config`` without; see
     ``model_source``). ``vocab_size``: the tokenizer's size; a phase model gets that many embedding rows, a
