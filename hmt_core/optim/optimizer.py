@@ -73,6 +73,7 @@ class Slot:
     rows: slice | None = None  # FSDP2 (hmt_core.optim.sharded): ``param`` is the local shard, these global rows
     global_shape: tuple[int, ...] | None = None  # the whole weight's shape (None: ``param``'s own)
     grad_param: nn.Parameter | None = None  # the parameter whose ``.grad`` the hooks read (None: ``param``)
+    clock: tuple[Any, tuple[upd.ClockGroup, ...]] | None = None  # (born, device) and its cached index tensors
 
     @property
     def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
@@ -246,11 +247,18 @@ class LowRankOptimizer:
                                               style=c.adam_style)
         s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
         if s.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
-            left, right = proj.which_sides(s.full_shape, c.sides)
-            groups = upd.clock_groups(s.born, s.adam_t, left=left, right=right, device=d.device)
+            groups = upd.clock_groups(self._clock_index(s, d.device), s.adam_t)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
         return d, step_size
+
+    def _clock_index(self, s: Slot, device: torch.device) -> tuple[upd.ClockGroup, ...]:
+        """``s.born``'s index tensors, built when ``born`` changes (a refresh, a retirement), else the cached ones."""
+        key = (s.born, device)
+        if s.clock is None or s.clock[0] != key:
+            left, right = proj.which_sides(s.full_shape, self.cfg.sides)
+            s.clock = (key, upd.clock_index(s.born, left=left, right=right, device=device))
+        return s.clock[1]
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),

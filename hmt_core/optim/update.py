@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -272,32 +273,58 @@ def retire_born(born: Born | None, t: int, beta1: float, beta2: float) -> Born |
     return kept if any(kept) else None
 
 
-def clock_groups(born: Born, t: int, *, left: bool, right: bool, device: torch.device) -> list[tuple[object, int]]:
-    """(index into the low-rank tensor, age) for every group of coordinates younger than the global clock ``t``.
-    Low-rank layout: left-only (r, in): rank = rows; right-only (out, r): rank = columns; two-sided (r, r): a
-    coordinate (i, j) is as young as the younger of i and j."""
-    groups = []
+class ClockGroup(NamedTuple):
+    """Coordinates of the low-rank tensor that share one birth step: ``dim`` 0 (rows of a left-only (r, in)
+    tensor), 1 (columns of a right-only (out, r) one) or -1 (flat positions of a two-sided (r, r) one, whose
+    coordinate (i, j) is as young as the younger of i and j); ``index`` the positions along it (int64, on the
+    tensors' device); ``born`` their birth step."""
+
+    dim: int
+    index: Tensor  # (k,) int64
+    born: int
+
+
+def clock_index(born: Born, *, left: bool, right: bool, device: torch.device) -> tuple[ClockGroup, ...]:
+    """The groups of coordinates younger than the global clock (birth step > 0), as index tensors built on the host
+    from ``born`` and copied to ``device`` once: the caller caches them for as long as ``born`` holds (until a
+    refresh or a retirement changes it), so a step makes no host-to-device copy (``clock_groups``)."""
+    r, groups = len(born), []
     for b in sorted({x for x in born if x > 0}):
         if left and right:
-            bt = torch.tensor(born, device=device)
-            index: object = torch.maximum(bt[:, None], bt[None, :]) == b  # (r, r) mask
+            dim, positions = -1, [i * r + j for i in range(r) for j in range(r) if max(born[i], born[j]) == b]
         else:
-            idx = torch.tensor([i for i, x in enumerate(born) if x == b], device=device)
-            index = (idx,) if left else (slice(None), idx)
-        groups.append((index, t - b))
-    return groups
+            dim, positions = (0 if left else 1), [i for i, x in enumerate(born) if x == b]
+        groups.append(ClockGroup(dim, torch.tensor(positions, dtype=torch.int64, device=device), b))
+    return tuple(groups)
 
 
-def fresh_clock_(d: Tensor, m: Tensor, v: Tensor, groups: list[tuple[object, int]], *,  # d, m, v: (a, b)
+def clock_groups(born: Born | tuple[ClockGroup, ...], t: int, *, left: bool = False, right: bool = False,
+                 device: torch.device | None = None) -> list[tuple[ClockGroup, int]]:
+    """(group, age t − born) for every group of coordinates younger than the global clock ``t``; ``born`` is the
+    clocks themselves (the index tensors are then built here) or ``clock_index``'s cached groups (no copy)."""
+    groups = born if born and isinstance(born[0], ClockGroup) else clock_index(born, left=left, right=right,
+                                                                              device=device)
+    return [(g, t - g.born) for g in groups]
+
+
+def _take(x: Tensor, g: ClockGroup) -> Tensor:  # x: (a, b) -> the group's coordinates (a view's gather, no sync)
+    if g.dim == -1:
+        return x.reshape(-1).index_select(0, g.index)
+    return x.index_select(g.dim, g.index)
+
+
+def fresh_clock_(d: Tensor, m: Tensor, v: Tensor, groups: list[tuple[ClockGroup, int]], *,  # d, m, v: (a, b)
                  step_size: float, lr: float, beta1: float, beta2: float, eps: float, style: str,
                  direction: bool) -> Tensor:
     """Recompute ``d`` (in place) on each group's coordinates with the group's own age in the bias correction; the
     rest of ``d`` is untouched. ``d`` is ``adam_step``'s D (``direction`` False) or ``adam_direction``'s N, both
     paired with the global scalar ``step_size``; a group's own step size is folded into its values."""
     fn = adam_direction if direction else adam_step
-    for index, age in groups:
-        dy, sy = fn(m[index].float(), v[index].float(), age, lr=lr, beta1=beta1, beta2=beta2, eps=eps, style=style)
+    for g, age in groups:
+        dy, sy = fn(_take(m, g).float(), _take(v, g).float(), age, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    style=style)
         if sy != step_size:
             dy = dy * (sy / step_size)
-        d[index] = dy.to(d.dtype)
+        target = d.view(-1) if g.dim == -1 else d  # d: a fresh contiguous direction
+        target.index_copy_(0 if g.dim == -1 else g.dim, g.index, dy.to(d.dtype))
     return d
