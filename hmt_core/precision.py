@@ -33,8 +33,14 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-# How many rows of an fp32 temporary a stochastic-rounding write may hold at once (bytes of one chunk).
+from hmt_core import kernels
+
+# Row-chunk budgets (bytes of one chunk of an update's temporaries: stochastic-rounding and INT8 writes, the fused
+# update's fallback, Mode B, large dense weights). The host's is sized for CPU memory; on CUDA a 16 MiB chunk is
+# streamed in ~10 µs at HBM bandwidth, no longer than its kernels' launch overhead, so CUDA chunks are 4x larger
+# (a 7B MLP weight in 3 chunks instead of 11; docs/kernels.md).
 CHUNK_BYTES = 16 << 20
+CUDA_CHUNK_BYTES = 64 << 20
 _LOW_BITS = 1 << 16  # BF16 is the upper 16 bits of the fp32 pattern: 16 bits are rounded away
 _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as int32
 
@@ -107,13 +113,26 @@ class QuantizedWeight(Protocol):
         ...
 
 
-def write_rows(shape: tuple[int, ...], chunk_bytes: int | None = None) -> list[Any]:
+def chunk_budget(like: Any = None) -> int:
+    """Bytes of one row chunk for tensors like ``like``: ``CUDA_CHUNK_BYTES`` on CUDA (fake tensors standing for
+    CUDA ones in a ``dryrun.device=cuda`` trace included, ``hmt_core.kernels.on_cuda``), else ``CHUNK_BYTES``."""
+    return CUDA_CHUNK_BYTES if like is not None and kernels.on_cuda(like) else CHUNK_BYTES
+
+
+def chunk_rows_for(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, chunk_bytes: int = 0, *,
+                   like: Any = None) -> int:
+    """Rows of a (rows, ...) temporary of ``dtype`` that fit one chunk (``chunk_bytes``, 0: ``chunk_budget(like)``);
+    the one row-chunk rule of every chunked update."""
+    row_bytes = (int(torch.Size(shape).numel()) // max(1, shape[0])) * dtype.itemsize if shape and shape[0] else 1
+    return max(1, (chunk_bytes or chunk_budget(like)) // max(1, row_bytes))
+
+
+def write_rows(shape: tuple[int, ...], chunk_bytes: int | None = None, *, like: Any = None) -> list[Any]:
     """Row spans (indices) of a weight of ``shape`` such that one fp32 row chunk holds ≤ ``chunk_bytes`` (default
-    ``CHUNK_BYTES``); 0-d and 1-d weights are one span (``...``)."""
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    ``chunk_budget(like)``); 0-d and 1-d weights are one span (``...``)."""
     if len(shape) < 2:
         return [...]
-    rows = max(1, chunk_bytes // max(1, 4 * (int(torch.Size(shape).numel()) // max(1, shape[0]))))
+    rows = chunk_rows_for(shape, torch.float32, chunk_bytes or 0, like=like)
     if rows >= shape[0]:
         return [...]
     return [slice(a, min(a + rows, shape[0])) for a in range(0, shape[0], rows)]
@@ -162,12 +181,14 @@ class UpdateWriter:
             return None
         return param.detach().float().clone()
 
-    def spans(self, param: Tensor, master: Tensor | None) -> list[Any]:
-        """Row indices to write ``param`` in: one span unless the write goes through fp32 temporaries."""
+    def spans(self, param: Tensor, master: Tensor | None, *, like: Tensor | None = None) -> list[Any]:
+        """Row indices to write ``param`` in: one span unless the write goes through fp32 temporaries (chunks of
+        ``chunk_budget(like)``: ``like`` a tensor on the weight's device, e.g. its update; a quantized weight has
+        no tensor of its own)."""
         if isinstance(param, QuantizedWeight):
-            return write_rows(tuple(param.shape))
+            return write_rows(tuple(param.shape), like=like)
         if master is None and param.dtype != torch.float32 and (self.stochastic or self.probe is not None):
-            return write_rows(tuple(param.shape))
+            return write_rows(tuple(param.shape), like=param)
         return [...]
 
     def _generator(self, device: torch.device) -> torch.Generator:

@@ -338,7 +338,7 @@ def test_row_chunked_mode_b_update_equals_the_unchunked_one(factor_shape, limite
 
 def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
     """Large dense weights (embedding, lm_head) are updated in row chunks: element-wise the same arithmetic."""
-    from hmt_core.kernels import ops as kops
+    from hmt_core.optim import optimizer as hopt
     from helpers import batches, tiny_llama
 
     calls = []
@@ -350,8 +350,8 @@ def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
                                      lr=1e-3, weight_decay=0.1, per_layer=False))
         method.attach(model, max_grad_norm=None)
         if chunk_rows:
-            monkeypatch.setattr(kops, "chunk_rows_for",  # chunk the (256, 64) embedding / lm_head only
-                                lambda shape, dtype, chunk_bytes=0: calls.append(shape) or (
+            monkeypatch.setattr(hopt, "chunk_rows_for",  # chunk the (256, 64) embedding / lm_head only
+                                lambda shape, dtype, chunk_bytes=0, like=None: calls.append(shape) or (
                                     chunk_rows if shape[0] == 256 else shape[0]))
         for ids in batches(3):
             model(input_ids=ids, labels=ids).loss.backward()

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core import kernels
-from hmt_core.precision import CHUNK_BYTES, stochastic_round_int
+from hmt_core.precision import stochastic_round_int
 
 BLOCK = 256  # Q-GaLore's weight group size
 QMAX = 127.0
@@ -79,11 +79,6 @@ def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows
     y = _scaled_op(torch.div, w, scale, block, torch.empty(w.shape, dtype=torch.float32, device=w.device))
     y = stochastic_round_int(y, generator) if stochastic else y.round_()
     return y.clamp_(-QMAX, QMAX).to(torch.int8), scale  # |W/s| ≤ 127 up to one fp32 rounding of the division
-
-
-def chunk_rows(cols: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows of an fp32 (rows, cols) temporary that fit ``chunk_bytes``."""
-    return max(1, chunk_bytes // max(1, 4 * cols))
 
 
 def dequantize_torch(q: Tensor, scale: Tensor, block: int,  # q: (rows, cols) int8, scale: (rows, nb) fp32

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hmt_core.int8_weights.codec import BLOCK, chunk_rows, dequantize, quantize
+from hmt_core.int8_weights.codec import BLOCK, dequantize, quantize
+from hmt_core.precision import chunk_rows_for
 
 ROLE = "hmt_int8_role"  # attribute of an Int8Linear's parameters: "phantom" | "codes" | "scales"
 
@@ -105,12 +106,12 @@ class Int8Linear(nn.Linear):
     @classmethod
     @torch.no_grad()
     def from_module(cls, module: nn.Module, *, block: int = BLOCK, backend: str | None = None) -> Int8Linear:
-        """Quantize ``module``'s weight (round-to-nearest, row chunks: at most ``CHUNK_BYTES`` of fp32 temporaries)."""
+        """Quantize ``module``'s weight (round-to-nearest, row chunks: at most one chunk budget of fp32 temporaries)."""
         w = module.weight.detach()
         transposed = not isinstance(module, nn.Linear)  # Conv1D: (in, out)
         codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         scales = torch.empty((w.shape[0], -(-w.shape[1] // block)), dtype=torch.float32, device=w.device)
-        step = chunk_rows(w.shape[1])
+        step = chunk_rows_for(tuple(w.shape), torch.float32, like=w)
         for a in range(0, w.shape[0], step):
             codes[a:a + step], scales[a:a + step] = quantize(w[a:a + step], block)
         bias = module.bias if isinstance(getattr(module, "bias", None), nn.Parameter) else None

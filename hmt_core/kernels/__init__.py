@@ -70,7 +70,8 @@ def fake_tensors_on(device_type: str) -> Iterator[None]:
         _state["fake_device"] = previous
 
 
-def _on_cuda(t: Tensor) -> bool:
+def on_cuda(t: Tensor) -> bool:
+    """``t`` is a CUDA tensor, or a fake one standing for a CUDA tensor (``fake_tensors_on("cuda")``)."""
     return t.is_cuda or (_state["fake_device"] == "cuda" and is_fake(t))
 
 
@@ -88,13 +89,13 @@ def use_triton(*tensors: Tensor, backend: str | None = None) -> bool:
     name = _check(backend) if backend else get_backend()
     if name == "torch":
         return False
-    on_cuda = all(_on_cuda(t) for t in tensors)
+    every_on_cuda = all(on_cuda(t) for t in tensors)
     if name == "auto":
-        return on_cuda and triton_available()
+        return every_on_cuda and triton_available()
     if not triton_available():
         raise RuntimeError("kernels backend 'triton' requested but the triton package is not installed "
                            "(pip install 'hmt[triton]')")
-    if not (on_cuda or interpreting()):
+    if not (every_on_cuda or interpreting()):
         raise RuntimeError("kernels backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton "
                            "is imported) to run the kernels on CPU in Triton's interpreter")
     return True

@@ -25,16 +25,11 @@ import math
 import torch
 from torch import Tensor
 
+from hmt_core import adam as upd
 from hmt_core import kernels
-from hmt_core.optim import update as upd
+from hmt_core.precision import chunk_rows_for
 from hmt_core.projection import Basis
 from hmt_core.projection import project as project_torch
-
-CHUNK_BYTES = 16 << 20  # default row-chunk budget of the fallback reconstruction (bytes of one chunk)
-
-
-def chunk_rows_for(shape: tuple[int, int], dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
-    return max(1, chunk_bytes // max(1, shape[1] * dtype.itemsize))
 
 
 # --------------------------------------------------------------------------------------------- fused update
@@ -42,7 +37,8 @@ def lowrank_update_torch(weight: Tensor, a: Tensor, b: Tensor, scale: float, ste
                          decay_after: bool, chunk_rows: int) -> None:
     """weight: (out, in) in place; a: (out, k); b: (k, in). Row-chunked: at most one (chunk_rows, in) temporary."""
     rows = weight.shape[0]
-    chunk = chunk_rows if chunk_rows > 0 else chunk_rows_for(tuple(weight.shape), torch.result_type(a, b))
+    chunk = chunk_rows if chunk_rows > 0 else chunk_rows_for(tuple(weight.shape), torch.result_type(a, b),
+                                                               like=weight)
     for i in range(0, rows, chunk):
         w = weight[i:i + chunk]
         full = torch.matmul(a[i:i + chunk], b)  # (chunk, in)

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
-from hmt_core.precision import UpdateWriter
+from hmt_core.precision import UpdateWriter, chunk_rows_for
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
                            valid_candidates)
 from hmt_core.rank_budget import energy_curve, make_rank_budget
@@ -275,7 +275,7 @@ class LowRankOptimizer:
                                   style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
-        for index in self.writer.spans(s.param, s.master):
+        for index in self.writer.spans(s.param, s.master, like=full_update):
             with self.writer.rows(s.param.data, s.master, index) as w:
                 upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
                                   weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
@@ -291,7 +291,7 @@ class LowRankOptimizer:
             self._apply(s, direction, step_size)
             return
         # fused reconstruction + decay + update (Triton), or its row-chunked fallback: no full-size P U Qᵀ
-        for index in self.writer.spans(s.param, s.master):
+        for index in self.writer.spans(s.param, s.master, like=direction):
             d, basis = direction, s.local_basis()
             if index is not Ellipsis:  # rows of W come from rows of the left factor (P, or D when right-sided)
                 d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
@@ -313,7 +313,7 @@ class LowRankOptimizer:
                 s.param.grad = grad
                 self.dense8[s.name].step()
                 return
-            rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32) if grad.dim() == 2 else grad.shape[0]
+            rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad) if grad.dim() == 2 else grad.shape[0]
             if rows < grad.shape[0]:  # a large dense weight (embedding, lm_head): row chunks, same arithmetic
                 self._dense_adam_rows(s, grad, rows)
                 return
@@ -330,22 +330,15 @@ class LowRankOptimizer:
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
                                     kind=c.scaling, reduce=reduce)
-        rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32)
-        if rows < grad.shape[0] or reduce is not None:  # row-chunked: at most one chunk of the fp32 update alive
-            limiter, s.limiter_prev = upd.limiter_for_rows(grad, factor, prev_norm=s.limiter_prev, rows=rows,
-                                                           gamma=c.limiter_gamma if c.norm_limiter else None,
-                                                           reduce=reduce)
-            for a in range(0, grad.shape[0], rows):  # the ops of upd.scaled_update_rows_, through the writer
-                index = slice(a, min(a + rows, grad.shape[0]))
-                with self.writer.rows(s.param.data, s.master, index) as w:
-                    upd.apply_update_(w, upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)),
-                                      step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
-                                      style=c.adam_style)
-            return
-        scaled = grad * factor
-        if c.norm_limiter:
-            scaled, s.limiter_prev = upd.norm_growth_limit(scaled, s.limiter_prev, c.limiter_gamma)
-        self._apply(s, scaled * math.sqrt(c.scale), step_size)
+        coef, s.limiter_prev = upd.apollo_coefficient(grad, factor, prev_norm=s.limiter_prev, sqrt_scale=math.sqrt(
+            c.scale), gamma=c.limiter_gamma if c.norm_limiter else None, reduce=reduce)
+        rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
+        spans = (upd.row_spans(grad.shape[0], rows) if rows < grad.shape[0]
+                 else self.writer.spans(s.param, s.master, like=grad))
+        for index in spans:
+            with self.writer.rows(s.param.data, s.master, index) as w:
+                upd.apply_scaled_update_(w, grad[index], upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
+                                         weight_decay=c.weight_decay, style=c.adam_style)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> float:
