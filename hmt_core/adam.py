@@ -1,5 +1,6 @@
 """Adam's moment update and step direction (Kingma & Ba, 2015, Alg. 1, bias-corrected) in the two AdamW formula
-styles HMT reproduces (``style``), as pure functions over tensors; ``hmt_core.optim.update`` (the update math of
+styles HMT reproduces (``style``), and the decoupled-weight-decay write ``apply_update_`` (Loshchilov & Hutter,
+2019, Alg. 2, line 12), as pure functions over tensors; ``hmt_core.optim.update`` (the update math of
 both optimizer modes) and the fused-kernel fallbacks of ``hmt_core.kernels.ops`` both use them.
 
 - ``"torch"``: ``torch.optim.AdamW`` — ``m ← lerp(m, g, 1−β₁)``, denominator ``√v/√(1−β₂ᵗ) + ε``, step ``η/(1−β₁ᵗ)``.
@@ -51,3 +52,16 @@ def adam_step(m: Tensor, v: Tensor, t: int, *, lr: float, beta1: float, beta2: f
         bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
         return (m * (lr / bc1)) / (v.sqrt() / bc2 ** 0.5).add_(eps), 1.0
     return adam_direction(m, v, t, lr=lr, beta1=beta1, beta2=beta2, eps=eps, style=style)
+
+
+def apply_update_(param: Tensor, update: Tensor, *, step_size: float, lr: float,  # param, update: (out, in)
+                  weight_decay: float, style: str) -> None:
+    """W ← W − step_size · update with decoupled weight decay, ordered as in the style's reference."""
+    if style == "torch":
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        param.add_(update, alpha=-step_size)
+    else:
+        param.add_(update, alpha=-step_size)
+        if weight_decay > 0.0:
+            param.add_(param, alpha=-lr * weight_decay)

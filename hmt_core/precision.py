@@ -85,17 +85,22 @@ def random_halfwords(shape: tuple[int, ...] | torch.Size, generator: torch.Gener
     return raw.view(torch.int16)[:n].view(shape)
 
 
-def stochastic_round_int(y: Tensor, generator: torch.Generator | None) -> Tensor:  # y: any shape, fp32, |y| < 2²³
+def stochastic_round_int(y: Tensor, generator: torch.Generator | None,  # y: any shape, fp32, |y| < 2²³
+                         noise: Tensor | None = None) -> Tensor:
     """y rounded to an integer stochastically (Gupta et al., 2015, Eq. 2, with ε = 1): ⌊y⌋ + 1 with probability
     f = y − ⌊y⌋, else ⌊y⌋, so E[SR(y)] = y and Var = f(1 − f) ≤ 1/4; integers never move. f is exact in fp32 for
     |y| < 2²³. The draw: up iff u < f·2¹⁶ − 2¹⁵ for u uniform over the 2¹⁶ signed 16-bit integers, so
     P(up) = ⌈f·2¹⁶⌉/2¹⁶ up to one fp32 rounding of the threshold: |P(up) − f| < 2⁻¹⁵, a bias below 2⁻¹⁵ of a unit.
-    Returns fp32 integer values (the caller clamps and casts); a fake y takes no draws."""
+    Returns fp32 integer values (the caller clamps and casts); a fake y takes no draws. ``noise``: the uniform
+    halfwords (int16, y's shape) drawn beforehand with ``random_halfwords`` (a fused kernel's input), else drawn
+    here from ``generator``."""
     if y.dtype != torch.float32:
         raise ValueError(f"stochastic_round_int rounds fp32 values, got {y.dtype}")
     low = torch.floor(y)
     threshold = torch.sub(y, low).mul_(65536.0).sub_(32768.0)  # f·2¹⁶ − 2¹⁵
-    up = random_halfwords(y.shape, generator, device=y.device, fake=is_fake(y)) < threshold
+    if noise is None:
+        noise = random_halfwords(y.shape, generator, device=y.device, fake=is_fake(y))
+    up = noise < threshold
     return low.add_(up)
 
 
@@ -110,6 +115,13 @@ class QuantizedWeight(Protocol):
         ...
 
     def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
+        ...
+
+    def fuses_update(self, update: Tensor) -> bool:  # whether ``update_rows`` runs one fused kernel for it
+        ...
+
+    def update_rows(self, index: Any, update: Tensor, *, step_size: float, decay: float, decay_after: bool,
+                    generator: torch.Generator | None) -> None:  # update: (rows, cols) fp32
         ...
 
 
@@ -222,6 +234,18 @@ class UpdateWriter:
             w.copy_(target)  # round-to-nearest
         if self.probe is not None:
             self.probe(param, index, target - before)
+
+    def fused(self, param: Any, update: Tensor) -> bool:
+        """Whether ``write_update`` applies an update to ``param`` in one fused kernel (a quantized weight whose
+        kernel runs for ``update``'s device, no probe); else the caller goes through ``rows``."""
+        return isinstance(param, QuantizedWeight) and self.probe is None and param.fuses_update(update)
+
+    def write_update(self, param: QuantizedWeight, index: Any, update: Tensor, *, step_size: float, lr: float,
+                     weight_decay: float, style: str) -> None:  # update: (rows, cols) fp32, of param[index]
+        """``rows`` + ``apply_update_`` in one kernel: dequantize, W ← W − step_size·U with the style's decoupled
+        weight decay, requantize by stochastic rounding from this writer's generator (the same draws)."""
+        param.update_rows(index, update, step_size=step_size, decay=lr * weight_decay, decay_after=style != "torch",
+                          generator=None if is_fake(update) else self._generator(update.device))
 
     def _quantized_rows(self, param: QuantizedWeight, index: Any) -> Iterator[Tensor]:
         target = param.read_rows(index)  # fp32: the high-precision domain of the update

@@ -295,10 +295,18 @@ class LowRankOptimizer:
             d, basis = direction, s.local_basis()
             if index is not Ellipsis:  # rows of W come from rows of the left factor (P, or D when right-sided)
                 d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
+            if self.writer.fused(s.param.data, d):  # an INT8 weight's one-kernel write of the rows' P U Qᵀ
+                a, b = kops.factors(d, basis)
+                self._write_fused(s, index, torch.matmul(a, b), step_size * self.cfg.scale)
+                continue
             with self.writer.rows(s.param.data, s.master, index) as w:
                 kops.lowrank_update(w, d, basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
                                     weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style,
                                     backend=self.kernels)
+
+    def _write_fused(self, s: Slot, index: Any, update: Tensor, step_size: float) -> None:  # update: rows of W
+        self.writer.write_update(s.param.data, index, update.float(), step_size=step_size, lr=self.lr,
+                                 weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
@@ -336,6 +344,9 @@ class LowRankOptimizer:
         spans = (upd.row_spans(grad.shape[0], rows) if rows < grad.shape[0]
                  else self.writer.spans(s.param, s.master, like=grad))
         for index in spans:
+            if self.writer.fused(s.param.data, grad):  # an INT8 weight: one kernel writes the rows
+                self._write_fused(s, index, grad[index] * upd.rows_of(coef, index), step_size)
+                continue
             with self.writer.rows(s.param.data, s.master, index) as w:
                 upd.apply_scaled_update_(w, grad[index], upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
                                          weight_decay=c.weight_decay, style=c.adam_style)

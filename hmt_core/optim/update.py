@@ -35,23 +35,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hmt_core.adam import STYLES, adam_direction, adam_moments_, adam_step  # noqa: F401 (the update math's API)
+from hmt_core.adam import (STYLES, adam_direction, adam_moments_, adam_step,  # noqa: F401 (the update math's API)
+                           apply_update_)
 from hmt_core.projection import Basis, project_back
 
 MOMENT_POLICIES = ("keep", "project", "reset")
-
-
-def apply_update_(param: Tensor, update: Tensor, *, step_size: float, lr: float,  # param, update: (out, in)
-                  weight_decay: float, style: str) -> None:
-    """W ← W − step_size · update with decoupled weight decay, ordered as in the style's reference."""
-    if style == "torch":
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        param.add_(update, alpha=-step_size)
-    else:
-        param.add_(update, alpha=-step_size)
-        if weight_decay > 0.0:
-            param.add_(param, alpha=-lr * weight_decay)
 
 
 def apollo_scaling(direction: Tensor, low: Tensor, *, right_sided: bool,  # direction, low: (out, r) | (r, in)
