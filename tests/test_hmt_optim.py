@@ -364,3 +364,40 @@ def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
     assert (256, 64) in calls  # the embedding / lm_head really went through the chunked path
     for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "channel"])
+def test_mode_b_row_chunks_cost_one_op_each(scaling, monkeypatch):
+    """Mode B's update of a row-chunked weight: each extra chunk adds exactly one ATen op (``addcmul_``), the
+    limiter norm and scaling are computed once per weight (no per-chunk norm, scaling or limiter ops), and the
+    result equals the one-chunk update (element-wise the same arithmetic: only the chunking differs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hmt_core.optim import optimizer as hopt
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def step(rows: int):
+        monkeypatch.setattr(hopt, "chunk_rows_for", lambda shape, dtype, chunk_bytes=0, like=None: rows)
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"mlp": nn.Linear(24, 64, bias=False)})
+        method = attached(net, None, mode="B", rank=2, basis="random", scaling=scaling, per_layer=False)
+        grad = torch.randn(64, 24, generator=torch.Generator().manual_seed(1))
+        s = method.opt.slots[0]
+        for _ in range(2):  # the second step has a limiter memory: the limiter's ops run
+            if method.opt.refresh_due(s):
+                method.opt.refresh(s, grad)
+            counter = Count()
+            with counter:
+                method.opt.update_full(s, grad)
+        return counter.n, net["mlp"].weight.detach().clone()
+
+    (one, w_one), (four, w_four) = step(64), step(16)
+    assert four - one == 3, (one, four)
+    assert torch.equal(w_one, w_four)
