@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from experiments.dispatch_counter import DispatchCounter
 from hmt_core import hmt
 from hmt_core import projection as proj
 from hmt_core.optim import update as upd
@@ -75,16 +75,6 @@ def test_rank_increase_gives_new_coordinates_a_fresh_clock(mode, policy, per_lay
         assert torch.equal(w_new[:, 8:], w_old[:, 8:])
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_young_clock_index_tensors_are_built_once_per_born():
     """After the rank increase the young coordinates' index tensors are built once (when ``born`` changes) and
     reused: a later step builds no tensor from host data (``torch.tensor(list)`` dispatches ``lift_fresh``, a
@@ -94,13 +84,15 @@ def test_young_clock_index_tensors_are_built_once_per_born():
     cached = s.clock[1]
     assert s.born == (0, 0, 0, 0, T, T, T, T) and [g.born for g in cached] == [T]
     net_w, grad = s.param.detach().clone(), diag(G2)
-    with _OpNames() as seen:
+    counter = DispatchCounter()
+    with counter:
         s.param.grad = grad
         method.step()
         method.zero_grad()
     assert s.clock[1] is cached, "index tensors rebuilt although born did not change"
-    fresh = [n for n in seen.names if n.startswith("lift_fresh")]
-    assert not fresh, f"a step built tensors from host data: {fresh}"
+    counts = counter.report()
+    fresh = {k: n for k, n in counts.sync_ops.items() if "lift_fresh" in k}
+    assert not fresh, f"a step built tensors from host data: {fresh} at {counts.sync_sites}"
     step = (net_w - s.param.detach()).diagonal()[4:8]  # the young coordinates still take fresh-clock steps ≈ lr
     torch.testing.assert_close(step, torch.full((4,), LR), rtol=1e-5, atol=0)
 
