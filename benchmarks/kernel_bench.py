@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.update_memory import update_temp_bytes  # noqa: E402
-from hmt_core import kernels  # noqa: E402
+from hmt_core import kernels, precision  # noqa: E402
 from hmt_core.activations import codecs  # noqa: E402
 from hmt_core.kernels import ops  # noqa: E402
 from hmt_core.projection import Basis  # noqa: E402
@@ -35,13 +35,13 @@ MIB = 1 << 20
 def memory_section(real: bool) -> None:
     o, i, r = 11008, 4096, 256
     print(f"== fused-update fallback temporaries: W ({o}x{i}) -= lr * P({o}x{r}) U({r}x{r}) Q({i}x{r})^T")
-    print(f"   chunk budget {ops.CHUNK_BYTES // MIB} MiB per row chunk; meter category 'temp' at the peak")
+    print(f"   chunk budget {precision.CHUNK_BYTES // MIB} MiB per row chunk (CPU); meter category 'temp' at the peak")
     runs = [(torch.float32, True), (torch.bfloat16, True)] + ([(torch.float32, False)] if real else [])
     for dtype, fake in runs:
         full = o * i * dtype.itemsize
         naive, _ = update_temp_bytes(o, i, r, naive=True, dtype=dtype, fake=fake)
         chunked, _ = update_temp_bytes(o, i, r, naive=False, dtype=dtype, fake=fake)
-        rows = ops.chunk_rows_for((o, i), dtype)
+        rows = precision.chunk_rows_for((o, i), dtype)
         print(f"   {str(dtype):15s} {'fake' if fake else 'real'}: naive {naive:>11,d} B ({naive / MIB:7.1f} MiB)  "
               f"chunked {chunked:>11,d} B ({chunked / MIB:6.1f} MiB)  ratio {naive / max(chunked, 1):5.1f}x  "
               f"[full W {full / MIB:.1f} MiB, {rows} rows/chunk]")

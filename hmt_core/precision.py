@@ -33,8 +33,14 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-# How many rows of an fp32 temporary a stochastic-rounding write may hold at once (bytes of one chunk).
+from hmt_core import kernels
+
+# Row-chunk budgets (bytes of one chunk of an update's temporaries: stochastic-rounding and INT8 writes, the fused
+# update's fallback, Mode B, large dense weights). The host's is sized for CPU memory; on CUDA a 16 MiB chunk is
+# streamed in ~10 µs at HBM bandwidth, no longer than its kernels' launch overhead, so CUDA chunks are 4x larger
+# (a 7B MLP weight in 3 chunks instead of 11; docs/kernels.md).
 CHUNK_BYTES = 16 << 20
+CUDA_CHUNK_BYTES = 64 << 20
 _LOW_BITS = 1 << 16  # BF16 is the upper 16 bits of the fp32 pattern: 16 bits are rounded away
 _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as int32
 
@@ -79,17 +85,22 @@ def random_halfwords(shape: tuple[int, ...] | torch.Size, generator: torch.Gener
     return raw.view(torch.int16)[:n].view(shape)
 
 
-def stochastic_round_int(y: Tensor, generator: torch.Generator | None) -> Tensor:  # y: any shape, fp32, |y| < 2²³
+def stochastic_round_int(y: Tensor, generator: torch.Generator | None,  # y: any shape, fp32, |y| < 2²³
+                         noise: Tensor | None = None) -> Tensor:
     """y rounded to an integer stochastically (Gupta et al., 2015, Eq. 2, with ε = 1): ⌊y⌋ + 1 with probability
     f = y − ⌊y⌋, else ⌊y⌋, so E[SR(y)] = y and Var = f(1 − f) ≤ 1/4; integers never move. f is exact in fp32 for
     |y| < 2²³. The draw: up iff u < f·2¹⁶ − 2¹⁵ for u uniform over the 2¹⁶ signed 16-bit integers, so
     P(up) = ⌈f·2¹⁶⌉/2¹⁶ up to one fp32 rounding of the threshold: |P(up) − f| < 2⁻¹⁵, a bias below 2⁻¹⁵ of a unit.
-    Returns fp32 integer values (the caller clamps and casts); a fake y takes no draws."""
+    Returns fp32 integer values (the caller clamps and casts); a fake y takes no draws. ``noise``: the uniform
+    halfwords (int16, y's shape) drawn beforehand with ``random_halfwords`` (a fused kernel's input), else drawn
+    here from ``generator``."""
     if y.dtype != torch.float32:
         raise ValueError(f"stochastic_round_int rounds fp32 values, got {y.dtype}")
     low = torch.floor(y)
     threshold = torch.sub(y, low).mul_(65536.0).sub_(32768.0)  # f·2¹⁶ − 2¹⁵
-    up = random_halfwords(y.shape, generator, device=y.device, fake=is_fake(y)) < threshold
+    if noise is None:
+        noise = random_halfwords(y.shape, generator, device=y.device, fake=is_fake(y))
+    up = noise < threshold
     return low.add_(up)
 
 
@@ -106,14 +117,34 @@ class QuantizedWeight(Protocol):
     def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
         ...
 
+    def fuses_update(self, update: Tensor) -> bool:  # whether ``update_rows`` runs one fused kernel for it
+        ...
 
-def write_rows(shape: tuple[int, ...], chunk_bytes: int | None = None) -> list[Any]:
+    def update_rows(self, index: Any, update: Tensor, *, step_size: float, decay: float, decay_after: bool,
+                    generator: torch.Generator | None) -> None:  # update: (rows, cols) fp32
+        ...
+
+
+def chunk_budget(like: Any = None) -> int:
+    """Bytes of one row chunk for tensors like ``like``: ``CUDA_CHUNK_BYTES`` on CUDA (fake tensors standing for
+    CUDA ones in a ``dryrun.device=cuda`` trace included, ``hmt_core.kernels.on_cuda``), else ``CHUNK_BYTES``."""
+    return CUDA_CHUNK_BYTES if like is not None and kernels.on_cuda(like) else CHUNK_BYTES
+
+
+def chunk_rows_for(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, chunk_bytes: int = 0, *,
+                   like: Any = None) -> int:
+    """Rows of a (rows, ...) temporary of ``dtype`` that fit one chunk (``chunk_bytes``, 0: ``chunk_budget(like)``);
+    the one row-chunk rule of every chunked update."""
+    row_bytes = (int(torch.Size(shape).numel()) // max(1, shape[0])) * dtype.itemsize if shape and shape[0] else 1
+    return max(1, (chunk_bytes or chunk_budget(like)) // max(1, row_bytes))
+
+
+def write_rows(shape: tuple[int, ...], chunk_bytes: int | None = None, *, like: Any = None) -> list[Any]:
     """Row spans (indices) of a weight of ``shape`` such that one fp32 row chunk holds ≤ ``chunk_bytes`` (default
-    ``CHUNK_BYTES``); 0-d and 1-d weights are one span (``...``)."""
-    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    ``chunk_budget(like)``); 0-d and 1-d weights are one span (``...``)."""
     if len(shape) < 2:
         return [...]
-    rows = max(1, chunk_bytes // max(1, 4 * (int(torch.Size(shape).numel()) // max(1, shape[0]))))
+    rows = chunk_rows_for(shape, torch.float32, chunk_bytes or 0, like=like)
     if rows >= shape[0]:
         return [...]
     return [slice(a, min(a + rows, shape[0])) for a in range(0, shape[0], rows)]
@@ -162,12 +193,14 @@ class UpdateWriter:
             return None
         return param.detach().float().clone()
 
-    def spans(self, param: Tensor, master: Tensor | None) -> list[Any]:
-        """Row indices to write ``param`` in: one span unless the write goes through fp32 temporaries."""
+    def spans(self, param: Tensor, master: Tensor | None, *, like: Tensor | None = None) -> list[Any]:
+        """Row indices to write ``param`` in: one span unless the write goes through fp32 temporaries (chunks of
+        ``chunk_budget(like)``: ``like`` a tensor on the weight's device, e.g. its update; a quantized weight has
+        no tensor of its own)."""
         if isinstance(param, QuantizedWeight):
-            return write_rows(tuple(param.shape))
+            return write_rows(tuple(param.shape), like=like)
         if master is None and param.dtype != torch.float32 and (self.stochastic or self.probe is not None):
-            return write_rows(tuple(param.shape))
+            return write_rows(tuple(param.shape), like=param)
         return [...]
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -201,6 +234,18 @@ class UpdateWriter:
             w.copy_(target)  # round-to-nearest
         if self.probe is not None:
             self.probe(param, index, target - before)
+
+    def fused(self, param: Any, update: Tensor) -> bool:
+        """Whether ``write_update`` applies an update to ``param`` in one fused kernel (a quantized weight whose
+        kernel runs for ``update``'s device, no probe); else the caller goes through ``rows``."""
+        return isinstance(param, QuantizedWeight) and self.probe is None and param.fuses_update(update)
+
+    def write_update(self, param: QuantizedWeight, index: Any, update: Tensor, *, step_size: float, lr: float,
+                     weight_decay: float, style: str) -> None:  # update: (rows, cols) fp32, of param[index]
+        """``rows`` + ``apply_update_`` in one kernel: dequantize, W ← W − step_size·U with the style's decoupled
+        weight decay, requantize by stochastic rounding from this writer's generator (the same draws)."""
+        param.update_rows(index, update, step_size=step_size, decay=lr * weight_decay, decay_after=style != "torch",
+                          generator=None if is_fake(update) else self._generator(update.device))
 
     def _quantized_rows(self, param: QuantizedWeight, index: Any) -> Iterator[Tensor]:
         target = param.read_rows(index)  # fp32: the high-precision domain of the update

@@ -123,15 +123,28 @@ def test_dryrun_cuda_target_takes_the_triton_decision_of_a_cuda_tensor():
         assert not kernels.use_triton(torch.zeros(2))
 
 
-def _lowrank_step(make, backend: str | None) -> OpCounter:
+def test_auto_sends_plain_gemms_to_torch_matmul_and_fusing_kernels_to_triton():
+    """``auto`` on (fake) CUDA tensors: the projection GEMM goes to torch.matmul (cuBLAS), the fusing kernels to
+    Triton where it imports; asked for by name, Triton runs the GEMM too; ``torch`` never runs Triton."""
+    with FakeTensorMode(), kernels.fake_tensors_on("cuda"):
+        t = _fake("cpu", 8, 4)
+        assert not kernels.use_triton(t, backend="auto", gemm=True)
+        assert kernels.use_triton(t, backend="auto") == kernels.triton_available()
+        assert not kernels.use_triton(t, backend="torch", gemm=True)
+        if kernels.triton_available():
+            assert kernels.use_triton(t, backend="triton", gemm=True)
+
+
+def _lowrank_step(make, backend: str | None, gemm_backend: str | None = None) -> OpCounter:
     """HMT's kernel-path helpers on one (32, 24) weight with a two-sided rank-4 basis; ops recorded. The Adam
-    step gets a non-contiguous gradient, which the kernel reads through a contiguous copy."""
+    step gets a non-contiguous gradient, which the kernel reads through a contiguous copy. ``gemm_backend``: the
+    projection's (default: ``backend``)."""
     w, grad = make(32, 24), make(32, 24)
     basis = Basis(make(32, 4), make(4, 24))
     m, v = make(4, 4), make(4, 4).abs()  # v: a second moment (>= 0)
     counter = OpCounter()
     with counter:
-        low = ops.project(grad, basis, backend=backend)
+        low = ops.project(grad, basis, backend=gemm_backend or backend)
         d, step_size = ops.adam_step(m, v, low.t(), 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, style="torch",
                                      backend=backend)
         ops.lowrank_update(w, d, basis, scale=1.0, step_size=step_size, lr=1e-3, weight_decay=0.0, style="torch",
@@ -140,16 +153,18 @@ def _lowrank_step(make, backend: str | None) -> OpCounter:
 
 
 def test_triton_path_traces_the_ops_and_tensors_the_kernels_run():
-    """The dry run (fake CPU tensors, ``dryrun.device=cuda``, backend auto) against the kernels themselves (real
-    CPU tensors in Triton's interpreter, backend triton): the same ops, each returning tensors of the same shapes
-    and dtypes — the custom ops' fake implementations allocate what the launches allocate."""
-    real = _lowrank_step(lambda *s: torch.randn(s), "triton")
+    """The dry run (fake CPU tensors, ``dryrun.device=cuda``, backend auto) against what auto runs on CUDA (real CPU
+    tensors: the fusing kernels in Triton's interpreter, the projection GEMMs in torch.matmul): the same ops, each
+    returning tensors of the same shapes and dtypes — the custom ops' fake implementations allocate what the
+    launches allocate."""
+    real = _lowrank_step(lambda *s: torch.randn(s), "triton", gemm_backend="torch")
     with FakeTensorMode(), kernels.fake_tensors_on("cuda"):
         fake = _lowrank_step(lambda *s: torch.empty(s), None)
     assert fake.outputs == real.outputs, f"dry run {fake.outputs}\nkernels {real.outputs}"
-    # two-sided projection: two launches (Pᵀ G, then (Pᵀ G) Q), the (r, in) intermediate among the outputs
-    assert real.ops["hmt.project.default"] == 2 and real.ops["hmt.adam_lowrank_.default"] == 1, real.ops
-    assert ("hmt.project.default", (4, 24), torch.float32) in real.outputs, real.outputs
+    # two-sided projection: two cuBLAS GEMMs (Pᵀ G, then (Pᵀ G) Q) and the update's factor U Qᵀ (r, in), no
+    # Triton matmul under auto
+    assert real.ops["aten.mm.default"] == 3 and "hmt.project.default" not in real.ops, real.ops
+    assert real.ops["hmt.adam_lowrank_.default"] == 1, real.ops
     assert real.ops["hmt.lowrank_update_.default"] == 1, real.ops
     assert real.ops["aten.clone.default"] == 1, real.ops  # the Adam kernel's contiguous copy of the gradient
 

@@ -338,7 +338,7 @@ def test_row_chunked_mode_b_update_equals_the_unchunked_one(factor_shape, limite
 
 def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
     """Large dense weights (embedding, lm_head) are updated in row chunks: element-wise the same arithmetic."""
-    from hmt_core.kernels import ops as kops
+    from hmt_core.optim import optimizer as hopt
     from helpers import batches, tiny_llama
 
     calls = []
@@ -350,8 +350,8 @@ def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
                                      lr=1e-3, weight_decay=0.1, per_layer=False))
         method.attach(model, max_grad_norm=None)
         if chunk_rows:
-            monkeypatch.setattr(kops, "chunk_rows_for",  # chunk the (256, 64) embedding / lm_head only
-                                lambda shape, dtype, chunk_bytes=0: calls.append(shape) or (
+            monkeypatch.setattr(hopt, "chunk_rows_for",  # chunk the (256, 64) embedding / lm_head only
+                                lambda shape, dtype, chunk_bytes=0, like=None: calls.append(shape) or (
                                     chunk_rows if shape[0] == 256 else shape[0]))
         for ids in batches(3):
             model(input_ids=ids, labels=ids).loss.backward()
@@ -364,3 +364,31 @@ def test_row_chunked_dense_adam_is_bit_identical(monkeypatch):
     assert (256, 64) in calls  # the embedding / lm_head really went through the chunked path
     for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "channel"])
+def test_mode_b_row_chunks_cost_one_op_each(scaling, monkeypatch):
+    """Mode B's update of a row-chunked weight: each extra chunk adds exactly one ATen op (``addcmul_``), the
+    limiter norm and scaling are computed once per weight (no per-chunk norm, scaling or limiter ops), and the
+    result equals the one-chunk update (element-wise the same arithmetic: only the chunking differs)."""
+    from experiments.dispatch_counter import DispatchCounter
+    from hmt_core.optim import optimizer as hopt
+
+    def step(rows: int):
+        monkeypatch.setattr(hopt, "chunk_rows_for", lambda shape, dtype, chunk_bytes=0, like=None: rows)
+        torch.manual_seed(0)
+        net = nn.ModuleDict({"mlp": nn.Linear(24, 64, bias=False)})
+        method = attached(net, None, mode="B", rank=2, basis="random", scaling=scaling, per_layer=False)
+        grad = torch.randn(64, 24, generator=torch.Generator().manual_seed(1))
+        s = method.opt.slots[0]
+        for _ in range(2):  # the second step has a limiter memory: the limiter's ops run
+            if method.opt.refresh_due(s):
+                method.opt.refresh(s, grad)
+            counter = DispatchCounter()
+            with counter:
+                method.opt.update_full(s, grad)
+        return sum(counter.report().aten_ops.values()), net["mlp"].weight.detach().clone()  # views excluded
+
+    (one, w_one), (four, w_four) = step(64), step(16)
+    assert four - one == 3, (one, four)
+    assert torch.equal(w_one, w_four)

@@ -26,7 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from experiments.update_memory import update_temp_bytes
-from hmt_core import kernels
+from hmt_core import kernels, precision
 from hmt_core.activations import codecs as C
 from hmt_core.kernels import ops, quant
 from hmt_core.optim import update as upd
@@ -280,8 +280,8 @@ def test_chunked_fallback_bounds_temporaries_on_a_7b_mlp_matrix():
     chunked = _update_temp_bytes(o, i, r, naive=False)
     full = o * i * 4
     assert naive >= 2 * full  # P U Qᵀ and lr·(P U Qᵀ) alive together
-    chunk = ops.chunk_rows_for((o, i), torch.float32) * i * 4
-    assert chunk == ops.CHUNK_BYTES and chunked <= chunk + r * i * 4  # one row chunk + U Qᵀ (r, in)
+    chunk = precision.chunk_rows_for((o, i), torch.float32) * i * 4  # CPU tensors: the host budget
+    assert chunk == precision.CHUNK_BYTES and chunked <= chunk + r * i * 4  # one row chunk + U Qᵀ (r, in)
     assert chunked < full / 8
 
 

@@ -138,8 +138,8 @@ LOWRANK_TOL = 3 * BF16_U
 ], ids=["A-full-per_layer-deferred", "A-full-ordinary", "B-full-per_layer", "A-svd-per_layer",
         "A-rsvd-per_layer-deferred", "A-rsvd-ordinary", "B-channel-per_layer", "B-tensor-ordinary"])
 def test_hmt_master_weights_step_equals_fp32_step(kw, clip, monkeypatch):
-    from hmt_core.kernels import ops as kops
-    monkeypatch.setattr(kops, "chunk_rows_for", lambda shape, dtype, chunk_bytes=0: 16)
+    from hmt_core.optim import optimizer as hopt
+    monkeypatch.setattr(hopt, "chunk_rows_for", lambda shape, dtype, chunk_bytes=0, like=None: 16)
     full = kw.get("sides") == "identity"
     tol = IDENTITY_TOL if full else LOWRANK_TOL
     cfg = dict(rank=None if full else 8, update_interval=3, lr=1e-5, weight_decay=0.01, scale=1.0 if full else 0.25,

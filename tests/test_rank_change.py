@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from experiments.dispatch_counter import DispatchCounter
 from hmt_core import hmt
 from hmt_core import projection as proj
 from hmt_core.optim import update as upd
@@ -72,6 +73,28 @@ def test_rank_increase_gives_new_coordinates_a_fresh_clock(mode, policy, per_lay
         assert torch.equal(m_new[:, :4], m_old) and torch.equal(v_new[:, :4], v_old), f"step {k}: old moments"
         assert torch.equal(w_new[:, :4], w_old[:, :4]), f"step {k}: old coordinates' weights"
         assert torch.equal(w_new[:, 8:], w_old[:, 8:])
+
+
+def test_young_clock_index_tensors_are_built_once_per_born():
+    """After the rank increase the young coordinates' index tensors are built once (when ``born`` changes) and
+    reused: a later step builds no tensor from host data (``torch.tensor(list)`` dispatches ``lift_fresh``, a
+    host-to-device copy on CUDA) and holds the very same index tensors; the update is the uncached one's."""
+    _, method = run("A", True, steps=T + 2)
+    s = method.opt.slots[0]
+    cached = s.clock[1]
+    assert s.born == (0, 0, 0, 0, T, T, T, T) and [g.born for g in cached] == [T]
+    net_w, grad = s.param.detach().clone(), diag(G2)
+    counter = DispatchCounter()
+    with counter:
+        s.param.grad = grad
+        method.step()
+        method.zero_grad()
+    assert s.clock[1] is cached, "index tensors rebuilt although born did not change"
+    counts = counter.report()
+    fresh = {k: n for k, n in counts.sync_ops.items() if "lift_fresh" in k}
+    assert not fresh, f"a step built tensors from host data: {fresh} at {counts.sync_sites}"
+    step = (net_w - s.param.detach()).diagonal()[4:8]  # the young coordinates still take fresh-clock steps ≈ lr
+    torch.testing.assert_close(step, torch.full((4,), LR), rtol=1e-5, atol=0)
 
 
 def test_zero_filled_moments_under_the_global_clock_would_be_oversized():

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core import kernels
-from hmt_core.precision import CHUNK_BYTES, stochastic_round_int
+from hmt_core.precision import stochastic_round_int
 
 BLOCK = 256  # Q-GaLore's weight group size
 QMAX = 127.0
@@ -66,9 +66,10 @@ def _scaled_op(op, a: Tensor, s: Tensor, block: int, out: Tensor) -> Tensor:
 
 
 def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows, cols) int8, s (rows, nb) fp32)
-             generator: torch.Generator | None = None, *, stochastic: bool = False) -> tuple[Tensor, Tensor]:
+             generator: torch.Generator | None = None, *, stochastic: bool = False,
+             noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Codes and scales of ``w`` (see the module docstring): round-to-nearest, or stochastic rounding from
-    ``generator`` when ``stochastic``. Non-finite values are refused (ValueError) on real tensors when converting
+    ``generator`` (or the pre-drawn ``noise``, ``stochastic_round_int``) when ``stochastic``. Non-finite values are refused (ValueError) on real tensors when converting
     (round-to-nearest); an update's write trusts its caller (HMT skips non-finite gradients before updating)."""
     if w.dim() != 2:
         raise ValueError(f"int8 weight quantization needs a 2-D weight, got shape {tuple(w.shape)}")
@@ -77,13 +78,8 @@ def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows
         raise ValueError("int8 weight quantization: the weight contains NaN or Inf")
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
     y = _scaled_op(torch.div, w, scale, block, torch.empty(w.shape, dtype=torch.float32, device=w.device))
-    y = stochastic_round_int(y, generator) if stochastic else y.round_()
+    y = stochastic_round_int(y, generator, noise) if stochastic else y.round_()
     return y.clamp_(-QMAX, QMAX).to(torch.int8), scale  # |W/s| ≤ 127 up to one fp32 rounding of the division
-
-
-def chunk_rows(cols: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows of an fp32 (rows, cols) temporary that fit ``chunk_bytes``."""
-    return max(1, chunk_bytes // max(1, 4 * cols))
 
 
 def dequantize_torch(q: Tensor, scale: Tensor, block: int,  # q: (rows, cols) int8, scale: (rows, nb) fp32
@@ -115,3 +111,51 @@ def dequantize(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype,  # q: (
     if kernels.use_triton(q, scale, backend=backend):
         return torch.ops.hmt.int8_weight_dequant(q, scale, block, dtype, backend or kernels.get_backend())
     return dequantize_torch(q, scale, block, dtype)
+
+
+# --------------------------------------------------------------------------- fused update of INT8 weight rows
+def int8_update_torch(codes: Tensor, scales: Tensor, update: Tensor, noise: Tensor, block: int,  # see int8_update
+                      step_size: float, decay: float, decay_after: bool) -> None:
+    """``int8_update``'s PyTorch fallback, the unfused ops: dequantize, ``apply_update_``'s arithmetic, requantize."""
+    w = dequantize_torch(codes, scales, block, torch.float32)
+    if decay_after:  # hf: W ← W − s·U, then W ← W − ηλ·W
+        w.add_(update, alpha=-step_size)
+        if decay > 0.0:
+            w.add_(w, alpha=-decay)
+    else:  # torch: W ← (1 − ηλ)·W, then W ← W − s·U
+        if decay != 0:
+            w.mul_(1 - decay)
+        w.add_(update, alpha=-step_size)
+    q, s = quantize(w, block, stochastic=True, noise=noise)
+    codes.copy_(q)
+    scales.copy_(s)
+
+
+@torch.library.custom_op("hmt::int8_update_", mutates_args=("codes", "scales"))
+def int8_update_(codes: Tensor, scales: Tensor, update: Tensor, noise: Tensor, block: int, step_size: float,
+                 decay: float, decay_after: bool, backend: str = "") -> None:
+    # codes: (rows, cols) int8, scales: (rows, nb) fp32, both in place; update: (rows, cols) fp32; noise: int16
+    if kernels.use_triton(codes, scales, update, noise, backend=backend):
+        from hmt_core.kernels import int8_weight
+        int8_weight.update_(codes, scales, update, noise, block, step_size=step_size, decay=decay,
+                            decay_after=decay_after)
+    else:
+        int8_update_torch(codes, scales, update, noise, block, step_size, decay, decay_after)
+
+
+@int8_update_.register_fake
+def _(codes, scales, update, noise, block, step_size, decay, decay_after, backend="") -> None:
+    return None
+
+
+def int8_update(codes: Tensor, scales: Tensor, update: Tensor, noise: Tensor, block: int, *, step_size: float,
+                decay: float, decay_after: bool, backend: str | None = None) -> None:
+    """INT8 rows updated in place: Ŵ = q·s, W ← W − step_size·U with decoupled weight decay ``decay`` (= ηλ; before
+    the update, or after it with ``decay_after``, as ``hmt_core.adam.apply_update_`` orders them), then requantized
+    by stochastic rounding with the pre-drawn ``noise`` (``random_halfwords``, U's shape). One Triton kernel when it
+    runs (``hmt_core.kernels.int8_weight.update_``), else ``int8_update_torch``."""
+    if kernels.use_triton(codes, scales, update, noise, backend=backend):
+        torch.ops.hmt.int8_update_(codes, scales, update, noise, block, float(step_size), float(decay),
+                                   bool(decay_after), backend or kernels.get_backend())
+    else:
+        int8_update_torch(codes, scales, update, noise, block, step_size, decay, decay_after)

@@ -29,9 +29,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
-from hmt_core.int8_weights.codec import BLOCK, chunk_rows, dequantize, quantize
+from hmt_core import kernels
+from hmt_core.int8_weights.codec import BLOCK, dequantize, int8_update, quantize
+from hmt_core.precision import chunk_rows_for, random_halfwords
 
 ROLE = "hmt_int8_role"  # attribute of an Int8Linear's parameters: "phantom" | "codes" | "scales"
 
@@ -105,12 +108,12 @@ class Int8Linear(nn.Linear):
     @classmethod
     @torch.no_grad()
     def from_module(cls, module: nn.Module, *, block: int = BLOCK, backend: str | None = None) -> Int8Linear:
-        """Quantize ``module``'s weight (round-to-nearest, row chunks: at most ``CHUNK_BYTES`` of fp32 temporaries)."""
+        """Quantize ``module``'s weight (round-to-nearest, row chunks: at most one chunk budget of fp32 temporaries)."""
         w = module.weight.detach()
         transposed = not isinstance(module, nn.Linear)  # Conv1D: (in, out)
         codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         scales = torch.empty((w.shape[0], -(-w.shape[1] // block)), dtype=torch.float32, device=w.device)
-        step = chunk_rows(w.shape[1])
+        step = chunk_rows_for(tuple(w.shape), torch.float32, like=w)
         for a in range(0, w.shape[0], step):
             codes[a:a + step], scales[a:a + step] = quantize(w[a:a + step], block)
         bias = module.bias if isinstance(getattr(module, "bias", None), nn.Parameter) else None
@@ -217,6 +220,19 @@ class Int8Weight:
         codes, scales = quantize(value, self.layer.block, generator, stochastic=True)
         self.layer.weight_codes[index].copy_(codes)
         self.layer.weight_scales[index].copy_(scales)
+
+    def fuses_update(self, update: Tensor) -> bool:
+        layer = self.layer
+        return kernels.use_triton(layer.weight_codes, layer.weight_scales, update, backend=layer.backend)
+
+    def update_rows(self, index: Any, update: Tensor, *, step_size: float, decay: float, decay_after: bool,
+                    generator: torch.Generator | None) -> None:  # update: (rows, cols) fp32
+        """``read_rows`` → W − step_size·U (decay ``decay`` = ηλ) → ``write_rows`` in one kernel: the noise is drawn
+        from ``generator`` first, the draws ``write_rows``' stochastic rounding makes."""
+        layer = self.layer
+        noise = random_halfwords(update.shape, generator, device=update.device, fake=is_fake(update))
+        int8_update(layer.weight_codes[index], layer.weight_scales[index], update, noise, layer.block,
+                    step_size=step_size, decay=decay, decay_after=decay_after, backend=layer.backend)
 
     def nbytes(self) -> int:
         layer = self.layer

@@ -1,9 +1,10 @@
 """Kernel backend switch for HMT's fused ops: Triton kernels or their PyTorch fallbacks.
 
 Backends (``BACKENDS``):
-- ``"auto"`` (default): Triton when every tensor is on CUDA and ``triton`` imports, else the PyTorch fallback
+- ``"auto"`` (default): Triton for the kernels that fuse work (the update, Adam, the codecs) when every tensor is on
+  CUDA and ``triton`` imports, else the PyTorch fallback; plain GEMMs (the projection) always ``torch.matmul``
   (fake tensors count as CUDA tensors inside ``fake_tensors_on("cuda")``: a dry run with ``dryrun.device=cuda``);
-- ``"triton"``: always Triton — on CUDA, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
+- ``"triton"``: always Triton, GEMMs included — on CUDA, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
   how the tests check the kernels without a GPU); raises if neither is possible;
 - ``"torch"``: always the PyTorch fallback.
 
@@ -70,7 +71,8 @@ def fake_tensors_on(device_type: str) -> Iterator[None]:
         _state["fake_device"] = previous
 
 
-def _on_cuda(t: Tensor) -> bool:
+def on_cuda(t: Tensor) -> bool:
+    """``t`` is a CUDA tensor, or a fake one standing for a CUDA tensor (``fake_tensors_on("cuda")``)."""
     return t.is_cuda or (_state["fake_device"] == "cuda" and is_fake(t))
 
 
@@ -83,18 +85,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(*tensors: Tensor, backend: str | None = None) -> bool:
-    """Whether an op on ``tensors`` runs its Triton kernel under ``backend`` (None or "": the global one)."""
+def use_triton(*tensors: Tensor, backend: str | None = None, gemm: bool = False) -> bool:
+    """Whether an op on ``tensors`` runs its Triton kernel under ``backend`` (None or "": the global one).
+    ``gemm``: the op is a plain matrix product with nothing to fuse (the projection ``Pᵀ G``): ``"auto"`` sends it to
+    ``torch.matmul`` (cuBLAS, tuned per shape and GPU) rather than the untuned 64×64×32-tile Triton matmul, which
+    runs only when ``"triton"`` is asked for by name."""
     name = _check(backend) if backend else get_backend()
-    if name == "torch":
+    if name == "torch" or (gemm and name == "auto"):
         return False
-    on_cuda = all(_on_cuda(t) for t in tensors)
+    every_on_cuda = all(on_cuda(t) for t in tensors)
     if name == "auto":
-        return on_cuda and triton_available()
+        return every_on_cuda and triton_available()
     if not triton_available():
         raise RuntimeError("kernels backend 'triton' requested but the triton package is not installed "
                            "(pip install 'hmt[triton]')")
-    if not (on_cuda or interpreting()):
+    if not (every_on_cuda or interpreting()):
         raise RuntimeError("kernels backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton "
                            "is imported) to run the kernels on CPU in Triton's interpreter")
     return True

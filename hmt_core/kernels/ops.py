@@ -7,7 +7,8 @@ decoupled weight decay, Loshchilov & Hutter 2019), each a ``torch.library.custom
   factors (A, B). The fallback reconstructs ``chunk_rows`` rows at a time, so its temporaries are bounded by
   ``chunk_rows × in`` elements instead of a full-size ``P U Qᵀ`` (plus ``α·`` and ``lr·`` copies of it); with one
   chunk it performs exactly the ops of ``project_back_scaled`` + ``apply_update_`` (bit-identical).
-- ``hmt::project``: ``Ĝ = Pᵀ G`` | ``G Q`` | ``Pᵀ G Q`` (``hmt_core.projection.project``).
+- ``hmt::project``: ``Ĝ = Pᵀ G`` | ``G Q`` | ``Pᵀ G Q`` (``hmt_core.projection.project``); a plain GEMM, so only
+  with the ``"triton"`` backend: ``"auto"`` calls ``torch.matmul`` (cuBLAS) for it.
 - ``hmt::adam_lowrank_``: Adam moments in place + the step direction (``adam_moments_`` + ``adam_step``).
 
 The helpers ``lowrank_update`` / ``project`` / ``adam_step`` are what the optimizer calls: they call the op when
@@ -25,16 +26,11 @@ import math
 import torch
 from torch import Tensor
 
+from hmt_core import adam as upd
 from hmt_core import kernels
-from hmt_core.optim import update as upd
+from hmt_core.precision import chunk_rows_for
 from hmt_core.projection import Basis
 from hmt_core.projection import project as project_torch
-
-CHUNK_BYTES = 16 << 20  # default row-chunk budget of the fallback reconstruction (bytes of one chunk)
-
-
-def chunk_rows_for(shape: tuple[int, int], dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES) -> int:
-    return max(1, chunk_bytes // max(1, shape[1] * dtype.itemsize))
 
 
 # --------------------------------------------------------------------------------------------- fused update
@@ -42,7 +38,8 @@ def lowrank_update_torch(weight: Tensor, a: Tensor, b: Tensor, scale: float, ste
                          decay_after: bool, chunk_rows: int) -> None:
     """weight: (out, in) in place; a: (out, k); b: (k, in). Row-chunked: at most one (chunk_rows, in) temporary."""
     rows = weight.shape[0]
-    chunk = chunk_rows if chunk_rows > 0 else chunk_rows_for(tuple(weight.shape), torch.result_type(a, b))
+    chunk = chunk_rows if chunk_rows > 0 else chunk_rows_for(tuple(weight.shape), torch.result_type(a, b),
+                                                               like=weight)
     for i in range(0, rows, chunk):
         w = weight[i:i + chunk]
         full = torch.matmul(a[i:i + chunk], b)  # (chunk, in)
@@ -103,7 +100,7 @@ def project_op(grad: Tensor, left: Tensor | None, right: Tensor | None, backend:
     # grad: (out, in), left: (out, r) | None, right: (r, in) | None -> (r, in) | (out, r) | (r, r)
     if left is None and right is None:
         raise ValueError("hmt::project needs a left or a right basis")
-    if kernels.use_triton(*(t for t in (grad, left, right) if t is not None), backend=backend):
+    if kernels.use_triton(*(t for t in (grad, left, right) if t is not None), backend=backend, gemm=True):
         from hmt_core.kernels import lowrank
         return lowrank.project(grad, left, right)
     return project_torch(grad, Basis(left, right))
@@ -117,9 +114,10 @@ def _(grad, left, right, backend=""):
 
 
 def project(grad: Tensor, basis: Basis, *, backend: str | None = None) -> Tensor:
-    """grad: (out, in) -> Ĝ (low-rank), through the Triton op when it runs, else ``projection.project``."""
+    """grad: (out, in) -> Ĝ (low-rank): ``projection.project`` (torch.matmul) unless the Triton matmul is asked for
+    by name (``kernels.use_triton(gemm=True)``)."""
     tensors = [t for t in (grad, *basis) if t is not None]
-    if kernels.use_triton(*tensors, backend=backend):
+    if kernels.use_triton(*tensors, backend=backend, gemm=True):
         name = backend or kernels.get_backend()
         if basis.left is not None and basis.right is not None:  # the kernel's two launches, one op each, so the
             low = torch.ops.hmt.project(grad, basis.left, None, name)  # meter sees the (r, in) intermediate

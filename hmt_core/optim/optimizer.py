@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
-from hmt_core.precision import UpdateWriter
+from hmt_core.precision import UpdateWriter, chunk_rows_for
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
                            valid_candidates)
 from hmt_core.rank_budget import energy_curve, make_rank_budget
@@ -73,6 +73,7 @@ class Slot:
     rows: slice | None = None  # FSDP2 (hmt_core.optim.sharded): ``param`` is the local shard, these global rows
     global_shape: tuple[int, ...] | None = None  # the whole weight's shape (None: ``param``'s own)
     grad_param: nn.Parameter | None = None  # the parameter whose ``.grad`` the hooks read (None: ``param``)
+    clock: tuple[Any, tuple[upd.ClockGroup, ...]] | None = None  # (born, device) and its cached index tensors
 
     @property
     def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
@@ -251,11 +252,18 @@ class LowRankOptimizer:
                                               style=c.adam_style)
         s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
         if s.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
-            left, right = proj.which_sides(s.full_shape, c.sides)
-            groups = upd.clock_groups(s.born, s.adam_t, left=left, right=right, device=d.device)
+            groups = upd.clock_groups(self._clock_index(s, d.device), s.adam_t)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
         return d, step_size
+
+    def _clock_index(self, s: Slot, device: torch.device) -> tuple[upd.ClockGroup, ...]:
+        """``s.born``'s index tensors, built when ``born`` changes (a refresh, a retirement), else the cached ones."""
+        key = (s.born, device)
+        if s.clock is None or s.clock[0] != key:
+            left, right = proj.which_sides(s.full_shape, self.cfg.sides)
+            s.clock = (key, upd.clock_index(s.born, left=left, right=right, device=device))
+        return s.clock[1]
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
@@ -272,7 +280,7 @@ class LowRankOptimizer:
                                   style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
-        for index in self.writer.spans(s.param, s.master):
+        for index in self.writer.spans(s.param, s.master, like=full_update):
             with self.writer.rows(s.param.data, s.master, index) as w:
                 upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
                                   weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
@@ -288,14 +296,22 @@ class LowRankOptimizer:
             self._apply(s, direction, step_size)
             return
         # fused reconstruction + decay + update (Triton), or its row-chunked fallback: no full-size P U Qᵀ
-        for index in self.writer.spans(s.param, s.master):
+        for index in self.writer.spans(s.param, s.master, like=direction):
             d, basis = direction, s.local_basis()
             if index is not Ellipsis:  # rows of W come from rows of the left factor (P, or D when right-sided)
                 d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
+            if self.writer.fused(s.param.data, d):  # an INT8 weight's one-kernel write of the rows' P U Qᵀ
+                a, b = kops.factors(d, basis)
+                self._write_fused(s, index, torch.matmul(a, b), step_size * self.cfg.scale)
+                continue
             with self.writer.rows(s.param.data, s.master, index) as w:
                 kops.lowrank_update(w, d, basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
                                     weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style,
                                     backend=self.kernels)
+
+    def _write_fused(self, s: Slot, index: Any, update: Tensor, step_size: float) -> None:  # update: rows of W
+        self.writer.write_update(s.param.data, index, update.float(), step_size=step_size, lr=self.lr,
+                                 weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
@@ -310,7 +326,7 @@ class LowRankOptimizer:
                 s.param.grad = grad
                 self.dense8[s.name].step()
                 return
-            rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32) if grad.dim() == 2 else grad.shape[0]
+            rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad) if grad.dim() == 2 else grad.shape[0]
             if rows < grad.shape[0]:  # a large dense weight (embedding, lm_head): row chunks, same arithmetic
                 self._dense_adam_rows(s, grad, rows)
                 return
@@ -327,22 +343,18 @@ class LowRankOptimizer:
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
                                     kind=c.scaling, reduce=reduce)
-        rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32)
-        if rows < grad.shape[0] or reduce is not None:  # row-chunked: at most one chunk of the fp32 update alive
-            limiter, s.limiter_prev = upd.limiter_for_rows(grad, factor, prev_norm=s.limiter_prev, rows=rows,
-                                                           gamma=c.limiter_gamma if c.norm_limiter else None,
-                                                           reduce=reduce)
-            for a in range(0, grad.shape[0], rows):  # the ops of upd.scaled_update_rows_, through the writer
-                index = slice(a, min(a + rows, grad.shape[0]))
-                with self.writer.rows(s.param.data, s.master, index) as w:
-                    upd.apply_update_(w, upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)),
-                                      step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
-                                      style=c.adam_style)
-            return
-        scaled = grad * factor
-        if c.norm_limiter:
-            scaled, s.limiter_prev = upd.norm_growth_limit(scaled, s.limiter_prev, c.limiter_gamma)
-        self._apply(s, scaled * math.sqrt(c.scale), step_size)
+        coef, s.limiter_prev = upd.apollo_coefficient(grad, factor, prev_norm=s.limiter_prev, sqrt_scale=math.sqrt(
+            c.scale), gamma=c.limiter_gamma if c.norm_limiter else None, reduce=reduce)
+        rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
+        spans = (upd.row_spans(grad.shape[0], rows) if rows < grad.shape[0]
+                 else self.writer.spans(s.param, s.master, like=grad))
+        for index in spans:
+            if self.writer.fused(s.param.data, grad):  # an INT8 weight: one kernel writes the rows
+                self._write_fused(s, index, grad[index] * upd.rows_of(coef, index), step_size)
+                continue
+            with self.writer.rows(s.param.data, s.master, index) as w:
+                upd.apply_scaled_update_(w, grad[index], upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
+                                         weight_decay=c.weight_decay, style=c.adam_style)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> float:

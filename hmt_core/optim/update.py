@@ -29,65 +29,17 @@ Two AdamW formula styles (``style``):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from hmt_core.adam import (STYLES, adam_direction, adam_moments_, adam_step,  # noqa: F401 (the update math's API)
+                           apply_update_)
 from hmt_core.projection import Basis, project_back
 
-STYLES = ("torch", "hf")
 MOMENT_POLICIES = ("keep", "project", "reset")
-
-
-def adam_moments_(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float,  # m, v, g: (a, b) same shape
-                  style: str) -> tuple[Tensor, Tensor]:
-    """Update moments in place (fp32 math; bf16 state is rounded on store). Returns fp32 (m, v)."""
-    m32 = m if m.dtype == torch.float32 else m.float()
-    v32 = v if v.dtype == torch.float32 else v.float()
-    if style == "torch":
-        m32.lerp_(g, 1 - beta1)
-    else:
-        m32.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    v32.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    if m32 is not m:
-        m.copy_(m32)
-        v.copy_(v32)
-    return m32, v32
-
-
-def adam_direction(m: Tensor, v: Tensor, t: int, *, lr: float, beta1: float, beta2: float,  # m, v: (a, b)
-                   eps: float, style: str) -> tuple[Tensor, float]:
-    """(N, step_size): the normalized direction N (a, b) and the scalar step size η_t of the chosen style."""
-    bc1 = 1.0 - beta1 ** t
-    bc2 = 1.0 - beta2 ** t
-    if style == "torch":
-        return m / (v.sqrt() / bc2 ** 0.5).add_(eps), lr / bc1
-    return m / v.sqrt().add_(eps), lr * math.sqrt(bc2) / bc1
-
-
-def adam_step(m: Tensor, v: Tensor, t: int, *, lr: float, beta1: float, beta2: float,  # m, v: (a, b)
-              eps: float, style: str) -> tuple[Tensor, float]:
-    """(D, step_size) with ``W ← W − step_size · D`` the Adam update: same math as ``adam_direction``, with the
-    rounding order of each reference (torch folds η_t into the numerator: ``addcdiv(m, denom, value=-η_t)``)."""
-    if style == "torch":
-        bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
-        return (m * (lr / bc1)) / (v.sqrt() / bc2 ** 0.5).add_(eps), 1.0
-    return adam_direction(m, v, t, lr=lr, beta1=beta1, beta2=beta2, eps=eps, style=style)
-
-
-def apply_update_(param: Tensor, update: Tensor, *, step_size: float, lr: float,  # param, update: (out, in)
-                  weight_decay: float, style: str) -> None:
-    """W ← W − step_size · update with decoupled weight decay, ordered as in the style's reference."""
-    if style == "torch":
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        param.add_(update, alpha=-step_size)
-    else:
-        param.add_(update, alpha=-step_size)
-        if weight_decay > 0.0:
-            param.add_(param, alpha=-lr * weight_decay)
 
 
 def apollo_scaling(direction: Tensor, low: Tensor, *, right_sided: bool,  # direction, low: (out, r) | (r, in)
@@ -173,46 +125,62 @@ def _basis_dtype(b: Basis) -> torch.dtype:
     return (b.left if b.left is not None else b.right).dtype
 
 
-def limiter_for_rows(grad: Tensor, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
-                     gamma: float | None, rows: int,
-                     reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor | None, Tensor | None]:
-    """Mode B's norm-growth limiter for ``u = G ⊙ s`` with ‖u‖ summed over row chunks of ``rows`` (no full-size
-    temporary): (divisor to apply to u or None, norm to remember for the next step). ``gamma`` None: no limiter.
-    ``reduce`` (``grad`` a row shard: a sum over ranks, in place) adds the other ranks' rows to ‖u‖²."""
+def scaled_norm(grad: Tensor, factor: Tensor,  # grad: (out, in); factor: () | (out, 1) | (in,), s ≥ 0
+                reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """‖G ⊙ s‖ (0-d, fp32 or wider) without a weight-sized temporary: s‖G‖ for a tensor factor, else the channel norms of G
+    (one reduction along each channel) weighted by the channel factors, (Σ_c s_c² ‖G_c‖²)^½. ``reduce`` (``grad`` a
+    row shard: a sum over ranks, in place) adds the other ranks' rows to the square."""
+    acc = torch.float32 if grad.dtype.itemsize < 4 else None  # bf16/fp16 gradients: accumulated in fp32
+    if factor.dim() == 0:
+        norm = torch.linalg.vector_norm(grad, dtype=acc) * factor
+    else:
+        norms = torch.linalg.vector_norm(grad, dim=1 if factor.dim() == 2 else 0, dtype=acc)  # (out,) | (in,)
+        norm = torch.linalg.vector_norm(norms * factor.reshape(-1))
+    return norm if reduce is None else reduce(norm.square()).sqrt()
+
+
+def apollo_coefficient(grad: Tensor, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
+                       gamma: float | None, sqrt_scale: float,
+                       reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Mode B's update ``limit(G ⊙ s)·√scale`` as ``G ⊙ coef`` with ``coef = s·√scale / limiter`` (factor-shaped:
+    0-d, (out, 1) or (in,)), and the norm to remember for the next step's limiter (Fira, Eq. 9: ‖u‖ after
+    limiting). ``gamma`` None: no limiter (``prev_norm`` passes through). ``reduce``: see ``scaled_norm``. Only
+    factor-sized tensors are made."""
     if gamma is None:
-        return None, prev_norm
-    spans = [(i, min(i + rows, grad.shape[0])) for i in range(0, grad.shape[0], rows)]
-    sq = sum(torch.linalg.vector_norm(grad[a:b] * _rows_of(factor, a, b)).square() for a, b in spans)
-    return growth_divisor((sq if reduce is None else reduce(sq)).sqrt(), prev_norm, gamma)
+        return factor * sqrt_scale, prev_norm
+    limiter, remembered = growth_divisor(scaled_norm(grad, factor, reduce), prev_norm, gamma)
+    return (factor * sqrt_scale if limiter is None else factor * sqrt_scale / limiter), remembered
 
 
-def scaled_rows(grad: Tensor, factor: Tensor, index, limiter: Tensor | None,  # grad: (out, in) -> (rows, in)
-                sqrt_scale: float) -> Tensor:
-    """Rows ``index`` (a slice or ``...``) of Mode B's update ``limit(G ⊙ s) · √scale``."""
-    a, b = (index.start, index.stop) if isinstance(index, slice) else (0, grad.shape[0])
-    u = grad[index] * _rows_of(factor, a, b)
-    if limiter is not None:
-        u = u / limiter
-    return u * sqrt_scale
+def rows_of(coef: Tensor, index) -> Tensor:  # coef: () | (out, 1) | (in,); index: a row slice or ``...``
+    return coef[index] if coef.dim() == 2 and index is not Ellipsis else coef
 
 
-def _rows_of(factor: Tensor, start: int, stop: int) -> Tensor:  # factor: () | (out, 1) | (in,)
-    return factor[start:stop] if factor.dim() == 2 else factor
+def apply_scaled_update_(param: Tensor, grad: Tensor, coef: Tensor, *, step_size: float,  # param, grad: (rows, in)
+                         lr: float, weight_decay: float, style: str) -> None:
+    """W ← W − step_size·(G ⊙ coef) in one ``addcmul_`` (no update temporary), with the style's decoupled weight
+    decay ordered as in ``apply_update_``."""
+    if style == "torch" and weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    param.addcmul_(grad, coef, value=-step_size)
+    if style != "torch" and weight_decay > 0.0:
+        param.add_(param, alpha=-lr * weight_decay)
+
+
+def row_spans(rows: int, chunk: int) -> list[slice]:
+    return [slice(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
 
 
 def scaled_update_rows_(param: Tensor, grad: Tensor, factor: Tensor, *,  # param, grad: (out, in)
                         prev_norm: Tensor | None, gamma: float | None, sqrt_scale: float, step_size: float,
-                        lr: float, weight_decay: float, style: str, rows: int) -> Tensor:
-    """Mode B's ``W ← W − step·(limit(G ⊙ s) · √scale)`` in row chunks of ``rows``: never more than one chunk of
-    the fp32 update is alive (the unchunked form holds ~3 weight-sized fp32 temporaries). ``factor`` s is 0-d,
-    (out, 1) or (in,). Each element sees the same operations as ``grad * factor`` → ``norm_growth_limit`` →
-    ``apply_update_``; only the limiter's norm is summed chunk by chunk. ``gamma`` None: no limiter.
-    Returns the norm to remember for the next step's limiter (``‖u‖`` after limiting)."""
-    limiter, norm = limiter_for_rows(grad, factor, prev_norm=prev_norm, gamma=gamma, rows=rows)
-    for a in range(0, grad.shape[0], rows):
-        index = slice(a, min(a + rows, grad.shape[0]))
-        apply_update_(param[index], scaled_rows(grad, factor, index, limiter, sqrt_scale), step_size=step_size,
-                      lr=lr, weight_decay=weight_decay, style=style)
+                        lr: float, weight_decay: float, style: str, rows: int) -> Tensor | None:
+    """Mode B's ``W ← W − step·(limit(G ⊙ s) · √scale)`` in row chunks of ``rows`` (``apollo_coefficient`` +
+    ``apply_scaled_update_``): no weight-sized temporary. ``factor`` s is 0-d, (out, 1) or (in,); ``gamma`` None:
+    no limiter. Returns the norm to remember for the next step's limiter (``‖u‖`` after limiting)."""
+    coef, norm = apollo_coefficient(grad, factor, prev_norm=prev_norm, gamma=gamma, sqrt_scale=sqrt_scale)
+    for index in row_spans(grad.shape[0], rows):
+        apply_scaled_update_(param[index], grad[index], rows_of(coef, index), step_size=step_size, lr=lr,
+                             weight_decay=weight_decay, style=style)
     return norm
 
 
@@ -272,32 +240,58 @@ def retire_born(born: Born | None, t: int, beta1: float, beta2: float) -> Born |
     return kept if any(kept) else None
 
 
-def clock_groups(born: Born, t: int, *, left: bool, right: bool, device: torch.device) -> list[tuple[object, int]]:
-    """(index into the low-rank tensor, age) for every group of coordinates younger than the global clock ``t``.
-    Low-rank layout: left-only (r, in): rank = rows; right-only (out, r): rank = columns; two-sided (r, r): a
-    coordinate (i, j) is as young as the younger of i and j."""
-    groups = []
+class ClockGroup(NamedTuple):
+    """Coordinates of the low-rank tensor that share one birth step: ``dim`` 0 (rows of a left-only (r, in)
+    tensor), 1 (columns of a right-only (out, r) one) or -1 (flat positions of a two-sided (r, r) one, whose
+    coordinate (i, j) is as young as the younger of i and j); ``index`` the positions along it (int64, on the
+    tensors' device); ``born`` their birth step."""
+
+    dim: int
+    index: Tensor  # (k,) int64
+    born: int
+
+
+def clock_index(born: Born, *, left: bool, right: bool, device: torch.device) -> tuple[ClockGroup, ...]:
+    """The groups of coordinates younger than the global clock (birth step > 0), as index tensors built on the host
+    from ``born`` and copied to ``device`` once: the caller caches them for as long as ``born`` holds (until a
+    refresh or a retirement changes it), so a step makes no host-to-device copy (``clock_groups``)."""
+    r, groups = len(born), []
     for b in sorted({x for x in born if x > 0}):
         if left and right:
-            bt = torch.tensor(born, device=device)
-            index: object = torch.maximum(bt[:, None], bt[None, :]) == b  # (r, r) mask
+            dim, positions = -1, [i * r + j for i in range(r) for j in range(r) if max(born[i], born[j]) == b]
         else:
-            idx = torch.tensor([i for i, x in enumerate(born) if x == b], device=device)
-            index = (idx,) if left else (slice(None), idx)
-        groups.append((index, t - b))
-    return groups
+            dim, positions = (0 if left else 1), [i for i, x in enumerate(born) if x == b]
+        groups.append(ClockGroup(dim, torch.tensor(positions, dtype=torch.int64, device=device), b))
+    return tuple(groups)
 
 
-def fresh_clock_(d: Tensor, m: Tensor, v: Tensor, groups: list[tuple[object, int]], *,  # d, m, v: (a, b)
+def clock_groups(born: Born | tuple[ClockGroup, ...], t: int, *, left: bool = False, right: bool = False,
+                 device: torch.device | None = None) -> list[tuple[ClockGroup, int]]:
+    """(group, age t − born) for every group of coordinates younger than the global clock ``t``; ``born`` is the
+    clocks themselves (the index tensors are then built here) or ``clock_index``'s cached groups (no copy)."""
+    groups = born if born and isinstance(born[0], ClockGroup) else clock_index(born, left=left, right=right,
+                                                                              device=device)
+    return [(g, t - g.born) for g in groups]
+
+
+def _take(x: Tensor, g: ClockGroup) -> Tensor:  # x: (a, b) -> the group's coordinates (a view's gather, no sync)
+    if g.dim == -1:
+        return x.reshape(-1).index_select(0, g.index)
+    return x.index_select(g.dim, g.index)
+
+
+def fresh_clock_(d: Tensor, m: Tensor, v: Tensor, groups: list[tuple[ClockGroup, int]], *,  # d, m, v: (a, b)
                  step_size: float, lr: float, beta1: float, beta2: float, eps: float, style: str,
                  direction: bool) -> Tensor:
     """Recompute ``d`` (in place) on each group's coordinates with the group's own age in the bias correction; the
     rest of ``d`` is untouched. ``d`` is ``adam_step``'s D (``direction`` False) or ``adam_direction``'s N, both
     paired with the global scalar ``step_size``; a group's own step size is folded into its values."""
     fn = adam_direction if direction else adam_step
-    for index, age in groups:
-        dy, sy = fn(m[index].float(), v[index].float(), age, lr=lr, beta1=beta1, beta2=beta2, eps=eps, style=style)
+    for g, age in groups:
+        dy, sy = fn(_take(m, g).float(), _take(v, g).float(), age, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    style=style)
         if sy != step_size:
             dy = dy * (sy / step_size)
-        d[index] = dy.to(d.dtype)
+        target = d.view(-1) if g.dim == -1 else d  # d: a fresh contiguous direction
+        target.index_copy_(0 if g.dim == -1 else g.dim, g.index, dy.to(d.dtype))
     return d
