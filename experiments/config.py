@@ -151,6 +151,7 @@ class TrainConfig:
     fused_ce: bool = True  # loss from hidden states + lm_head in token chunks, logits never whole (hmt_core.fused_ce)
     ce_chunk_tokens: int = 1024  # tokens per chunk of the fused loss (logits held: ce_chunk_tokens x vocab)
     deterministic: str = "auto"  # torch deterministic algorithms: "auto" (on for CPU, off on CUDA) | "true" | "false"
+    confirm: bool = False  # train on a CPU even when the time model says a step takes > experiments.step_time.CONFIRM_S
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
@@ -179,7 +180,7 @@ class TrainConfig:
 # Keys that never change a run's trajectory, left out of the default run_id so that a restart with
 # e.g. train.resume=... lands in the same results directory.
 RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
-                             "max_bad_steps")
+                             "max_bad_steps", "confirm")
 
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and

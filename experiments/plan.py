@@ -44,10 +44,12 @@ import yaml
 
 from experiments.errors import UserError, one_line_errors
 from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.plan_correct import Corrections
 from experiments.plan_costs import GIB, Space, derive, measure, target_layers
 from experiments.plan_milp import min_peak, solve
 from experiments.plan_model import build_problem, calibrate, param_bytes, region_flops, weight_stats
 from experiments.plan_report import model_label, plan_record, plans_dir, render_plan, run_command
+from experiments.step_time import CONFIRM_S
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
@@ -57,7 +59,6 @@ KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": 
         "calibration": str, "refresh_costs": bool, "capacity": bool, "calibrate": bool, "table": bool,
         "methods": list, "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
 FLAGS = ("--capacity", "--calibrate", "--table")
-CONFIRM_S = 600  # seconds per optimizer step above which a training run on a CPU asks for train.confirm=true
 
 
 def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
@@ -306,53 +307,6 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     return out
 
 
-class Corrections:
-    """What verification traces measured beyond the cost model, fed back into the next solve: forward and backward
-    per sequence (their error at b sequences / b: activations grow with b), the probe as static bytes (all choices),
-    the optimizer phase as static bytes of the option that was traced (its state), and the allocator's slack beyond
-    the live peak (``dryrun.reserve=modeled``). Each correction is the measured error itself, so the corrected model
-    reproduces the missed trace exactly and the next solve is the optimum of the corrected model (it may keep the
-    micro-batch with another option, or raise it) — no backing off by the overshoot."""
-
-    def __init__(self) -> None:
-        self.slack = 0.0
-        self.per_seq: dict[str, float] = {}
-        self.static: dict[str, float] = {}
-        self.option: dict[str, dict[str, float]] = {}
-
-    def learn(self, summary: dict, sol, verified: int) -> None:
-        self.slack = max(self.slack, (verified - summary["dryrun"]["verdict_peak_bytes"]) / GIB)
-        measured = {**{p: b / GIB for p, b in summary["memory"]["peak_by_phase_bytes"].items()},
-                    "probe": ((summary.get("activation_summary") or {}).get("probe_peak_bytes") or 0) / GIB}
-        for p, gib in measured.items():
-            err = gib - (sol.predicted.get(p) or 0.0)
-            if err <= 0:
-                continue
-            err += 1e-6  # GiB: the corrected model must not predict the missed trace a rounding error below it
-            if p in ("forward", "backward"):
-                self.per_seq[p] = self.per_seq.get(p, 0.0) + err / sol.batch
-            elif p == "optimizer":
-                opt = self.option.setdefault(sol.option.name, {})
-                opt[p] = opt.get(p, 0.0) + err
-            else:
-                self.static[p] = self.static.get(p, 0.0) + err
-
-    def apply(self, prob):
-        import dataclasses
-
-        from experiments.plan_milp import Segment
-
-        base = tuple(Segment(s.start, {p: v + self.static.get(p, 0.0) for p, v in s.static.items()},
-                             {p: v + self.per_seq.get(p, 0.0) for p, v in s.per_seq.items()}) for s in prob.base)
-        options = [dataclasses.replace(o, static={p: v + self.option.get(o.name, {}).get(p, 0.0)
-                                                  for p, v in o.static.items()}) for o in prob.options]
-        return dataclasses.replace(prob, base=base, options=options)
-
-    def record(self) -> dict:
-        return {"corrected_slack_gib": self.slack, "corrected_per_seq_gib": dict(self.per_seq),
-                "corrected_static_gib": dict(self.static), "corrected_option_gib": dict(self.option)}
-
-
 def train_note(prep: Prepared, sol, run) -> str:
     """How long one optimizer step of the plan takes on the calibrated device (time model: FLOPs of forward +
     backward ≈ 3 × forward, at the calibrated matmul rate), and the confirmation a long CPU run asks for."""
@@ -362,7 +316,8 @@ def train_note(prep: Prepared, sol, run) -> str:
     seconds = 3 * per_seq * sol.batch * run.train.grad_accum * (run.train.seq_len / prep.record["seq_len"]) \
         / prep.cal["flops_per_s"] + sol.time
     return (f"about {seconds:,.0f} s per optimizer step on {prep.cal.get('device', '?')} (time model)"
-            + (f"; on a CPU it asks for train.confirm=true" if seconds > CONFIRM_S else ""))
+            + ("; on a CPU the run asks first (train.confirm=true: no question)"
+               if seconds > CONFIRM_S and prep.cal.get("device") == "cpu" else ""))
 
 
 def make_plan(run, planner: dict, *, log=print) -> dict:
@@ -396,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             return rec
         if "budget_gib" not in planner:
             raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
+        plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
         rec = make_plan(run, planner)
         print(render_plan(rec))
         return rec

@@ -33,7 +33,7 @@ _RUN_DROP = ("mode", "results_dir", "run_id", "force", "wandb", "profile", "seed
              "activation")
 _TRAIN_DROP = ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every", "progress",
                "save_model", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume", "min_lr_ratio",
-               "max_bad_steps", "deterministic")
+               "max_bad_steps", "deterministic", "confirm")
 _HF_DROP = ("num_hidden_layers", "_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype")
 
 
