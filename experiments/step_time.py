@@ -15,7 +15,7 @@ from experiments.config import RunConfig
 from experiments.errors import UserError
 
 CONFIRM_S = 600.0  # seconds per optimizer step
-FAST_CPU_FLOPS = 1e13  # FLOP/s no CPU here reaches: below CONFIRM_S at this rate, nothing is measured
+SLOWEST_CPU_FLOPS = 1e9  # FLOP/s any CPU exceeds: a step below CONFIRM_S even at this rate is not measured
 
 
 def step_flops(run: RunConfig, params: int) -> float:
@@ -47,7 +47,7 @@ def check_step_time(run: RunConfig, device_type: str, *, ask=input) -> None:
     if run.mode != "train" or device_type != "cpu" or run.train.confirm:
         return
     bound = upper_params(run)
-    if bound is not None and step_flops(run, bound) / FAST_CPU_FLOPS <= CONFIRM_S:
+    if bound is not None and step_flops(run, bound) / SLOWEST_CPU_FLOPS <= CONFIRM_S:
         return
     from experiments.models import TORCH_DTYPES
     from experiments.plan_model import calibrate
