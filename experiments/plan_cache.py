@@ -21,7 +21,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from experiments.config import RunConfig, to_plain_dict
+from experiments.config import RunConfig, to_plain_dict, without_added_defaults
 
 SCHEMA = "hmt-plan-table/1"
 # Bump when the meter, the dry-run step or a method changes the bytes a trace measures (the staleness test,
@@ -43,7 +43,7 @@ def _hash(obj) -> str:
 
 def model_shape(run: RunConfig) -> dict:
     """The model node as far as it shapes a trace: no name, no depth; a ``model.path`` model by its config."""
-    node = dataclasses.asdict(run.model)
+    node = without_added_defaults({"model": dataclasses.asdict(run.model)})["model"]
     for key in ("name", "num_layers", "path"):
         node.pop(key)
     if run.model.path:
@@ -55,8 +55,9 @@ def model_shape(run: RunConfig) -> dict:
 
 
 def group_of(run: RunConfig) -> dict:
-    """Everything but the sample's choices (module docstring) as plain data."""
-    plain = to_plain_dict(run)
+    """Everything but the sample's choices (module docstring) as plain data; options added later that hold their
+    default (``experiments.config.ADDED_WITH_DEFAULT``) are left out, so adding one keeps the table valid."""
+    plain = without_added_defaults(to_plain_dict(run))
     for key in _RUN_DROP:
         plain.pop(key, None)
     for key in _TRAIN_DROP:

@@ -2,9 +2,12 @@
 
 What is proven: the MILP returns the lexicographic optimum (tokens, then energy, then time) on hand-checkable
 instances, equal to brute-force enumeration; a plan for a tiny model is verified by a full dry run within its
-budget, and the emitted ``+plan=`` config runs AS IS through ``python -m experiments.run`` with exactly the peak the
-planner verified; costs measured on 1- and 2-layer traces predict a 4-layer model's peak; bad budgets and bad
-model names end in one ``error:`` line; the README's capacity table is what the committed results render.
+budget, and the emitted plan (``<results_dir>/plans/<name>.yaml``) runs AS IS through the printed dry-run command
+with exactly the peak the planner verified; without ``verify=true`` the answer is labelled a prediction; a cost
+table made optimistic is corrected by the verification traces to the capacity procedure's micro-batch; costs
+measured on 1- and 2-layer traces predict a 4-layer model's peak; plans are never written into tracked folders and
+the committed plans still load; bad budgets and bad model names end in one ``error:`` line; the README's capacity
+table is what the committed results render.
 """
 
 from __future__ import annotations
