@@ -200,9 +200,17 @@ class Prepared:
 
 
 def prepare(run, planner: dict, *, log=print) -> Prepared:
+    from experiments.plan_cache import TABLE_DIR, USER_DIR, Table
+
     space = space_from(planner)
     layers = target_layers(run)
-    stats = weight_stats(run, space.weight_dtypes)
+    refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
+    table = Table(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
+                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
+    if refresh:
+        table.clear()
+    stats = table.memo("weights:" + ",".join(sorted(space.weight_dtypes)),
+                       lambda: weight_stats(run, space.weight_dtypes))
     lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
     budget = planner.get("budget_gib")
     weights = param_bytes(stats, layers, lowest) / GIB
@@ -212,14 +220,10 @@ def prepare(run, planner: dict, *, log=print) -> Prepared:
                         f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
                         f"{weights + ctx:.2f} GiB")
     llama = stats["L1"]["llama"]
-    from experiments.plan_cache import TABLE_DIR, USER_DIR
-
-    table = bool(planner.get("table"))  # regenerate the committed table's file of this group
-    record = measure(run, space, llama=llama, refresh=table or bool(planner.get("refresh_costs")), log=log,
-                     cache_dir=TABLE_DIR if table else Path(run.results_dir).expanduser() / USER_DIR,
-                     label=model_label(run), overrides=planner.get("_overrides"))
-    return Prepared(run, space, layers, stats, llama, record, derive(record, layers),
-                    region_flops(run) if llama else {}, load_calibration(planner, run), weights, lowest)
+    record = measure(run, space, llama=llama, table=table, log=log)
+    flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
+    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
+                    load_calibration(planner, run), weights, lowest)
 
 
 class NoPlan(UserError):

@@ -4,7 +4,9 @@ A *group* is everything a trace's bytes depend on except the sample's own choice
 ``model`` node without its name and depth, or a ``model.path`` model's Hugging Face config without its depth),
 ``train``'s step settings (sequence length, autocast, fused loss), the dry run's steps and the run's other nodes
 that reach the step, plus ``METER_VERSION`` — never package versions. Within a group an *entry* is one traced
-point: decoder layers L, micro-batch b and the hash of the (method, activation) nodes it ran with.
+point: decoder layers L, micro-batch b and the hash of the (method, activation) nodes it ran with; a few entries hold
+what the model's shape alone gives (``weights:…``: parameter counts and bytes of the 1- and 2-layer models;
+``flops``: forward FLOPs per region), so a planner answering from the table builds no model at all.
 
 Two places hold groups, one JSON file each (``<model>-s<seq>-<group>.json``):
   ``results/plan/costs/``        the committed table (named models at the documented sequence lengths), read only
@@ -92,8 +94,20 @@ class Table:
         self.committed = _entries(TABLE_DIR / self.name, self.key)
         self.user = _entries(self.user_path, self.key) if self.user_path is not None else {}
 
+    def clear(self) -> None:
+        """Measure everything again (``refresh_costs``, ``--table``)."""
+        self.user, self.committed = {}, {}
+
     def get(self, key: str) -> dict | None:
         return self.user.get(key, self.committed.get(key))
+
+    def memo(self, key: str, compute):
+        """A value derived from the model's shape alone (weights, FLOPs), from the table or computed and cached."""
+        hit = self.get(key)
+        if hit is None:
+            hit = {"value": json.loads(json.dumps(compute()))}
+            self.put(key, hit, {"name": key})
+        return hit["value"]
 
     def put(self, key: str, sample: dict, meta: dict) -> None:
         self.user[key] = {**sample, "sample": meta}

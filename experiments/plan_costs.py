@@ -241,17 +241,17 @@ def sample_run(run: RunConfig, with_layers, layers: int, batch: int, choice: Opt
                                train=dataclasses.replace(run.train, batch_size=batch))
 
 
-def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None, refresh: bool = False,
-            label: str | None = None, overrides: list[str] | None = None,
-            log: Callable[[str], None] = print) -> dict:
+def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None = None, refresh: bool = False,
+            table=None, log: Callable[[str], None] = print) -> dict:
     """All samples the planner needs for ``run`` (method=hmt; its other settings as given): from the committed cost
     table and the user's cache (``experiments.plan_cache``), traced (and cached at once) where missing or with
-    ``refresh``. Returns the raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
+    ``refresh``; ``table``: an ``experiments.plan_cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
+    raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
     from experiments.plan_cache import Table, entry_key
 
-    table = Table(run, label or run.model.name, cache_dir, overrides)
-    if refresh:
-        table.user = {}  # measured again from scratch (entries of choices no longer traced are dropped)
+    table = table or Table(run, run.model.name, cache_dir)
+    if refresh:  # measured again from scratch
+        table.clear()
     segments = batch_segments(run, space.max_batch_size)
     b_a = segments[-1][1]
     base_opt = base_choice(*families(space)[0], space)

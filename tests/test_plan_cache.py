@@ -2,7 +2,7 @@
 
 What is proven: every committed file's group key is the one this code computes from the overrides it was made
 with (a changed default, model shape or ``METER_VERSION`` fails here), it holds every sample the planner needs
-(so a fresh clone traces nothing for it), and a sample of its entries re-traced now gives the same bytes (a meter or
+and the model's weights and FLOPs as computed now (so a fresh clone builds and traces nothing for it), and a sample of its entries re-traced now gives the same bytes (a meter or
 step change that was not followed by regenerating the table fails here). Each failure names the command that
 regenerates the file. Keys carry no package versions and no model name; the entries of a planner killed mid-way
 stay in the user's cache.
@@ -18,11 +18,13 @@ import pytest
 from experiments import plan as planner
 from experiments import plan_cache
 from experiments.plan_costs import PHASES, Space, layer_variants, sample_plan, sample_run, trace_sample
+from experiments.plan_model import region_flops, weight_stats
 
 FILES = plan_cache.committed_files()
 # Re-traced per committed file: the reference at one layer and the first micro-batch, and one optimizer sample
 # (Mode B, bf16 state, projected head) at one layer — the cheapest traces that cover the step's and an option's bytes.
 RETRACED = ("ref", "opt:B:bf16:0:head")
+WEIGHTS = "weights:" + ",".join(sorted(Space().weight_dtypes))
 
 
 def _regenerate(data: dict) -> str:
@@ -56,6 +58,10 @@ def test_committed_cost_table_is_current(path):
                 assert entry_key in data["entries"], f"{path.name} lacks {name} {entry_key}: {_regenerate(data)}"
                 if name in RETRACED and layers == 1 and not any(n == name for n, *_ in retrace):
                     retrace.append((name, r, entry_key))
+        assert all(k in data["entries"] for k in (WEIGHTS, "flops")), f"{path.name}: {_regenerate(data)}"
+        derived = {WEIGHTS: json.loads(json.dumps(weight_stats(run, space.weight_dtypes))), "flops": region_flops(run)}
+        for k, value in derived.items():  # counted on fake tensors: exact
+            assert data["entries"][k]["value"] == value, f"{path.name}: {k} is stale; regenerate it: {_regenerate(data)}"
         for name, r, entry_key in retrace:
             traced, stored = trace_sample(r), data["entries"][entry_key]
             # fake-tensor traces count exact bytes (no kernel runs), so equal to the byte on any CPU
