@@ -209,8 +209,9 @@ def prepare(run, planner: dict, *, log=print) -> Prepared:
                   Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
     if refresh:
         table.clear()
-    stats = table.memo("weights:" + ",".join(sorted(space.weight_dtypes)),
-                       lambda: weight_stats(run, space.weight_dtypes))
+    wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
+    hit = table.get(wkey)
+    stats = hit["value"] if hit else json.loads(json.dumps(weight_stats(run, space.weight_dtypes)))
     lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
     budget = planner.get("budget_gib")
     weights = param_bytes(stats, layers, lowest) / GIB
@@ -219,6 +220,7 @@ def prepare(run, planner: dict, *, log=print) -> Prepared:
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
                         f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
                         f"{weights + ctx:.2f} GiB")
+    table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
     llama = stats["L1"]["llama"]
     record = measure(run, space, llama=llama, table=table, log=log)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
