@@ -83,6 +83,15 @@ def test_milp_finds_the_forced_optimum(budget, max_batch, probe, expected):
     assert max(v for v in sol.predicted.values() if v is not None) <= budget + 1e-9, sol.predicted
 
 
+def test_milp_batch_cap_of_an_option():
+    """A verification capped the small option at 5 sequences: the small option would take 2 + 1·b ≤ 10 → 8, so the
+    optimum moves sideways to the big option at 3 + 1·b ≤ 10 → 7 (a recompute, c int8), not down to 5."""
+    prob = dataclasses.replace(_instance(10.0, 64), batch_caps=((1, 5),))
+    sol = solve(prob)
+    assert (sol.batch, sol.option.name) == (7, "big"), (sol.batch, sol.option.name)
+    assert solve(dataclasses.replace(prob, batch_caps=((0, 0), (1, 0)))) is None
+
+
 def test_milp_piecewise_reference_and_infeasible_budget():
     """Two pieces (per-sequence bytes drop from 3 to 1 at b = 4, as when the fused loss's chunk fills): 2 + 3b for
     b ≤ 3; from b = 4 the maximum of 8 + b and 0 + 3b (two lines holding together, e.g. a static event and the
