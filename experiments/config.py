@@ -157,6 +157,7 @@ class TrainConfig:
     on_oom: str = "fail"
     max_replans: int = 3
     memory_cap_gib: float | None = None  # live device bytes the memory meter allows (it raises torch.OutOfMemoryError)
+    confirm: bool = False  # train on a CPU even when the time model says a step takes > experiments.step_time.CONFIRM_S
 
     def __post_init__(self) -> None:
         _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
@@ -190,7 +191,7 @@ class TrainConfig:
 # Keys that never change a run's trajectory, left out of the default run_id so that a restart with
 # e.g. train.resume=... lands in the same results directory.
 RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
-                             "max_bad_steps", "on_oom", "max_replans")
+                             "max_bad_steps", "on_oom", "max_replans", "confirm")
 
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and

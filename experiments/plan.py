@@ -9,24 +9,24 @@ retained gradient energy, then step time, under ``budget_gib`` less the GPU allo
 (``experiments.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
 ``dryrun.reserve=flat``, ``dryrun.cuda_context_gib``):
 
-1. costs: dry-run traces of 1- and 2-layer models at full width (``experiments.plan_costs``), FLOPs and a
-   calibrated time model (``experiments.plan_model``);
+1. costs: dry-run traces of 1- and 2-layer models at full width (``experiments.plan_costs``), read from the
+   committed cost table or the user's cache (``experiments.plan_cache``) and traced only where missing; FLOPs and
+   a calibrated time model (``experiments.plan_model``);
 2. an integer program solved with ``scipy.optimize.milp`` (``experiments.plan_milp``; after Adacc, Chen et al.
-   2025);
-3. verification: the plan is written as a Hydra config (``experiments/conf/plan/<name>.yaml``, package
-   ``_global_``) and run AS IS as a real ``mode=dryrun`` of the full model; if its peak (the dry run's verdict
-   peak: the step's or the activation probe's; with ``dryrun.reserve=modeled`` the caching allocator's predicted
-   reserved bytes, ``experiments.gpu_allowance.step_bytes``) exceeds the budget, the MILP is tightened phase by
-   phase by the measured error (per sequence for forward and backward, which grow with the micro-batch; as bytes
-   for the optimizer phase and the probe) and by the allocator's measured slack beyond the live peak, and solved
-   again (at most ``max_iters`` times).
+   2025) — the answer is the cost model's prediction;
+3. with ``verify=true``: the plan, written as a Hydra config, is run AS IS as a real ``mode=dryrun`` of the full
+   model; if its peak (the dry run's verdict peak; with ``dryrun.reserve=modeled`` the caching allocator's
+   predicted reserved bytes, ``experiments.gpu_allowance.step_bytes``) exceeds the budget, the cost model is
+   corrected by what was measured (``Corrections``) and the MILP solved again (at most ``max_iters`` times).
 
-Run the plan with ``python -m experiments.run +plan=<name>`` (``hydra.searchpath=[file://<plan_dir>]`` first when
-``plan_dir=`` put it elsewhere). Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``,
-``batch_size`` (a fixed micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``,
-``max_iters``, ``calibration``, ``refresh_costs`` and the choice space ``modes, state_budgets, state_dtypes,
-weight_dtypes, dense_8bit, project_head, actions, layer_recompute, max_batch_size``
-(``experiments.plan_costs.Space``); ``--capacity`` (``experiments.plan_capacity``) and ``--calibrate``.
+Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` another folder; never the tracked
+``experiments/conf/plan/`` or ``results/plan/``); the printed commands say which one trains and which one only
+traces. Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``, ``batch_size`` (a fixed
+micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``, ``max_iters``,
+``calibration``, ``refresh_costs`` and the choice space ``modes, state_budgets, state_dtypes, weight_dtypes,
+dense_8bit, project_head, actions, layer_recompute, max_batch_size`` (``experiments.plan_costs.Space``);
+``--capacity`` (``experiments.plan_capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
+committed cost table). Design and measurements: ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import contextlib
 import io
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,29 +44,32 @@ import yaml
 
 from experiments.errors import UserError, one_line_errors
 from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.plan_correct import Corrections
 from experiments.plan_costs import GIB, Space, derive, measure, target_layers
 from experiments.plan_milp import min_peak, solve
 from experiments.plan_model import build_problem, calibrate, param_bytes, region_flops, weight_stats
-from experiments.plan_report import model_label, plan_record, render_plan, run_command
+from experiments.plan_report import model_label, plan_record, plans_dir, render_plan, run_command
+from experiments.step_time import CONFIRM_S
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
               "layer_recompute", "max_batch_size")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
-        "calibration": str, "refresh_costs": bool, "capacity": bool, "calibrate": bool, "methods": list,
-        "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
+        "calibration": str, "refresh_costs": bool, "capacity": bool, "calibrate": bool, "table": bool,
+        "methods": list, "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
+FLAGS = ("--capacity", "--calibrate", "--table")
 
 
 def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     """Planner keys (``key=value``, values in YAML) and the ``experiments.run`` overrides."""
     planner, overrides = {}, []
     for token in argv:
-        if token in ("--capacity", "--calibrate"):
+        if token in FLAGS:
             planner[token[2:]] = True
             continue
         if token.startswith("-"):
-            raise UserError(f"unknown flag {token!r}; flags: --capacity, --calibrate (everything else is key=value)")
+            raise UserError(f"unknown flag {token!r}; flags: {', '.join(FLAGS)} (everything else is key=value)")
         key, sep, value = token.partition("=")
         if sep and key in KEYS:
             parsed = yaml.safe_load(value) if value else None
@@ -144,17 +148,16 @@ def plan_nodes(run, solution, space: Space) -> dict:
 def write_plan_yaml(path: Path, nodes: dict, header: list[str]) -> None:
     from experiments.results import atomic_write_text
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = "# @package _global_\n" + "".join(f"# {line}\n" for line in header)
     atomic_write_text(path, text + yaml.safe_dump(nodes, sort_keys=False))
 
 
-def verify_plan(name: str, plan_dir: Path | None, results: Path) -> dict:
-    """A real ``mode=dryrun`` of the plan config as written (in this process); its summary."""
+def verify_plan(name: str, folder: Path, results: Path) -> dict:
+    """A real ``mode=dryrun`` of the plan config ``folder/<name>.yaml`` as written (in this process); its summary."""
     from experiments.run import main_with_config
 
-    cfg = compose([f"+plan={name}", "mode=dryrun", f"results_dir={results}", "run_id=verify", "force=true"],
-                  plan_dir)
+    cfg = compose([f"+{folder.name}={name}", "mode=dryrun", f"results_dir={results}", "run_id=verify", "force=true"],
+                  folder.parent)
     with contextlib.redirect_stdout(io.StringIO()):
         return main_with_config(cfg)
 
@@ -188,14 +191,27 @@ class Prepared:
     lowest: str  # the weight dtype with the fewest bytes
 
     @property
+    def verify_dir(self) -> Path:
+        return Path(self.run.results_dir).expanduser() / "plan_verify"
+
+    @property
     def floor_gib(self) -> float:
         return self.weights_gib + reserve_bytes(self.run) / GIB
 
 
 def prepare(run, planner: dict, *, log=print) -> Prepared:
+    from experiments.plan_cache import TABLE_DIR, USER_DIR, Table
+
     space = space_from(planner)
     layers = target_layers(run)
-    stats = weight_stats(run, space.weight_dtypes)
+    refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
+    table = Table(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
+                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
+    if refresh:
+        table.clear()
+    wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
+    hit = table.get(wkey)
+    stats = hit["value"] if hit else json.loads(json.dumps(weight_stats(run, space.weight_dtypes)))
     lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
     budget = planner.get("budget_gib")
     weights = param_bytes(stats, layers, lowest) / GIB
@@ -204,12 +220,12 @@ def prepare(run, planner: dict, *, log=print) -> Prepared:
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
                         f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
                         f"{weights + ctx:.2f} GiB")
+    table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
     llama = stats["L1"]["llama"]
-    results = Path(run.results_dir).expanduser()
-    record = measure(run, space, llama=llama, cache_dir=results / "plan" / "costs",
-                     refresh=bool(planner.get("refresh_costs")), log=log)
-    return Prepared(run, space, layers, stats, llama, record, derive(record, layers),
-                    region_flops(run) if llama else {}, load_calibration(planner, run), weights, lowest)
+    record = measure(run, space, llama=llama, table=table, log=log)
+    flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
+    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
+                    load_calibration(planner, run), weights, lowest)
 
 
 class NoPlan(UserError):
@@ -218,9 +234,10 @@ class NoPlan(UserError):
 
 def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | None = None, name: str | None = None,
               record_dir: Path | None = None, log=print) -> dict:
-    """Solve, write the plan config, verify by a full dry run (tightening the MILP's budget on a miss); returns the
-    plan record (also written as ``<record_dir>/<name>.json``; the verification run is ``<record_dir>/<name>/
-    verify``). ``seq_len``: plan for other sequences than the measured ones (costs scaled per token)."""
+    """Solve and write the plan config; with ``verify=true`` trace it at full size and, on a miss, correct the cost
+    model by what was measured and solve again (``corrected``). Returns the plan record (also written as
+    ``<record_dir>/<name>.json``, by default next to the plan). ``seq_len``: plan for other sequences than the
+    measured ones (costs scaled per token)."""
     import dataclasses
 
     run = prep.run
@@ -231,72 +248,64 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
                         f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
                         f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
-    results = Path(run.results_dir).expanduser()
-    record_dir = record_dir or results / "plan"
     name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
     from experiments.config import RUN_ID
 
     if not RUN_ID.fullmatch(name):
         raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
-    plan_dir = Path(planner["plan_dir"]).expanduser() if planner.get("plan_dir") else None
-    plan_path = (plan_dir or CONF_DIR) / "plan" / f"{name}.yaml"
+    folder = plans_dir(run.results_dir, planner.get("plan_dir"))
+    verify_dir = (record_dir or prep.verify_dir) / name
+    record_dir = record_dir or folder
+    plan_path = folder / f"{name}.yaml"
     step_budget = budget - ctx
-    slack = 0.0  # GiB the allocator reserved beyond the live peak in the last verification (reserve=modeled)
+    fix = Corrections()
     iterations, summary = [], None
     scale = run.train.seq_len / prep.record["seq_len"]
-    static_fix: dict[str, float] = {}  # GiB added to a phase after a miss (phases that do not grow with b)
-    per_seq_fix: dict[str, float] = {}  # GiB per sequence added to forward/backward after a miss
-    for _ in range(int(planner.get("max_iters", 6))):
-        prob = tightened(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget - slack,
-                                       llama=prep.llama,
-                                       seq_scale=scale), static_fix, per_seq_fix)
+    for _ in range(int(planner.get("max_iters", 8))):
+        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget - fix.slack,
+                                       llama=prep.llama, seq_scale=scale))
         if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
             prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
         sol = solve(prob)
         if sol is None:
-            need = min_peak(prob) + ctx
+            need = min_peak(prob) + ctx + fix.slack
             raise NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len="
                          f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
                                                    else "") +
-                         f": the leanest choice needs {need:.2f} GiB at one sequence (predicted, "
+                         f": the leanest choice needs {need:.2f} GiB at one sequence ("
+                         f"{'corrected by the verification traces' if iterations else 'predicted'}, "
                          f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
         predicted = max(v for v in sol.predicted.values() if v is not None)
         header = [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
                   (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
                    f"predicted peak {predicted:.2f} GiB"),
-                  f"run it: {run_command(name, plan_dir)}"]
+                  f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
         write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space), header)
-        step = {"batch_size": sol.batch, "predicted_gib": sol.predicted, "predicted_peak_gib": predicted,
-                "tightened_static_gib": dict(static_fix), "tightened_per_seq_gib": dict(per_seq_fix)}
+        step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
+                "predicted_peak_gib": predicted, **fix.record()}
         iterations.append(step)
-        if planner.get("verify", True) is False:
+        if not planner.get("verify", False):
             break
         log(f"verify: dry run of {plan_path.name} at full size (batch {sol.batch}, seq {run.train.seq_len}) ...")
-        summary = verify_plan(name, plan_dir, record_dir / name)
+        t0 = time.perf_counter()
+        summary = verify_plan(name, folder, verify_dir)
         verified = step_bytes(summary["dryrun"], run)
-        step["verified_peak_gib"] = verified / GIB
+        step.update(verified_peak_gib=verified / GIB, verify_s=round(time.perf_counter() - t0, 1))
         log(f"verify: predicted {predicted:.3f} GiB, measured {verified / GIB:.3f} GiB "
-            f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB)")
+            f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
         if verified <= step_budget * GIB:
             break
-        slack = max(slack, (verified - summary["dryrun"]["verdict_peak_bytes"]) / GIB)
-        measured = {**{p: b / GIB for p, b in summary["memory"]["peak_by_phase_bytes"].items()},
-                    "probe": ((summary.get("activation_summary") or {}).get("probe_peak_bytes") or 0) / GIB}
-        for p, gib in measured.items():  # tighten each phase that is over by its measured error
-            if gib > step_budget - slack:
-                err = gib - (sol.predicted.get(p) or 0.0) + 1e-3 * step_budget
-                if p in ("forward", "backward"):
-                    per_seq_fix[p] = per_seq_fix.get(p, 0.0) + max(err, gib - step_budget + slack) / sol.batch
-                else:
-                    static_fix[p] = static_fix.get(p, 0.0) + max(err, gib - step_budget + slack)
+        fix.learn(summary, sol, verified)
+        log(f"verify: cost model corrected by the measured errors; solving again ({fix.record()})")
     else:
         raise UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
                         f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "
                         f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
     out = plan_record(run, sol, summary, command=planner.get("_argv", []), name=name, plan_path=plan_path,
-                      plan_dir=plan_dir, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal, record=prep.record,
-                      costs=prep.costs)
+                      plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
+                      record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
+                      elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
     from experiments.results import atomic_write_text
 
     record_dir.mkdir(parents=True, exist_ok=True)
@@ -304,19 +313,17 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     return out
 
 
-def tightened(prob, static_fix: dict[str, float], per_seq_fix: dict[str, float]):
-    """``prob`` with its reference's bytes raised where a verification measured more than predicted: a phase that
-    grows with the micro-batch (forward, backward) per sequence (the error at b sequences / b), the others by the
-    error itself — the MILP's budget tightened phase by phase."""
-    import dataclasses
-
-    from experiments.plan_milp import Segment
-
-    if not static_fix and not per_seq_fix:
-        return prob
-    base = tuple(Segment(s.start, {p: v + static_fix.get(p, 0.0) for p, v in s.static.items()},
-                         {p: v + per_seq_fix.get(p, 0.0) for p, v in s.per_seq.items()}) for s in prob.base)
-    return dataclasses.replace(prob, base=base)
+def train_note(prep: Prepared, sol, run) -> str:
+    """How long one optimizer step of the plan takes on the calibrated device (time model: FLOPs of forward +
+    backward ≈ 3 × forward, at the calibrated matmul rate), and the confirmation a long CPU run asks for."""
+    per_seq = prep.flops.get("layer", 0.0) * prep.layers + prep.flops.get("lm_head", 0.0)
+    if not per_seq:
+        return ""
+    seconds = 3 * per_seq * sol.batch * run.train.grad_accum * (run.train.seq_len / prep.record["seq_len"]) \
+        / prep.cal["flops_per_s"] + sol.time
+    return (f"about {seconds:,.0f} s per optimizer step on {prep.cal.get('device', '?')} (time model)"
+            + ("; on a CPU the run asks first (train.confirm=true: no question)"
+               if seconds > CONFIRM_S and prep.cal.get("device") == "cpu" else ""))
 
 
 def make_plan(run, planner: dict, *, log=print) -> dict:
@@ -325,11 +332,12 @@ def make_plan(run, planner: dict, *, log=print) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:
+    t0 = time.perf_counter() - (process_age_s() if argv is None else 0.0)  # a command: its imports included
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body():
         planner, overrides = parse_args(argv)
-        planner["_argv"] = argv
+        planner.update(_argv=argv, _overrides=overrides, _t0=t0)
         run = run_config([o for o in overrides if not o.startswith("mode=")])
         if planner.get("calibrate"):
             return write_calibration(run)
@@ -343,13 +351,30 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             from experiments.plan_capacity import capacity
 
             return capacity(run, planner, overrides)
+        if planner.get("table"):
+            planner.pop("budget_gib", None)
+            rec = prepare(run, planner).record
+            print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
+            return rec
         if "budget_gib" not in planner:
             raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
+        plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
         rec = make_plan(run, planner)
         print(render_plan(rec))
         return rec
 
     return one_line_errors(body, FileNotFoundError)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0 where unknown)."""
+    import os
+
+    try:
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def write_calibration(run) -> dict:
@@ -360,7 +385,7 @@ def write_calibration(run) -> dict:
     device = resolve_device(run.device)
     cal = calibrate(device.type, TORCH_DTYPES[run.model.dtype])
     slug = "".join(ch if ch.isalnum() else "-" for ch in cal["device"].lower()).strip("-")
-    path = Path(run.results_dir).expanduser() / "plan" / f"calibration-{slug}.json"
+    path = Path(run.results_dir).expanduser() / "plans" / f"calibration-{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(cal, indent=1, sort_keys=True))
     print(f"calibration on {cal['device']}: {cal['flops_per_s'] / 1e12:.3f} TFLOP/s, "

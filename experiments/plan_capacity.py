@@ -167,7 +167,7 @@ def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
     from experiments.plan_model import build_problem
 
     results = Path(run.results_dir).expanduser() / "capacity"
-    planner = {**planner, "plan_dir": planner.get("plan_dir") or str(results / "plans")}
+    planner = {**planner, "plan_dir": planner.get("plan_dir") or str(results / "plans"), "verify": True}
     planner.pop("budget_gib", None)
     prep = prepare(run, planner, log=log)
     seq, out = run.train.seq_len, {}
@@ -228,14 +228,15 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
     from experiments.plan import plan_nodes, verify_plan, write_plan_yaml
     from experiments.plan_milp import leanest
     from experiments.plan_model import build_problem
+    from experiments.plan_report import run_command
 
     prob = build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats, flops=prep.flops,
                          cal=prep.cal, budget_gib=float(size), llama=prep.llama)
-    plan_dir, budget, out = Path(planner["plan_dir"]), size - reserve_bytes(run) / GIB, {"exact": False}
+    plan_dir, budget, out = Path(planner["plan_dir"]).resolve(), size - reserve_bytes(run) / GIB, {"exact": False}
     for _ in range(max_traces):
         sol = leanest(dataclasses.replace(prob, fixed_batch=batch))
         lean = f"{name}-lean-b{batch}"
-        write_plan_yaml(plan_dir / "plan" / f"{lean}.yaml", plan_nodes(run, sol, prep.space),
+        write_plan_yaml(plan_dir / f"{lean}.yaml", plan_nodes(run, sol, prep.space),
                         [f"The leanest choice at {batch} sequences (capacity check of {name})"])
         log(f"capacity: the leanest choice at {batch} sequences, traced at full size ...")
         summary = verify_plan(lean, plan_dir, results / "plans" / lean)
@@ -247,7 +248,7 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
             return {**out, "exact": True, "next_peak_gib": peak}
         out.update(batch_size=batch, tokens=batch * run.train.seq_len, verified_peak_gib=peak,
                    plan=sol.option.payload.label(), activation=sol.actions, layer_recompute=sol.layer_recompute,
-                   run_command=f"python -m experiments.run hydra.searchpath=[file://{plan_dir}] +plan={lean}")
+                   run_command=run_command(lean, plan_dir))
         batch += 1
     return out
 

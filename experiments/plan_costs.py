@@ -16,17 +16,16 @@ Differencing (each choice's bytes are its measured difference from a reference):
 The reference keeps everything with ``offload_cpu``, which on the CPU a dry run traces leaves each saved tensor
 where it is (``hmt_core.activations.apply``: ``packed = t`` on CPU) — byte-identical to ``keep`` — but makes the
 policy non-identity, so the policy counts what each component saves and the activation probe is traced too.
-Raw samples are cached as JSON under ``<results_dir>/plan/costs/`` keyed by everything that changes a trace.
+Samples come from the committed cost table or the user's cache (``experiments.plan_cache``), keyed by what changes a
+trace; missing ones are traced and cached one by one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import itertools
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,7 +37,6 @@ from experiments.gpu_allowance import traced_step_bytes
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS, ActivationPolicy
 
 GIB = 2**30
-SCHEMA = "hmt-plan-costs/5"
 STEP_PHASES = ("forward", "backward", "optimizer")
 PHASES = (*STEP_PHASES, "probe")
 KEEP_COUNTED = "offload_cpu"  # keep, but counted by the policy (see the module docstring)
@@ -220,71 +218,71 @@ def trace_sample(run: RunConfig, *, step_bytes: bool = False) -> dict:
             "ranks": {name: h[-1][1] for name, h in history.items() if h}}
 
 
-def cache_key(run: RunConfig, space: Space) -> str:
-    from experiments.config import to_plain_dict
-    from experiments.run import versions
-
-    plain = to_plain_dict(run)
-    for key in ("mode", "results_dir", "run_id", "force", "wandb", "profile", "seed", "device", "data", "dist"):
-        plain.pop(key, None)
-    for key in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every", "progress",
-                "save_model", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume"):
-        plain["train"].pop(key, None)
-    plain["dryrun"] = {"steps": run.dryrun.steps}
-    v = versions()
-    blob = json.dumps({"schema": SCHEMA, "run": plain, "space": dataclasses.asdict(space),
-                       "torch": v.get("torch"), "transformers": v.get("transformers")}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None, refresh: bool = False,
-            log: Callable[[str], None] = print) -> dict:
-    """All samples the planner needs for ``run`` (method=hmt; its other settings as given), from the cache when
-    present. Returns the raw record: ``{"schema", "key", "layers", "samples": {name: {"L1b1": ..., ...}}}``."""
-    key = cache_key(run, space)
-    path = cache_dir / f"{key}.json" if cache_dir is not None else None
-    if path is not None and path.exists() and not refresh:
-        record = json.loads(path.read_text())
-        if record.get("schema") == SCHEMA:
-            log(f"costs: measured traces from {path}")
-            return record
+def sample_plan(run: RunConfig, space: Space, llama: bool) -> list[tuple[str, OptChoice, dict, list[tuple[int, int]]]]:
+    """The traced points: (sample name, optimizer choice, activation changes, [(layers, micro-batch), ...])."""
     base_opt = base_choice(*families(space)[0], space)
     segments = batch_segments(run, space.max_batch_size)
     batches = sorted({b for _, *bs in segments for b in bs})
     b_a, b_b = segments[-1][1:]  # the main regime: activation deltas are lines through these, options at b_a
     plan: list[tuple[str, OptChoice, dict, list[tuple[int, int]]]] = [
         ("ref", base_opt, {}, [(layers, b) for b in batches for layers in (1, 2)])]
-    aliases = {name: "ref" for name, choice in opt_pieces(space).items() if choice == base_opt}
     plan += [(name, choice, {}, [(1, b_a), (2, b_a)]) for name, choice in opt_pieces(space).items()
              if choice != base_opt]
     plan += [(name, base_opt, changes, [(layers, b) for b in dict.fromkeys((b_a, b_b)) for layers in (1, 2)])
              for name, changes in act_pieces(space, llama).items()]
-    total = sum(len(points) for *_, points in plan)
-    log(f"costs: tracing {total} small models (1-2 layers at full width, seq {run.train.seq_len}) ...")
+    return plan
+
+
+def sample_run(run: RunConfig, with_layers, layers: int, batch: int, choice: OptChoice, changes: dict,
+               llama: bool) -> RunConfig:
+    method = dataclasses.replace(run.method, **choice.method_changes(run.method))
+    policy = policy_for(run.activation, llama, **changes)
+    return dataclasses.replace(with_layers(layers), method=method, activation=policy,
+                               train=dataclasses.replace(run.train, batch_size=batch))
+
+
+def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None = None, refresh: bool = False,
+            table=None, log: Callable[[str], None] = print) -> dict:
+    """All samples the planner needs for ``run`` (method=hmt; its other settings as given): from the committed cost
+    table and the user's cache (``experiments.plan_cache``), traced (and cached at once) where missing or with
+    ``refresh``; ``table``: an ``experiments.plan_cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
+    raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
+    from experiments.plan_cache import Table, entry_key
+
+    table = table or Table(run, run.model.name, cache_dir)
+    if refresh:  # measured again from scratch
+        table.clear()
+    segments = batch_segments(run, space.max_batch_size)
+    b_a = segments[-1][1]
+    base_opt = base_choice(*families(space)[0], space)
+    plan = sample_plan(run, space, llama)
     samples: dict[str, dict] = {}
-    start, done = time.perf_counter(), 0
+    start, traced, total = time.perf_counter(), 0, sum(len(points) for *_, points in plan)
     with layer_variants(run) as with_layers:
         for name, choice, changes, points in plan:
-            method = dataclasses.replace(run.method, **choice.method_changes(run.method))
-            policy = policy_for(run.activation, llama, **changes)
             samples[name] = {}
             for layers, batch in points:
-                r = dataclasses.replace(with_layers(layers), method=method, activation=policy,
-                                        train=dataclasses.replace(run.train, batch_size=batch))
-                samples[name][f"L{layers}b{batch}"] = trace_sample(r)
-                done += 1
-            log(f"  [{done}/{total}] {name} ({time.perf_counter() - start:.0f} s)")
-    for name, target in aliases.items():
-        samples[name] = {k: v for k, v in samples[target].items() if k.endswith(f"b{b_a}")}
-    record = {"schema": SCHEMA, "key": key, "layers": target_layers(run), "seq_len": run.train.seq_len,
-              "llama": llama, "space": dataclasses.asdict(space), "segments": segments, "samples": samples,
-              "traces": total, "trace_s": round(time.perf_counter() - start, 1)}
-    if path is not None:
-        from experiments.results import atomic_write_text
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True))
-    return record
+                r = sample_run(run, with_layers, layers, batch, choice, changes, llama)
+                key = entry_key(layers, batch, r.method, r.activation)
+                hit = table.get(key)
+                if hit is None:
+                    if traced == 0:
+                        log(f"costs: tracing small models (1-2 layers at full width, seq {run.train.seq_len}); "
+                            f"each is cached in {table.user_path or 'memory'} as soon as it is measured ...")
+                    hit = trace_sample(r)
+                    table.put(key, hit, {"name": name, "layers": layers, "batch": batch})
+                    traced += 1
+                    if traced % 10 == 0:
+                        log(f"  [{traced} traced] {name} ({time.perf_counter() - start:.0f} s)")
+                samples[name][f"L{layers}b{batch}"] = hit
+    for name, choice in opt_pieces(space).items():
+        if choice == base_opt:
+            samples[name] = {k: v for k, v in samples["ref"].items() if k.endswith(f"b{b_a}")}
+    log(f"costs: {total - traced} of {total} samples from the cost table"
+        + (f", {traced} traced in {time.perf_counter() - start:.0f} s" if traced else ""))
+    return {"key": table.key, "layers": target_layers(run), "seq_len": run.train.seq_len, "llama": llama,
+            "space": dataclasses.asdict(space), "segments": segments, "samples": samples, "traces": traced,
+            "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1)}
 
 
 MAIN_TOKENS = 8192  # the activation deltas' lines are measured around this many tokens per micro-batch

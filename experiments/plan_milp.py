@@ -16,7 +16,8 @@ memory budget; here the optimizer setting and the micro-batch size are decision 
                   + s_{p,ℓ} ℓ + q_{p,ℓ} w_ℓ  ≤  t  (+ Big-M·(1 − u_j), + Big-M·(1 − n) for the probe),   t ≤ B
               with S, P the reference's static and per-sequence bytes, M the option's, s and q the choice's
               static and per-sequence deltas — all measured (``experiments.plan_costs``); t is the predicted peak
-  rules       x_{attn_qkv,recompute} ≤ x_{attn_core,recompute}; x_{c,keep} ≥ ℓ for c inside the layers
+  rules       x_{attn_qkv,recompute} ≤ x_{attn_core,recompute}; x_{c,keep} ≥ ℓ for c inside the layers;
+              b + (B_max − cap_o)·y_o ≤ B_max for an option verified over the budget at cap_o + 1 sequences
   objective   lexicographic, one MILP per tier, each tier's optimum kept as a constraint for the next:
               1. max b (tokens per micro-batch = b·seq_len)   2. max Σ_o E_o y_o (retained gradient energy)
               3. min Σ τ_{c,a} w_{c,a} + τ_ℓ w_ℓ (extra step time)   4. min the number of lossy choices
@@ -79,6 +80,7 @@ class Problem:
     conditional: tuple[str, ...] = ("probe",)  # phases that apply only when the policy is not all-keep
     max_batch: int = 1024
     fixed_batch: int | None = None  # solve with b fixed (min_peak)
+    batch_caps: tuple[tuple[int, int], ...] = ()  # (option index, largest b): b ≤ cap when that option is chosen
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ def _rows(prob: Problem, v: _Vars, with_budget: bool) -> tuple[list, list, list]
     add({b: 1, **{v["u", st]: -st for st in starts}}, 0, np.inf)
     ends = dict(zip(starts, [st - 1 for st in starts[1:]] + [bmax]))
     add({b: 1, **{v["u", st]: -ends[st] for st in starts}}, -np.inf, 0)
+    for i, cap in prob.batch_caps:  # y_i = 1 ⇒ b ≤ cap
+        add({b: 1, v["y", i]: bmax - cap}, -np.inf, bmax)
     for c in prob.actions:
         add({v["x", c, a]: 1 for a in prob.actions[c]}, 1, 1)
     pairs = [(v["x", c, a], v["w", c, a]) for c, a in v.x]
@@ -269,7 +273,7 @@ def min_peak(prob: Problem) -> float:
     """The smallest GiB any choice needs at one sequence (the largest phase, minimized)."""
     v, n, rows, lb, ub, integrality, bounds = _setup(dataclasses.replace(prob, fixed_batch=1), with_budget=False)
     res = _solve(_objectives(prob, v, n)["peak"], rows, lb, ub, integrality, bounds)
-    return float(res.x[v["t",]])
+    return float("inf") if res is None else float(res.x[v["t",]])
 
 
 def segment(prob: Problem, batch: int) -> list[Segment]:

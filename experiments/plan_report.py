@@ -1,10 +1,14 @@
-"""The planner's record and its printed table: what ``experiments.plan`` writes to ``<results_dir>/plan/<name>.json``
-(schema ``hmt-plan/1``: the choice, predicted and verified peaks, every verification iteration, the costs' key and
-the calibration) and renders as the Markdown table it prints (and the README shows)."""
+"""The planner's record, where its plans go, and its printed table: ``experiments.plan`` writes
+``<results_dir>/plans/<name>.yaml`` (the run configuration, a Hydra ``_global_`` config of the group ``plans``) and
+``<name>.json`` (schema ``hmt-plan/1``: the choice, predicted and verified peaks, every verification iteration, the
+costs' key and the calibration) and renders the record as the Markdown table it prints."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+from experiments.errors import UserError
 
 from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.plan_costs import GIB, PHASES, STEP_PHASES
@@ -16,13 +20,34 @@ def model_label(run) -> str:
     return Path(run.model.path).name if run.model.path else run.model.name
 
 
-def run_command(name: str, plan_dir) -> str:
-    search = f" hydra.searchpath=[file://{plan_dir}]" if plan_dir is not None else ""
-    return f"python -m experiments.run{search} +plan={name}"
+REPO = Path(__file__).resolve().parent.parent
+TRACKED = (REPO / "experiments", REPO / "results" / "plan")
+
+
+def plans_dir(results_dir: str, plan_dir: str | None) -> Path:
+    """The folder plans are written to: ``plan_dir`` or ``<results_dir>/plans`` (created when written); never the
+    repository's tracked configs or committed plans. Its name is the Hydra group the run command selects."""
+    folder = Path(plan_dir or Path(results_dir) / "plans").expanduser().resolve()
+    for tracked in TRACKED:
+        if folder == tracked or tracked in folder.parents:
+            raise UserError(f"plan_dir={folder}: plans are not written into the tracked {tracked.relative_to(REPO)}/ "
+                            "(choose a folder of your own, e.g. the default <results_dir>/plans)")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", folder.name):
+        raise UserError(f"plan_dir={folder}: its last folder name {folder.name!r} is the config group the run selects "
+                        "(+<group>=<plan>): letters, digits and _ only")
+    return folder
+
+
+def run_command(name: str, folder, *, dryrun: bool = False) -> str:
+    """``python -m experiments.run`` with the plan ``folder/<name>.yaml`` (``folder=None``: a committed
+    ``experiments/conf/plan/`` plan); ``dryrun``: the same configuration only traced (``mode=dryrun``)."""
+    folder = None if folder is None else Path(folder)
+    select = f"+plan={name}" if folder is None else f"hydra.searchpath=[file://{folder.parent}] +{folder.name}={name}"
+    return f"python -m experiments.run {select}" + (" mode=dryrun" if dryrun else "")
 
 
 def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget, floor, iterations, cal, record,
-                costs) -> dict:
+                costs, train_note: str, elapsed_s: float) -> dict:
     choice = sol.option.payload
     ctx = reserve_bytes(run) / GIB
     verified = None
@@ -44,8 +69,9 @@ def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget
             "energy": sol.energy, "extra_time_s_per_micro_batch": sol.time,
             "predicted_gib": sol.predicted, "iterations": iterations, "verified": verified,
             "keep_saved_gib": costs.keep_saved, "costs_key": record["key"],
-            "traces": sum(len(v) for v in record["samples"].values()), "calibration": cal,
-            "run_command": run_command(name, plan_dir)}
+            "traces": record["traces"], "cached_samples": record["cached"], "calibration": cal,
+            "run_command": run_command(name, plan_dir), "dryrun_command": run_command(name, plan_dir, dryrun=True),
+            "train_note": train_note, "elapsed_s": elapsed_s}
 
 
 def render_plan(rec: dict) -> str:
@@ -64,7 +90,8 @@ def render_plan(rec: dict) -> str:
         f"method.state_budget={o['budget']:g} (of AdamW's state); HMT's allocator picks per-layer ranks in it"
     rows = [
         ("budget", (f"{rec['budget_gib']:g} GiB = {rec['budget_gib'] - reserve:.2f} for the step + {reserve:.2f} "
-                    f"{rec.get('reserve', 'CUDA context')} (floor: weights + it = {rec['floor_gib']:.2f})")),
+                    f"{rec.get('reserve', 'CUDA context')}, which is part of the budget (floor: weights + it = "
+                    f"{rec['floor_gib']:.2f})")),
         ("micro-batch", (f"{c['batch_size']} × {rec['seq_len']} = {c['tokens_per_micro_batch']:,} tokens "
                          f"(train.grad_accum={c['grad_accum']} sets the tokens per optimizer step)")),
         ("optimizer", f"Mode {o['mode']}, {o['dtype']} state, lm_head {'projected' if o['head'] else 'dense'}"
@@ -83,5 +110,15 @@ def render_plan(rec: dict) -> str:
                                                                for p in STEP_PHASES)
                      + (f", probe {v['probe_peak_bytes'] / GIB:.2f}" if v["probe_peak_bytes"] else "")
                      + f") — {'fits' if v['fits'] else 'DOES NOT FIT'}"))
-    rows.append(("run it", f"`{rec['run_command']}`"))
-    return "\n".join(["| plan | " + rec["name"] + " |", "|---|---|", *(f"| {k} | {x} |" for k, x in rows)])
+    else:
+        rows.append(("verified", "no: the peaks above are the cost model's prediction (verify=true traces the full "
+                                 "model once, as the dry-run command below does)"))
+    rows.append(("TRAINS (a real run)", f"`{rec['run_command']}`" + (f" — {rec['train_note']}"
+                                                                     if rec.get("train_note") else "")))
+    if rec.get("dryrun_command"):
+        rows.append(("only TRACES (a dry run, no training)", f"`{rec['dryrun_command']}`"))
+    table = "\n".join(["| plan | " + rec["name"] + " |", "|---|---|", *(f"| {k} | {x} |" for k, x in rows)])
+    if rec.get("elapsed_s") is not None:
+        table += (f"\nplanned in {rec['elapsed_s']:.1f} s ({rec.get('cached_samples', 0)} cost samples from the "
+                  f"table, {rec.get('traces', 0)} traced); plan: {rec['plan_file']}")
+    return table

@@ -28,6 +28,7 @@ from experiments.data import MIN_BPE_VOCAB, has_tokenizer
 from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size
 from experiments.replan import OutOfMemoryGiveUp
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
+from experiments.step_time import check_step_time
 from hmt_core.checkpoint import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +186,7 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
     preflight(run)
     root = check_writable(run.results_dir)
     device = resolve_device(run.device)
+    check_step_time(run, device.type)  # a CPU run of many minutes per step asks first
     method = methods.make_method(run.method)
     run_id = run.run_id or default_run_id(run)
     run_dir = RunDir(root, run_id)

@@ -2,9 +2,12 @@
 
 What is proven: the MILP returns the lexicographic optimum (tokens, then energy, then time) on hand-checkable
 instances, equal to brute-force enumeration; a plan for a tiny model is verified by a full dry run within its
-budget, and the emitted ``+plan=`` config runs AS IS through ``python -m experiments.run`` with exactly the peak the
-planner verified; costs measured on 1- and 2-layer traces predict a 4-layer model's peak; bad budgets and bad
-model names end in one ``error:`` line; the README's capacity table is what the committed results render.
+budget, and the emitted plan (``<results_dir>/plans/<name>.yaml``) runs AS IS through the printed dry-run command
+with exactly the peak the planner verified; without ``verify=true`` the answer is labelled a prediction; a cost
+table made optimistic is corrected by the verification traces to the capacity procedure's micro-batch; costs
+measured on 1- and 2-layer traces predict a 4-layer model's peak; plans are never written into tracked folders and
+the committed plans still load; bad budgets and bad model names end in one ``error:`` line; the README's capacity
+table is what the committed results render.
 """
 
 from __future__ import annotations
@@ -80,6 +83,15 @@ def test_milp_finds_the_forced_optimum(budget, max_batch, probe, expected):
     assert max(v for v in sol.predicted.values() if v is not None) <= budget + 1e-9, sol.predicted
 
 
+def test_milp_batch_cap_of_an_option():
+    """A verification capped the small option at 5 sequences: the small option would take 2 + 1·b ≤ 10 → 8, so the
+    optimum moves sideways to the big option at 3 + 1·b ≤ 10 → 7 (a recompute, c int8), not down to 5."""
+    prob = dataclasses.replace(_instance(10.0, 64), batch_caps=((1, 5),))
+    sol = solve(prob)
+    assert (sol.batch, sol.option.name) == (7, "big"), (sol.batch, sol.option.name)
+    assert solve(dataclasses.replace(prob, batch_caps=((0, 0), (1, 0)))) is None
+
+
 def test_milp_piecewise_reference_and_infeasible_budget():
     """Two pieces (per-sequence bytes drop from 3 to 1 at b = 4, as when the fused loss's chunk fills): 2 + 3b for
     b ≤ 3; from b = 4 the maximum of 8 + b and 0 + 3b (two lines holding together, e.g. a static event and the
@@ -110,7 +122,7 @@ def planned(tmp_path_factory):
     cal = root / "cal.json"
     cal.write_text(json.dumps(CALIBRATION))  # a fixed time model: the plan does not depend on this CPU's speed
     rec = planner.main([*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={root / 'results'}",
-                        f"plan_dir={root / 'conf'}", f"calibration={cal}", "name=t"])
+                        f"calibration={cal}", "name=t", "verify=true"])
     return root, rec
 
 
@@ -119,10 +131,10 @@ def test_plan_is_verified_within_its_budget(planned):
     v = rec["verified"]
     assert v["fits"] and v["verdict_peak_bytes"] <= BUDGET * GIB, (v["verdict_peak_bytes"] / GIB, BUDGET)
     assert rec["choice"]["batch_size"] > 1  # the budget binds the micro-batch, not one sequence
-    nodes = yaml.safe_load((root / "conf" / "plan" / "t.yaml").read_text())
+    nodes = yaml.safe_load((root / "results" / "plans" / "t.yaml").read_text())
     assert nodes["train"]["batch_size"] == rec["choice"]["batch_size"] and nodes["method"]["name"] == "hmt"
     assert nodes["activation"]["layer_recompute"] == rec["choice"]["layer_recompute"]
-    assert json.loads((root / "results" / "plan" / "t.json").read_text())["verified"] == v
+    assert json.loads((root / "results" / "plans" / "t.json").read_text())["verified"] == v
 
 
 def test_plan_under_the_gpu_allowance_holds_the_allocators_reserved_bytes(planned):
@@ -134,7 +146,8 @@ def test_plan_under_the_gpu_allowance_holds_the_allocators_reserved_bytes(planne
     reserve = (426 + 362 + 66) / 1024  # GiB
     budget = round(reserve + 0.1, 3)
     rec = planner.main([*MODEL[:-2], *SPACE, f"budget_gib={budget}", f"results_dir={root / 'results'}",
-                        f"plan_dir={root / 'conf'}", f"calibration={root / 'cal.json'}", "name=m"])
+                        f"plan_dir={root / 'mine'}", f"calibration={root / 'cal.json'}", "name=m", "verify=true"])
+    assert (root / "mine" / "m.yaml").exists() and (root / "mine" / "m.json").exists()
     v = rec["verified"]
     assert rec["reserve_gib"] == pytest.approx(reserve, abs=1e-9), rec["reserve_gib"]  # exact MiB sums
     assert v["fits"] and v["step_bytes"] <= (budget - rec["reserve_gib"]) * GIB, (v["step_bytes"] / GIB, budget)
@@ -147,15 +160,15 @@ def test_emitted_plan_runs_as_is_with_the_verified_peak(planned):
     out = root / "rerun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    cmd = [sys.executable, "-m", "experiments.run", f"hydra.searchpath=[file://{root / 'conf'}]", "+plan=t",
-           "mode=dryrun", f"results_dir={out}", "run_id=r"]
+    assert rec["run_command"].endswith(f"hydra.searchpath=[file://{root / 'results'}] +plans=t")
+    assert rec["dryrun_command"] == rec["run_command"] + " mode=dryrun"
+    cmd = [sys.executable, "-m", *rec["dryrun_command"].split()[2:], f"results_dir={out}", "run_id=r"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((out / "r" / "summary.json").read_text())
     # the same fake trace of the same configuration: equal to the byte
     assert summary["dryrun"]["verdict_peak_bytes"] == rec["verified"]["verdict_peak_bytes"]
     assert summary["memory"]["peak_by_phase_bytes"] == rec["verified"]["peak_by_phase_bytes"]
-    assert rec["run_command"].endswith("+plan=t")
 
 
 def test_costs_from_two_layers_predict_a_four_layer_model(planned):
@@ -171,7 +184,8 @@ def test_costs_from_two_layers_predict_a_four_layer_model(planned):
     root, _ = planned
     run = planner.run_config([*MODEL, f"results_dir={root / 'results'}"])
     space = planner.space_from(planner.parse_args(SPACE)[0])
-    record = json.loads(next((root / "results" / "plan" / "costs").glob("*.json")).read_text())
+    record = planner.prepare(run, {**planner.parse_args(SPACE)[0], "calibration": str(root / "cal.json")}).record
+    assert record["traces"] == 0, record["traces"]  # every sample from the fixture's cache
     prob = build_problem(derive(record, 4), space=space, record=record, stats=weight_stats(run), flops={},
                          cal=CALIBRATION, budget_gib=1.0, llama=True)
     option = prob.options[0]
@@ -184,6 +198,73 @@ def test_costs_from_two_layers_predict_a_four_layer_model(planned):
                                              activation=policy_for(four.activation, True, layer_recompute=lr)))
         measured = max(s["peak"], s["probe"] or 0) / GIB
         assert abs(predicted - measured) <= 0.01 * measured, (lr, predicted, measured)
+
+
+def test_unverified_plan_is_the_models_prediction(planned, capsys):
+    """Without verify=true nothing is traced at full size (every cost from the fixture's cache): the record has no
+    verification, and the printed table says the peaks are predicted and which command trains / only traces."""
+    root, verified = planned
+    rec = planner.main([*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={root / 'results'}",
+                        f"calibration={root / 'cal.json'}", "name=u"])
+    out = capsys.readouterr().out
+    assert rec["verified"] is None and rec["traces"] == 0 and len(rec["iterations"]) == 1, rec["iterations"]
+    assert not (root / "results" / "plan_verify" / "u").exists()
+    assert rec["choice"]["batch_size"] == verified["choice"]["batch_size"]  # the verified plan's first solve fit
+    for fragment in ("prediction", "TRAINS", "only TRACES", "planned in", "part of the budget"):
+        assert fragment in out, (fragment, out)
+
+
+def _biased_cache(src: Path, dst: Path, gib: float) -> None:
+    """The fixture's cost cache with ``gib`` taken off every forward and backward peak: a table that is
+    optimistic by a fixed buffer the traces missed (as a stale table was)."""
+    dst.mkdir(parents=True)
+    for path in src.glob("*.json"):
+        data = json.loads(path.read_text())
+        for entry in (e for e in data["entries"].values() if "forward" in e):  # traces, not weights/FLOPs
+            for phase in ("forward", "backward", "peak"):
+                entry[phase] -= int(gib * GIB)
+        (dst / path.name).write_text(json.dumps(data))
+
+
+def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optimum(planned, tmp_path):
+    """With costs 0.01 GiB optimistic (~7 sequences at this budget) the first solve misses; each miss corrects the
+    model by the measured error (forward/backward per sequence: still optimistic below the missed batch) and solves
+    again, so the answer is the largest verified micro-batch — the same as the capacity procedure's: its leanest
+    choice one sequence further, traced at full size, is over (``next_batch``: exact)."""
+    from experiments.plan_capacity import next_batch
+
+    root, verified = planned
+    _biased_cache(root / "results" / "plan_costs", tmp_path / "results" / "plan_costs", 0.01)
+    argv = [*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={tmp_path / 'results'}",
+            f"calibration={root / 'cal.json'}", "name=c", "verify=true", "max_iters=12"]
+    rec = planner.main(argv)
+    steps = rec["iterations"]
+    assert rec["traces"] == 0 and len(steps) >= 2, steps  # biased table used; at least one miss
+    assert steps[0]["batch_size"] > rec["choice"]["batch_size"], steps
+    assert rec["verified"]["fits"], rec["verified"]
+    run = planner.run_config([*MODEL, f"results_dir={root / 'results'}"])
+    prep = planner.prepare(run, {**planner.parse_args(SPACE)[0], "calibration": str(root / "cal.json")})
+    b = verified["choice"]["batch_size"]
+    nxt = next_batch(prep, {"plan_dir": str(tmp_path / "cap" / "plans")}, run, BUDGET, b + 1, "cap",
+                     tmp_path / "cap", lambda _: None, max_traces=1)
+    assert nxt["exact"] and "batch_size" not in nxt, nxt  # b + 1 sequences do not fit, whatever the choice
+    assert rec["choice"]["batch_size"] == b, ([s["batch_size"] for s in steps], b)
+
+
+def test_plans_are_never_written_over_tracked_source(capsys, tmp_path):
+    for folder in (REPO / "experiments" / "conf" / "plan", REPO / "results" / "plan"):
+        _one_line_error(capsys, [*MODEL, "budget_gib=1", f"plan_dir={folder}", f"results_dir={tmp_path}"],
+                        "plan_dir=", "tracked")
+        assert not any(tmp_path.iterdir()), "refused before any trace"
+
+
+def test_committed_plans_still_load():
+    """The README's committed plans (``experiments/conf/plan/``) compose as before: ``+plan=<name>``."""
+    for name, batch in (("7b-s2048-16gib", None), ("7b-s2048-16gib-b1", 1)):
+        nodes = yaml.safe_load((REPO / "experiments" / "conf" / "plan" / f"{name}.yaml").read_text())
+        run = planner.run_config([f"+plan={name}", "mode=dryrun"])
+        assert run.model.name == "7b" and run.train.batch_size == nodes["train"]["batch_size"], name
+        assert batch is None or run.train.batch_size == batch
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------------
