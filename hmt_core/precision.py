@@ -103,7 +103,8 @@ class QuantizedWeight(Protocol):
     def read_rows(self, index: Any) -> Tensor:  # -> (rows, cols) fp32
         ...
 
-    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
+    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None,  # value: fp32
+                   keep: Tensor | None = None) -> None:  # keep: () bool, True: the stored rows stay as they are
         ...
 
 
@@ -179,10 +180,13 @@ class UpdateWriter:
         return self.generator
 
     @contextlib.contextmanager
-    def rows(self, param: Tensor, master: Tensor | None, index: Any = ...) -> Iterator[Tensor]:
-        """Yields the tensor to update in place for ``param[index]`` (the weight's data, not the Parameter)."""
+    def rows(self, param: Tensor, master: Tensor | None, index: Any = ...,
+             keep: Tensor | None = None) -> Iterator[Tensor]:
+        """Yields the tensor to update in place for ``param[index]`` (the weight's data, not the Parameter).
+        ``keep`` (() bool on the weight's device, a step skipped on the device): True leaves the rows (and their
+        master) as they were, through ``torch.where``, at the cost of a copy of the rows."""
         if isinstance(param, QuantizedWeight):
-            yield from self._quantized_rows(param, index)
+            yield from self._quantized_rows(param, index, keep)
             return
         w = param[index]
         if master is not None:
@@ -190,23 +194,29 @@ class UpdateWriter:
         elif w.dtype != torch.float32 and (self.stochastic or self.probe is not None):
             target = w.float()  # fp32 temporary of these rows
         else:
+            old = None if keep is None else w.clone()
             yield w  # in place in the weight's own dtype: the update rounds to nearest as it is applied
+            if old is not None:
+                w.copy_(torch.where(keep, old, w))
             return
-        before = target.clone() if self.probe is not None else None
+        before = target.clone() if self.probe is not None or (keep is not None and master is not None) else None
         yield target
+        if keep is not None and master is not None:
+            target.copy_(torch.where(keep, before, target))
         if self.stochastic and master is None:
             gen = None if is_fake(target) else self._generator(target.device)
-            w.copy_(stochastic_round(target, gen))
+            rounded = stochastic_round(target, gen)
+            w.copy_(rounded if keep is None else torch.where(keep, w, rounded))
         else:
             w.copy_(target)  # round-to-nearest
         if self.probe is not None:
             self.probe(param, index, target - before)
 
-    def _quantized_rows(self, param: QuantizedWeight, index: Any) -> Iterator[Tensor]:
+    def _quantized_rows(self, param: QuantizedWeight, index: Any, keep: Tensor | None) -> Iterator[Tensor]:
         target = param.read_rows(index)  # fp32: the high-precision domain of the update
         before = target.clone() if self.probe is not None else None
         yield target
-        param.write_rows(index, target, None if is_fake(target) else self._generator(target.device))
+        param.write_rows(index, target, None if is_fake(target) else self._generator(target.device), keep)
         if self.probe is not None:
             self.probe(param, index, target - before)
 

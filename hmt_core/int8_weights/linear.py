@@ -213,8 +213,12 @@ class Int8Weight:
         return dequantize(layer.weight_codes[index], layer.weight_scales[index], layer.block, torch.float32,
                           backend=layer.backend)
 
-    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
+    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None,  # value: fp32
+                   keep: Tensor | None = None) -> None:  # keep: () bool, True: a skipped step, the codes stay
         codes, scales = quantize(value, self.layer.block, generator, stochastic=True)
+        if keep is not None:  # decided on the device (requantizing unchanged values is not the identity under SR)
+            codes = torch.where(keep, self.layer.weight_codes[index], codes)
+            scales = torch.where(keep, self.layer.weight_scales[index], scales)
         self.layer.weight_codes[index].copy_(codes)
         self.layer.weight_scales[index].copy_(scales)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
-from hmt_core.precision import UpdateWriter
+from hmt_core.precision import QuantizedWeight, UpdateWriter
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
                            valid_candidates)
 from hmt_core.rank_budget import energy_curve, make_rank_budget
@@ -73,6 +74,8 @@ class Slot:
     rows: slice | None = None  # FSDP2 (hmt_core.optim.sharded): ``param`` is the local shard, these global rows
     global_shape: tuple[int, ...] | None = None  # the whole weight's shape (None: ``param``'s own)
     grad_param: nn.Parameter | None = None  # the parameter whose ``.grad`` the hooks read (None: ``param``)
+    skipped: Tensor | None = None  # () int32 on the device: updates skipped on the device, not yet taken off
+    #                                ``step``/``adam_t`` (``LowRankOptimizer.reconcile``)
 
     @property
     def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
@@ -107,6 +110,7 @@ class LowRankOptimizer:
             s.master = self.writer.make_master(s.param)
         self.budget = make_rank_budget({s.name: (s.full_shape, s.param.dtype.itemsize, s.candidates)
                                         for s in slots if s.projected}, cfg)  # None: no state budget
+        self.skip: Tensor | None = None  # () bool on the device while updates run under ``skipping``
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         if cfg.dense_8bit:
             import bitsandbytes as bnb  # optional dependency: only when asked for
@@ -215,6 +219,58 @@ class LowRankOptimizer:
         rank = choose_rank_by_capture([captured[r] for r in ranks], ranks, c.tau)
         return rank, (tuple(captured[r] for r in grid) if grid else None)
 
+    # ------------------------------------------------------------------------------------- device-side skipping
+    @contextmanager
+    def skipping(self, found_inf: Tensor | None) -> Iterator[None]:
+        """Updates inside run under ``found_inf`` (() bool on the device; None: no skip decision): where it is True
+        they leave weights, moments and the limiter as they were (``torch.where`` / a zero direction), and the step
+        counters are corrected by ``reconcile`` when the host next reads values. No host synchronization."""
+        prev, self.skip = self.skip, found_inf
+        try:
+            yield
+        finally:
+            self.skip = prev
+
+    def _snapshot(self, *state: Tensor) -> tuple[Tensor, ...] | None:  # copies of state that an update mutates
+        return None if self.skip is None else tuple(t.clone() for t in state)
+
+    def _restore(self, old: tuple[Tensor, ...] | None, *state: Tensor) -> None:
+        if old is not None:
+            for t, o in zip(state, old):
+                torch.where(self.skip, o, t, out=t)
+
+    def _zero_if_skipped(self, d: Tensor) -> Tensor:  # a skipped step's direction: 0 (also where d is NaN)
+        return d if self.skip is None else torch.where(self.skip, 0.0, d)
+
+    def _keep(self, s: Slot) -> Tensor | None:
+        """The writer's ``keep`` flag where a zero direction alone would still change the weight: decoupled weight
+        decay, an INT8 weight's stochastic requantization, stochastic rounding; else None (nothing to copy)."""
+        if self.skip is None or not (self.cfg.weight_decay > 0 or self.writer.stochastic
+                                     or isinstance(s.param, QuantizedWeight)):
+            return None
+        return self.skip
+
+    def _kept_limiter(self, prev: Tensor | None, new: Tensor | None) -> Tensor | None:  # (): Mode B's ‖u‖ memory
+        if self.skip is None or new is None:
+            return new
+        # no memory yet: +inf divides by exactly 1 on the next step (growth_divisor), as None does
+        return torch.where(self.skip, torch.full_like(new, math.inf) if prev is None else prev, new)
+
+    def _skip_on_host(self) -> bool:
+        return not is_fake(self.skip) and bool(self.skip)
+
+    def reconcile(self) -> None:
+        """Take updates skipped on the device off the step counters (``step``, ``adam_t``): one host read of every
+        slot's count, done where the host reads values anyway (logging steps, checkpoints). Until then a skipped
+        step has advanced the bias-correction clock and the refresh schedule (docs/host_syncs.md)."""
+        live = [s for s in self.slots if s.skipped is not None]
+        if not live or any(is_fake(s.skipped) for s in live):
+            for s in live:
+                s.skipped = None
+            return
+        for s, n in zip(live, torch.stack([s.skipped for s in live]).tolist()):
+            s.step, s.adam_t, s.skipped = s.step - n, s.adam_t - n, None
+
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -232,11 +288,14 @@ class LowRankOptimizer:
             s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
         s.step += 1
         s.adam_t += 1
+        if self.skip is not None:  # taken off the counters when the host reads the flags (``reconcile``)
+            s.skipped = self.skip.to(torch.int32) if s.skipped is None else s.skipped.add_(self.skip)
 
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
         c = self.cfg
         self._begin_adam_step(s, g)
+        old = self._snapshot(s.m, s.v)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                                           eps=c.eps, style=c.adam_style, backend=self.kernels)
@@ -250,7 +309,8 @@ class LowRankOptimizer:
             groups = upd.clock_groups(s.born, s.adam_t, left=left, right=right, device=d.device)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
-        return d, step_size
+        self._restore(old, s.m, s.v)
+        return self._zero_if_skipped(d), step_size
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
@@ -259,16 +319,19 @@ class LowRankOptimizer:
         self._begin_adam_step(s, grad)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
+            old = self._snapshot(s.m[a:b], s.v[a:b])
             d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
                                           beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
                                           backend=self.kernels)
-            with self.writer.rows(s.param.data, s.master, slice(a, b)) as w:
+            self._restore(old, s.m[a:b], s.v[a:b])
+            d = self._zero_if_skipped(d)
+            with self.writer.rows(s.param.data, s.master, slice(a, b), self._keep(s)) as w:
                 upd.apply_update_(w, d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
                                   style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
         for index in self.writer.spans(s.param, s.master):
-            with self.writer.rows(s.param.data, s.master, index) as w:
+            with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
                 upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
                                   weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
 
@@ -287,7 +350,7 @@ class LowRankOptimizer:
             d, basis = direction, s.local_basis()
             if index is not Ellipsis:  # rows of W come from rows of the left factor (P, or D when right-sided)
                 d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
-            with self.writer.rows(s.param.data, s.master, index) as w:
+            with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
                 kops.lowrank_update(w, d, basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
                                     weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style,
                                     backend=self.kernels)
@@ -302,6 +365,8 @@ class LowRankOptimizer:
             grad = grad * coef
         if not s.projected:
             if s.name in self.dense8:
+                if self.skip is not None and self._skip_on_host():
+                    return  # bitsandbytes' AdamW8bit cannot skip on the device: one host read per step
                 s.param.grad = grad
                 self.dense8[s.name].step()
                 return
@@ -323,42 +388,50 @@ class LowRankOptimizer:
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
                                     kind=c.scaling, reduce=reduce)
         rows = kops.chunk_rows_for(tuple(grad.shape), torch.float32)
+        prev = s.limiter_prev
         if rows < grad.shape[0] or reduce is not None:  # row-chunked: at most one chunk of the fp32 update alive
             limiter, s.limiter_prev = upd.limiter_for_rows(grad, factor, prev_norm=s.limiter_prev, rows=rows,
                                                            gamma=c.limiter_gamma if c.norm_limiter else None,
                                                            reduce=reduce)
+            s.limiter_prev = self._kept_limiter(prev, s.limiter_prev)
             for a in range(0, grad.shape[0], rows):  # the ops of upd.scaled_update_rows_, through the writer
                 index = slice(a, min(a + rows, grad.shape[0]))
-                with self.writer.rows(s.param.data, s.master, index) as w:
-                    upd.apply_update_(w, upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)),
-                                      step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
+                with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
+                    u = self._zero_if_skipped(upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)))
+                    upd.apply_update_(w, u, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
                                       style=c.adam_style)
             return
         scaled = grad * factor
         if c.norm_limiter:
             scaled, s.limiter_prev = upd.norm_growth_limit(scaled, s.limiter_prev, c.limiter_gamma)
-        self._apply(s, scaled * math.sqrt(c.scale), step_size)
+            s.limiter_prev = self._kept_limiter(prev, s.limiter_prev)
+        self._apply(s, self._zero_if_skipped(scaled * math.sqrt(c.scale)), step_size)
 
     @torch.no_grad()
-    def step_all(self, max_grad_norm: float | None) -> float:
+    def step_all(self, max_grad_norm: float | None) -> Tensor | None:
         """Ordinary (not per-layer) step, with the same semantics and rounding as the per-layer path: bases are
         refreshed from the unclipped gradients (SVD bases and energy ranks are scale-invariant), the global norm
         is taken over the full gradients, and a projected (Mode A) gradient is clipped after projection
-        (``clip(Pᵀ G) = Pᵀ clip(G)``)."""
+        (``clip(Pᵀ G) = Pᵀ clip(G)``). Returns the norm (() fp32 on the device), NaN for a step skipped on the
+        device (a non-finite gradient); a due refresh checks its gradient on the host (its SVD synchronizes)."""
         live = [s for s in self.slots if s.param.grad is not None]
         if not live:
-            return 0.0
-        for s in live:
-            if self.refresh_due(s):
-                self.refresh(s, s.param.grad)
+            return torch.zeros((), device=self.slots[0].param.device) if self.slots else None
+        due = [s for s in live if self.refresh_due(s)]
+        if due and not proj.all_finite(*(s.param.grad for s in live)):
+            return torch.full((), math.nan, device=live[0].param.grad.device)  # never refresh from a bad gradient
+        for s in due:
+            self.refresh(s, s.param.grad)
         total = global_norm([torch.linalg.vector_norm(s.param.grad) for s in live])
+        found_inf = ~torch.isfinite(total)
         coef = clip_coefficient(total, max_grad_norm)
-        for s in live:
-            if s.projected and self.cfg.mode == "A":
-                self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
-            else:
-                self.update_full(s, s.param.grad, coef)
-        return proj.scalar(total)  # NaN in a dry run (fake tensors have no value)
+        with self.skipping(found_inf):
+            for s in live:
+                if s.projected and self.cfg.mode == "A":
+                    self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
+                else:
+                    self.update_full(s, s.param.grad, coef)
+        return torch.where(found_inf, math.nan, total)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> Iterator[Tensor]:
@@ -384,6 +457,7 @@ class LowRankOptimizer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        self.reconcile()
         slots = {}
         for s in self.slots:
             slots[s.name] = {
