@@ -177,7 +177,7 @@ class PerLayerEngine:
         self.norms[s.index] = torch.linalg.vector_norm(g)
         if s.projected:  # Mode B
             if opt.refresh_due(s):
-                if not self._finite(g):
+                if not self._finite(self.norms[s.index]):  # () on the host: a refresh step synchronizes anyway
                     param.grad = None
                     return
                 opt.refresh(s, g)

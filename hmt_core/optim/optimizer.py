@@ -417,12 +417,12 @@ class LowRankOptimizer:
         live = [s for s in self.slots if s.param.grad is not None]
         if not live:
             return torch.zeros((), device=self.slots[0].param.device) if self.slots else None
+        total = global_norm([torch.linalg.vector_norm(s.param.grad) for s in live])
         due = [s for s in live if self.refresh_due(s)]
-        if due and not proj.all_finite(*(s.param.grad for s in live)):
-            return torch.full((), math.nan, device=live[0].param.grad.device)  # never refresh from a bad gradient
+        if due and not proj.all_finite(total):  # () on the host: a refresh step synchronizes anyway (SVD, rank)
+            return torch.full((), math.nan, device=total.device)  # never refresh from a non-finite gradient
         for s in due:
             self.refresh(s, s.param.grad)
-        total = global_norm([torch.linalg.vector_norm(s.param.grad) for s in live])
         found_inf = ~torch.isfinite(total)
         coef = clip_coefficient(total, max_grad_norm)
         with self.skipping(found_inf):

@@ -172,11 +172,12 @@ class ShardedEngine(PerLayerEngine):
         opt = self.opt
         norm = torch.linalg.vector_norm(local)
         self.norms[s.index] = norm
-        found_inf = self._flag(self._sum(norm.float().square()))  # ‖G‖², summed: the same flag on every rank
+        total_sq = self._sum(norm.float().square())  # ‖G‖², summed: the same on every rank
+        found_inf = self._flag(total_sq)
         if opt.refresh_due(s):
-            full = g.full_tensor()  # (m, n): the seeded random basis (and a captured rank) as in one process
-            if not self._finite(full):  # identical on every rank; a refresh step synchronizes anyway
+            if not self._finite(total_sq):  # on the host, identically on every rank: a refresh step synchronizes
                 return
+            full = g.full_tensor()  # (m, n): the seeded random basis (and a captured rank) as in one process
             opt.refresh(s, full)
             del full
         with opt.skipping(found_inf):  # R, the tensor and limiter norms: summed over ranks
