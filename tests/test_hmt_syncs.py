@@ -31,6 +31,7 @@ CONFIGS = {  # (hmt.Config overrides, max_grad_norm, activation preset)
     "int8_weights": ({"weight_dtype": "int8"}, 1.0, None),
     "ordinary_step": ({"per_layer": False}, 1.0, None),
     "weight_decay": ({"weight_decay": 0.1}, 1.0, None),  # a skipped step keeps the weight through torch.where
+    "two_sided": ({"sides": "two_sided"}, 1.0, None),
 }
 
 
@@ -126,3 +127,28 @@ def test_a_nonfinite_gradient_skips_the_step_on_the_device_as_before(name):
         assert diff and all(k.rsplit(".", 1)[0] + ".weight_codes" in runs[0] for k in diff), diff
     else:
         assert not diff, f"{name}: {diff} differ from the run without the bad step"
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_driver_skips_a_nonfinite_step_on_the_device_where_the_optimizer_can(impl):
+    """``OptimizerDriver`` (the baselines' torch.optim step): torch's fused AdamW takes ``found_inf`` and skips on
+    the device (no host sync); one that cannot (foreach) reads the flag once. Either way a NaN gradient leaves the
+    weights, moments and step counter as they were, the norm is NaN, and a finite step afterwards updates."""
+    from hmt_core.driver import OptimizerDriver
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    driver = OptimizerDriver(torch.optim.AdamW([weight], lr=1e-2, **{impl: True}), max_grad_norm=1.0)
+    weight.grad = torch.randn(8, 4)
+    driver.step()
+    before = [weight.detach().clone(), *(t.clone() for t in driver.state_tensors())]
+    weight.grad = torch.randn(8, 4)
+    weight.grad[3, 1] = math.nan
+    counter = DispatchCounter()
+    with counter:
+        norm = driver.step()
+    after = [weight.detach().clone(), *(t.clone() for t in driver.state_tensors())]
+    assert math.isnan(float(norm)) and all(torch.equal(a, b) for a, b in zip(before, after)), (before, after)
+    assert counter.report().host_syncs == (0 if impl == "fused" else 1), counter.report().sync_sites
+    weight.grad = torch.randn(8, 4)
+    assert math.isfinite(float(driver.step())) and not torch.equal(weight, before[0])
