@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
+from hmt_core.optim.skip import DeviceSkip, reconcile
 from hmt_core.precision import QuantizedWeight, UpdateWriter
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
                            valid_candidates)
@@ -110,7 +111,7 @@ class LowRankOptimizer:
             s.master = self.writer.make_master(s.param)
         self.budget = make_rank_budget({s.name: (s.full_shape, s.param.dtype.itemsize, s.candidates)
                                         for s in slots if s.projected}, cfg)  # None: no state budget
-        self.skip: Tensor | None = None  # () bool on the device while updates run under ``skipping``
+        self.skip = DeviceSkip()  # the step-wide found_inf while updates run under ``skipping``
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         if cfg.dense_8bit:
             import bitsandbytes as bnb  # optional dependency: only when asked for
@@ -220,56 +221,17 @@ class LowRankOptimizer:
         return rank, (tuple(captured[r] for r in grid) if grid else None)
 
     # ------------------------------------------------------------------------------------- device-side skipping
-    @contextmanager
-    def skipping(self, found_inf: Tensor | None) -> Iterator[None]:
+    def skipping(self, found_inf: Tensor | None) -> AbstractContextManager[None]:
         """Updates inside run under ``found_inf`` (() bool on the device; None: no skip decision): where it is True
-        they leave weights, moments and the limiter as they were (``torch.where`` / a zero direction), and the step
-        counters are corrected by ``reconcile`` when the host next reads values. No host synchronization."""
-        prev, self.skip = self.skip, found_inf
-        try:
-            yield
-        finally:
-            self.skip = prev
+        they leave weights and state as they were, with no host synchronization (``hmt_core.optim.skip``)."""
+        return self.skip.under(found_inf)
 
-    def _snapshot(self, *state: Tensor) -> tuple[Tensor, ...] | None:  # copies of state that an update mutates
-        return None if self.skip is None else tuple(t.clone() for t in state)
-
-    def _restore(self, old: tuple[Tensor, ...] | None, *state: Tensor) -> None:
-        if old is not None:
-            for t, o in zip(state, old):
-                torch.where(self.skip, o, t, out=t)
-
-    def _zero_if_skipped(self, d: Tensor) -> Tensor:  # a skipped step's direction: 0 (also where d is NaN)
-        return d if self.skip is None else torch.where(self.skip, 0.0, d)
-
-    def _keep(self, s: Slot) -> Tensor | None:
-        """The writer's ``keep`` flag where a zero direction alone would still change the weight: decoupled weight
-        decay, an INT8 weight's stochastic requantization, stochastic rounding; else None (nothing to copy)."""
-        if self.skip is None or not (self.cfg.weight_decay > 0 or self.writer.stochastic
-                                     or isinstance(s.param, QuantizedWeight)):
-            return None
-        return self.skip
-
-    def _kept_limiter(self, prev: Tensor | None, new: Tensor | None) -> Tensor | None:  # (): Mode B's ‖u‖ memory
-        if self.skip is None or new is None:
-            return new
-        # no memory yet: +inf divides by exactly 1 on the next step (growth_divisor), as None does
-        return torch.where(self.skip, torch.full_like(new, math.inf) if prev is None else prev, new)
-
-    def _skip_on_host(self) -> bool:
-        return not is_fake(self.skip) and bool(self.skip)
+    def _keep(self, s: Slot) -> Tensor | None:  # the writer's keep flag: decay, stochastic rounding, INT8 codes
+        return self.skip.keep(self.cfg.weight_decay > 0 or self.writer.stochastic
+                              or isinstance(s.param, QuantizedWeight))
 
     def reconcile(self) -> None:
-        """Take updates skipped on the device off the step counters (``step``, ``adam_t``): one host read of every
-        slot's count, done where the host reads values anyway (logging steps, checkpoints). Until then a skipped
-        step has advanced the bias-correction clock and the refresh schedule (docs/host_syncs.md)."""
-        live = [s for s in self.slots if s.skipped is not None]
-        if not live or any(is_fake(s.skipped) for s in live):
-            for s in live:
-                s.skipped = None
-            return
-        for s, n in zip(live, torch.stack([s.skipped for s in live]).tolist()):
-            s.step, s.adam_t, s.skipped = s.step - n, s.adam_t - n, None
+        reconcile(self.slots)
 
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
@@ -288,14 +250,13 @@ class LowRankOptimizer:
             s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
         s.step += 1
         s.adam_t += 1
-        if self.skip is not None:  # taken off the counters when the host reads the flags (``reconcile``)
-            s.skipped = self.skip.to(torch.int32) if s.skipped is None else s.skipped.add_(self.skip)
+        self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
 
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
         c = self.cfg
         self._begin_adam_step(s, g)
-        old = self._snapshot(s.m, s.v)
+        old = self.skip.snapshot(s.m, s.v)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                                           eps=c.eps, style=c.adam_style, backend=self.kernels)
@@ -309,8 +270,8 @@ class LowRankOptimizer:
             groups = upd.clock_groups(s.born, s.adam_t, left=left, right=right, device=d.device)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
-        self._restore(old, s.m, s.v)
-        return self._zero_if_skipped(d), step_size
+        self.skip.restore(old, s.m, s.v)
+        return self.skip.zero(d), step_size
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
@@ -319,12 +280,12 @@ class LowRankOptimizer:
         self._begin_adam_step(s, grad)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
-            old = self._snapshot(s.m[a:b], s.v[a:b])
+            old = self.skip.snapshot(s.m[a:b], s.v[a:b])
             d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
                                           beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
                                           backend=self.kernels)
-            self._restore(old, s.m[a:b], s.v[a:b])
-            d = self._zero_if_skipped(d)
+            self.skip.restore(old, s.m[a:b], s.v[a:b])
+            d = self.skip.zero(d)
             with self.writer.rows(s.param.data, s.master, slice(a, b), self._keep(s)) as w:
                 upd.apply_update_(w, d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
                                   style=c.adam_style)
@@ -365,7 +326,7 @@ class LowRankOptimizer:
             grad = grad * coef
         if not s.projected:
             if s.name in self.dense8:
-                if self.skip is not None and self._skip_on_host():
+                if self.skip.on_host():
                     return  # bitsandbytes' AdamW8bit cannot skip on the device: one host read per step
                 s.param.grad = grad
                 self.dense8[s.name].step()
@@ -393,19 +354,19 @@ class LowRankOptimizer:
             limiter, s.limiter_prev = upd.limiter_for_rows(grad, factor, prev_norm=s.limiter_prev, rows=rows,
                                                            gamma=c.limiter_gamma if c.norm_limiter else None,
                                                            reduce=reduce)
-            s.limiter_prev = self._kept_limiter(prev, s.limiter_prev)
+            s.limiter_prev = self.skip.limiter(prev, s.limiter_prev)
             for a in range(0, grad.shape[0], rows):  # the ops of upd.scaled_update_rows_, through the writer
                 index = slice(a, min(a + rows, grad.shape[0]))
                 with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
-                    u = self._zero_if_skipped(upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)))
+                    u = self.skip.zero(upd.scaled_rows(grad, factor, index, limiter, math.sqrt(c.scale)))
                     upd.apply_update_(w, u, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
                                       style=c.adam_style)
             return
         scaled = grad * factor
         if c.norm_limiter:
             scaled, s.limiter_prev = upd.norm_growth_limit(scaled, s.limiter_prev, c.limiter_gamma)
-            s.limiter_prev = self._kept_limiter(prev, s.limiter_prev)
-        self._apply(s, self._zero_if_skipped(scaled * math.sqrt(c.scale)), step_size)
+            s.limiter_prev = self.skip.limiter(prev, s.limiter_prev)
+        self._apply(s, self.skip.zero(scaled * math.sqrt(c.scale)), step_size)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> Tensor | None:
