@@ -193,6 +193,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                                                    ce_chunk_tokens=cfg.ce_chunk_tokens,
                                                    all_finite=sync.all_finite if sync is not None else None)
                 loss = float(loss_t) if sync is None else sync.mean(loss_t)
+                grad_norm = None if grad_norm is None else float(grad_norm)  # a 0-dim device tensor (or a float)
                 gpu_stats.synchronize(device)
                 dt = time.perf_counter() - t0
             finally:

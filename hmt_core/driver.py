@@ -107,14 +107,29 @@ class OptimizerDriver:
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def step(self) -> float | None:
+    def step(self) -> torch.Tensor | None:
+        """Clip, then step. Returns the global norm (() on the device), NaN for a step skipped because a gradient is
+        not finite: skipped on the device by an optimizer that takes ``found_inf`` (torch's fused Adam/AdamW, the
+        input ``torch.amp.GradScaler`` gives it: the update is not applied and ``step`` is taken back), else with one
+        host read of the flag per step (the reference packages' optimizers cannot skip on the device)."""
         params = [p for p in self.params() if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=next(iter(self.params()), torch.zeros(())).device)
         limit = self.max_grad_norm if self.max_grad_norm else float("inf")
-        norm = (torch.nn.utils.clip_grad_norm_(params, limit, foreach=clip_foreach(params)) if params
-                else torch.zeros(()))
-        with _plain_tensors_replicated(params):
-            self.optimizer.step()
-        return None if is_fake(norm) else float(norm)  # a fake tensor (dry run) has no value
+        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=clip_foreach(params))
+        found_inf = ~torch.isfinite(norm)
+        on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
+        if not on_device and not is_fake(norm) and bool(found_inf):  # the one host sync of such a step
+            return torch.where(found_inf, float("nan"), norm)
+        if on_device:
+            self.optimizer.found_inf = found_inf.float()  # (): 1.0 skips the fused kernel's update
+        try:
+            with _plain_tensors_replicated(params):
+                self.optimizer.step()
+        finally:
+            if on_device:
+                del self.optimizer.found_inf
+        return torch.where(found_inf, float("nan"), norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -176,7 +191,7 @@ class OptimizerMethod:
     def start_micro_batch(self, index: int, count: int) -> None:
         pass  # gradients accumulate in .grad; the optimizer steps once after the last micro-batch
 
-    def step(self) -> float | None:
+    def step(self) -> torch.Tensor | None:
         return self.driver.step()
 
     def zero_grad(self) -> None:

@@ -114,14 +114,16 @@ class QuantizedWeight(Protocol):
     def read_rows(self, index: Any) -> Tensor:  # -> (rows, cols) fp32
         ...
 
-    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
+    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None,  # value: fp32
+                   keep: Tensor | None = None) -> None:  # keep: () bool, True: the stored rows stay as they are
         ...
 
     def fuses_update(self, update: Tensor) -> bool:  # whether ``update_rows`` runs one fused kernel for it
         ...
 
     def update_rows(self, index: Any, update: Tensor, *, step_size: float, decay: float, decay_after: bool,
-                    generator: torch.Generator | None) -> None:  # update: (rows, cols) fp32
+                    generator: torch.Generator | None,
+                    keep: Tensor | None = None) -> None:  # update: (rows, cols) fp32; keep: () bool
         ...
 
 
@@ -212,10 +214,13 @@ class UpdateWriter:
         return self.generator
 
     @contextlib.contextmanager
-    def rows(self, param: Tensor, master: Tensor | None, index: Any = ...) -> Iterator[Tensor]:
-        """Yields the tensor to update in place for ``param[index]`` (the weight's data, not the Parameter)."""
+    def rows(self, param: Tensor, master: Tensor | None, index: Any = ...,
+             keep: Tensor | None = None) -> Iterator[Tensor]:
+        """Yields the tensor to update in place for ``param[index]`` (the weight's data, not the Parameter).
+        ``keep`` (() bool on the weight's device, a step skipped on the device): True leaves the rows (and their
+        master) as they were, through ``torch.where``, at the cost of a copy of the rows."""
         if isinstance(param, QuantizedWeight):
-            yield from self._quantized_rows(param, index)
+            yield from self._quantized_rows(param, index, keep)
             return
         w = param[index]
         if master is not None:
@@ -223,13 +228,19 @@ class UpdateWriter:
         elif w.dtype != torch.float32 and (self.stochastic or self.probe is not None):
             target = w.float()  # fp32 temporary of these rows
         else:
+            old = None if keep is None else w.clone()
             yield w  # in place in the weight's own dtype: the update rounds to nearest as it is applied
+            if old is not None:
+                w.copy_(torch.where(keep, old, w))
             return
-        before = target.clone() if self.probe is not None else None
+        before = target.clone() if self.probe is not None or (keep is not None and master is not None) else None
         yield target
+        if keep is not None and master is not None:
+            target.copy_(torch.where(keep, before, target))
         if self.stochastic and master is None:
             gen = None if is_fake(target) else self._generator(target.device)
-            w.copy_(stochastic_round(target, gen))
+            rounded = stochastic_round(target, gen)
+            w.copy_(rounded if keep is None else torch.where(keep, w, rounded))
         else:
             w.copy_(target)  # round-to-nearest
         if self.probe is not None:
@@ -241,17 +252,19 @@ class UpdateWriter:
         return isinstance(param, QuantizedWeight) and self.probe is None and param.fuses_update(update)
 
     def write_update(self, param: QuantizedWeight, index: Any, update: Tensor, *, step_size: float, lr: float,
-                     weight_decay: float, style: str) -> None:  # update: (rows, cols) fp32, of param[index]
+                     weight_decay: float, style: str,
+                     keep: Tensor | None = None) -> None:  # update: (rows, cols) fp32, of param[index]
         """``rows`` + ``apply_update_`` in one kernel: dequantize, W ← W − step_size·U with the style's decoupled
-        weight decay, requantize by stochastic rounding from this writer's generator (the same draws)."""
+        weight decay, requantize by stochastic rounding from this writer's generator (the same draws). ``keep``
+        (() bool, a step skipped on the device): the stored rows are put back through ``torch.where``."""
         param.update_rows(index, update, step_size=step_size, decay=lr * weight_decay, decay_after=style != "torch",
-                          generator=None if is_fake(update) else self._generator(update.device))
+                          generator=None if is_fake(update) else self._generator(update.device), keep=keep)
 
-    def _quantized_rows(self, param: QuantizedWeight, index: Any) -> Iterator[Tensor]:
+    def _quantized_rows(self, param: QuantizedWeight, index: Any, keep: Tensor | None) -> Iterator[Tensor]:
         target = param.read_rows(index)  # fp32: the high-precision domain of the update
         before = target.clone() if self.probe is not None else None
         yield target
-        param.write_rows(index, target, None if is_fake(target) else self._generator(target.device))
+        param.write_rows(index, target, None if is_fake(target) else self._generator(target.device), keep)
         if self.probe is not None:
             self.probe(param, index, target - before)
 

@@ -130,7 +130,7 @@ def relative_projection_error(grad: Tensor, basis: Basis, orthonormal: bool = Fa
 
 
 # ----------------------------------------------------------------------------------------------- factorizations
-def _finite(*tensors: Tensor) -> bool:
+def all_finite(*tensors: Tensor) -> bool:
     """All values finite. Shape-only (fake) tensors in a dry run have no values: assumed finite, which is the
     path whose memory the dry run must measure."""
     if any(is_fake(t) for t in tensors):
@@ -146,13 +146,13 @@ def scalar(t: Tensor) -> float:
 def exact_svd(grad: Tensor, k: int) -> Factors | None:
     """Top-k of the thin SVD of grad (out, in), fp32; ``None`` on failure."""
     g = grad.float()
-    if not _finite(g):
+    if not all_finite(g):
         return None
     try:
         u, s, vh = torch.linalg.svd(g, full_matrices=False)
     except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
         return None
-    if not _finite(u, s, vh):
+    if not all_finite(u, s, vh):
         return None
     return Factors(u[:, :k], s[:k], vh[:k], scalar(torch.sum(s * s)))
 
@@ -165,7 +165,7 @@ def randomized_svd(grad: Tensor, k: int, *, power_iters: int = 2, oversample: in
     and is completed with Gaussian columns, so a slowly rotating subspace needs few power iterations.
     """
     g = grad.float()
-    if not _finite(g):
+    if not all_finite(g):
         return None
     out_dim, in_dim = g.shape
     width = min(k + oversample, out_dim, in_dim)
@@ -188,7 +188,7 @@ def randomized_svd(grad: Tensor, k: int, *, power_iters: int = 2, oversample: in
     except RuntimeError:
         return None
     u = qy @ ub
-    if not _finite(u, s, vh):
+    if not all_finite(u, s, vh):
         return None
     return Factors(u[:, :k], s[:k], vh[:k], scalar(torch.sum(g * g)))
 

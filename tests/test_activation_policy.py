@@ -177,14 +177,14 @@ def test_remove_restores_model():
     assert torch.equal(flat_grad(model), g0)
 
 
-def test_nan_activation_raises_clear_error():
+def test_nan_activation_is_encoded_and_reaches_the_gradients():
+    """A NaN activation is compressed without a host check (its block decodes to NaN): the loss and the gradients
+    below it are not finite, which skips the step (no silent garbage, no exception)."""
     model, ids = tiny_llama(), batch()
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
-    handle = apply_policy(model, PRESETS["hmt"])
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        model(input_ids=ids, labels=ids, use_cache=False)
-    handle.remove()
+    loss, grads, _ = step(model, PRESETS["hmt"], ids)
+    assert not torch.isfinite(loss) and not torch.isfinite(grads).all(), (loss, grads)
 
 
 def test_fake_tensor_mode_trace_of_compressed_step():

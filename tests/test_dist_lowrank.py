@@ -75,7 +75,7 @@ def _step(forward, method, ctx, x) -> float:
     rows = x.shape[0] // ctx.world_size
     _, norm = train_step(forward, method, [x[ctx.rank * rows:(ctx.rank + 1) * rows]], meter=None,
                          autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
-    return norm
+    return float(norm)  # a 0-dim device tensor (Method.step)
 
 
 def _record_updates(opt) -> dict:

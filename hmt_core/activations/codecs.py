@@ -23,8 +23,10 @@ To keep shapes static the number of outlier slots is fixed, k = ceil(max_outlier
 channels by z are stored, and a slot whose z is not above the threshold is marked invalid (its channel is
 quantized like the rest). Index encoding: idx >= 0 valid, ``-1 - idx`` invalid.
 
-Non-finite input (NaN/Inf) raises ``ValueError`` instead of being silently quantized to garbage; the check
-runs on the per-block statistics, not a second pass over the data.
+Non-finite input (NaN/Inf) is encoded, not refused, and without a host synchronization: a block holding one has
+scale NaN (and offset NaN) and codes 0, so it decodes to NaN — the non-finite value propagates into backward as it
+would from a BF16 copy (spread over its block), the gradients are non-finite and the optimizer skips the step on the
+device (docs/host_syncs.md). The flag is taken from the per-block statistics, not a second pass over the data.
 """
 
 from __future__ import annotations
@@ -62,9 +64,8 @@ def _blocks(x: Tensor, block: int) -> Tensor:
     return flat.view(-1, block)
 
 
-def _raise_if_nonfinite(stat: Tensor, what: str) -> None:
-    if stat.numel() and not bool(torch.isfinite(stat).all()):
-        raise ValueError(f"{what}: input contains NaN or Inf; refusing to quantize a non-finite activation")
+def _nonfinite_blocks(stat: Tensor) -> Tensor:  # stat: (nb,) a per-block max/min (NaN and ±Inf propagate) -> (nb,) bool
+    return ~torch.isfinite(stat)
 
 
 def _unblock(xb: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
@@ -83,10 +84,10 @@ def int8_block_quant(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
         return quant.int8_block_quant(x, block)
     xb = _blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), -xb.amin(dim=1))  # two reductions, no |x| temporary
-    _raise_if_nonfinite(absmax, "int8_block_quant")
-    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    q = (xb / scale[:, None]).round_().to(torch.int8)  # |x / s| <= 127 by construction of s
-    return q, scale
+    bad = _nonfinite_blocks(absmax)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax)).masked_fill_(bad, math.nan)
+    q = (xb / scale[:, None]).round_().masked_fill_(bad[:, None], 0.0).to(torch.int8)  # |x / s| <= 127 by
+    return q, scale  # construction of s; a non-finite block: codes 0, scale NaN (decodes to NaN)
 
 
 @int8_block_quant.register_fake
@@ -120,10 +121,10 @@ def fp8_block_quant(x: Tensor, block: int, fmt: str) -> tuple[Tensor, Tensor]:
         return quant.fp8_block_quant(x, block, fmt)
     xb = _blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), -xb.amin(dim=1))
-    _raise_if_nonfinite(absmax, "fp8_block_quant")
-    scale = torch.where(absmax > 0, absmax / torch.finfo(fp8).max, torch.ones_like(absmax))
-    q = (xb / scale[:, None]).clamp_(-torch.finfo(fp8).max, torch.finfo(fp8).max).to(fp8)
-    return q, scale
+    bad = _nonfinite_blocks(absmax)
+    scale = torch.where(absmax > 0, absmax / torch.finfo(fp8).max, torch.ones_like(absmax)).masked_fill_(bad, math.nan)
+    q = (xb / scale[:, None]).clamp_(-torch.finfo(fp8).max, torch.finfo(fp8).max).masked_fill_(bad[:, None], 0.0)
+    return q.to(fp8), scale  # a non-finite block: codes 0, scale NaN (decodes to NaN)
 
 
 @fp8_block_quant.register_fake
@@ -163,8 +164,7 @@ def outlier_quant(
         raise ValueError(f"outlier_quant: bits must be 4 or 8 and block_size*bits a multiple of 8, got {bits}, {block}")
     rows, c = _rows_channels(list(x.shape))
     x2 = x.detach().reshape(rows, c).float()
-    m = x2.abs().amax(dim=0) if rows else x2.new_zeros(c)  # (c,)
-    _raise_if_nonfinite(m, "outlier_quant")
+    m = x2.abs().amax(dim=0) if rows else x2.new_zeros(c)  # (c,): non-finite m gives z = 0, no outlier slot
     std = m.std(correction=0) if c > 1 else m.new_zeros(())
     z = torch.where(std > 0, (m - m.mean()) / std.clamp_min(1e-30), torch.zeros_like(m))
     ztop, idx = torch.topk(z, slots)
@@ -177,10 +177,12 @@ def outlier_quant(
     asym = (lo >= 0) | (hi <= 0)
     half = 2 ** (bits - 1)
     absmax = torch.maximum(lo.abs(), hi.abs())
+    bad = _nonfinite_blocks(absmax)  # a non-finite block: codes 0, scale and offset NaN (decodes to NaN)
     scale = torch.where(asym, (hi - lo) / (2**bits - 1), absmax / (half - 1))
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).masked_fill_(bad, math.nan)
     offset = torch.where(asym, lo, -half * scale)
-    codes = torch.round((xb - offset[:, None]) / scale[:, None]).clamp_(0, 2**bits - 1).to(torch.uint8)
+    codes = torch.round((xb - offset[:, None]) / scale[:, None]).clamp_(0, 2**bits - 1)
+    codes = codes.masked_fill_(bad[:, None], 0.0).to(torch.uint8)
     if bits == 4:
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return codes, scale, offset, outliers, torch.where(valid, idx, -1 - idx)

@@ -216,8 +216,12 @@ class Int8Weight:
         return dequantize(layer.weight_codes[index], layer.weight_scales[index], layer.block, torch.float32,
                           backend=layer.backend)
 
-    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None) -> None:  # value: fp32
+    def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None,  # value: fp32
+                   keep: Tensor | None = None) -> None:  # keep: () bool, True: a skipped step, the codes stay
         codes, scales = quantize(value, self.layer.block, generator, stochastic=True)
+        if keep is not None:  # decided on the device (requantizing unchanged values is not the identity under SR)
+            codes = torch.where(keep, self.layer.weight_codes[index], codes)
+            scales = torch.where(keep, self.layer.weight_scales[index], scales)
         self.layer.weight_codes[index].copy_(codes)
         self.layer.weight_scales[index].copy_(scales)
 
@@ -226,13 +230,20 @@ class Int8Weight:
         return kernels.use_triton(layer.weight_codes, layer.weight_scales, update, backend=layer.backend)
 
     def update_rows(self, index: Any, update: Tensor, *, step_size: float, decay: float, decay_after: bool,
-                    generator: torch.Generator | None) -> None:  # update: (rows, cols) fp32
+                    generator: torch.Generator | None,
+                    keep: Tensor | None = None) -> None:  # update: (rows, cols) fp32; keep: () bool
         """``read_rows`` → W − step_size·U (decay ``decay`` = ηλ) → ``write_rows`` in one kernel: the noise is drawn
-        from ``generator`` first, the draws ``write_rows``' stochastic rounding makes."""
+        from ``generator`` first, the draws ``write_rows``' stochastic rounding makes. ``keep`` (a step skipped on
+        the device): the codes and scales are put back (requantizing is not the identity under SR)."""
         layer = self.layer
+        codes, scales = layer.weight_codes[index], layer.weight_scales[index]
+        old = None if keep is None else (codes.clone(), scales.clone())
         noise = random_halfwords(update.shape, generator, device=update.device, fake=is_fake(update))
-        int8_update(layer.weight_codes[index], layer.weight_scales[index], update, noise, layer.block,
+        int8_update(codes, scales, update, noise, layer.block,
                     step_size=step_size, decay=decay, decay_after=decay_after, backend=layer.backend)
+        if old is not None:
+            codes.copy_(torch.where(keep, old[0], codes))
+            scales.copy_(torch.where(keep, old[1], scales))
 
     def nbytes(self) -> int:
         layer = self.layer

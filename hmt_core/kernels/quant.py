@@ -9,7 +9,7 @@ to nearest even): divisions use ``div_rn`` (IEEE), rounding to an integer uses f
 fp32→fp8 / fp32→bf16 are computed on the bit patterns exactly as c10's ``fp8e4m3fn_from_fp32_value`` /
 ``fp8e5m2_from_fp32_value`` / ``round_to_nearest_even`` do. bf16 tensors are read and written through int16
 views; fp8 codes are decoded through a 256-entry table built by torch itself. Non-finite input marks the
-block's scale NaN and the launcher raises ``ValueError`` like the reference.
+block's scale NaN and its codes 0, like the reference (it decodes to NaN; no host check).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def _block_quant_kernel(x_ptr, q_ptr, s_ptr, numel, nb, block,  # x: (numel,), q
         idx = base[:, None] + cols[None, :]
         col_ok = row_ok[:, None] & (cols[None, :] < block)
         y = tl.math.div_rn(load_f32(x_ptr, idx, col_ok & (idx < numel), KIND), scale[:, None])
+        y = tl.where(bad[:, None] > 0, 0.0, y)  # a non-finite block: codes 0 (and scale NaN), as the reference
         if FP8:
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
             code = _fp8_bits(y, MIN_NORMAL, DENORM_F, DENORM_BITS, REBIAS, ROUND, SHIFT).to(tl.uint8)
@@ -126,7 +127,7 @@ def _as_kernel_input(x: Tensor) -> tuple[Tensor, int]:
     return (x.view(torch.int16) if kind == 1 else x), kind
 
 
-def _quant(x: Tensor, block: int, fmt: str | None, what: str) -> tuple[Tensor, Tensor]:
+def _quant(x: Tensor, block: int, fmt: str | None) -> tuple[Tensor, Tensor]:
     # x: (...) -> q: (nb, block) int8 | float8, scale: (nb,) float32
     numel = x.numel()
     nb = -(-numel // block)
@@ -142,19 +143,17 @@ def _quant(x: Tensor, block: int, fmt: str | None, what: str) -> tuple[Tensor, T
         flat, q.view(torch.uint8) if fmt else q, scale, numel, nb, block,
         QMAX=127.0 if fmt is None else qmax, FP8=fmt is not None, KIND=kind, MIN_NORMAL=min_normal,
         DENORM_F=denorm_f, DENORM_BITS=denorm_bits, REBIAS=rebias, ROUND=rnd, SHIFT=shift, ROWS=rows, CHUNK=chunk)
-    if not bool(torch.isfinite(scale).all()):
-        raise ValueError(f"{what}: input contains NaN or Inf; refusing to quantize a non-finite activation")
-    return q, scale
+    return q, scale  # a non-finite block: scale NaN, codes 0 (no host check: it would synchronize)
 
 
 def int8_block_quant(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     # x: (...) -> q: (nb, block) int8, scale: (nb,) float32
-    return _quant(x, block, None, "int8_block_quant")
+    return _quant(x, block, None)
 
 
 def fp8_block_quant(x: Tensor, block: int, fmt: str) -> tuple[Tensor, Tensor]:
     # x: (...) -> q: (nb, block) float8_e4m3fn | float8_e5m2, scale: (nb,) float32
-    return _quant(x, block, fmt, "fp8_block_quant")
+    return _quant(x, block, fmt)
 
 
 # ----------------------------------------------------------------------------------------------- dequantize

@@ -31,11 +31,15 @@ Update precision: every write, in a hook or in ``finish_step``, goes through the
 (``hmt_core.precision``), so fp32 master weights and stochastic rounding apply to in-backward updates as well; the
 generator of stochastic rounding is drawn in hook order, which is deterministic for a given model and step.
 
-Non-finite gradients (the loop skips such steps): a gradient that is not finite is never used for a basis
-refresh (checked only when a refresh is due, where the SVD synchronizes anyway) nor for an update applied inside
-backward (one check per in-hook update: Mode B, or no clipping); ``finish_step`` then discards every deferred
-update and returns a NaN norm. With Mode A + clipping (the default) a skipped step therefore changes nothing;
-when updates happen inside backward, layers updated before the bad gradient appeared keep their update.
+Non-finite gradients (the step is skipped), decided on the device, without a host synchronization: the engine
+keeps one step-wide 0-dim bool ``found_inf``, or-ed with ``~isfinite(‖G‖)`` of every gradient that an in-hook
+update uses (Mode B, or no clipping) and, in ``finish_step``, with that of the global norm; every update runs under
+``LowRankOptimizer.skipping(found_inf)`` (``torch.where`` on the state, a zero direction), and ``finish_step``
+returns the norm as a device tensor, NaN when skipped. With Mode A + clipping (the default) a skipped step therefore
+changes no weight and no state tensor; when updates happen inside backward, layers updated before the bad gradient
+appeared keep their update. A gradient that is not finite is never used for a basis refresh: that check runs on the
+host, only when a refresh is due (the SVD and the rank choice synchronize anyway). The step counters are corrected
+when the host next reads values (``LowRankOptimizer.reconcile``; docs/host_syncs.md).
 
 Multi-process (``experiments.distributed``): ``reduce_grad`` (set by the harness, None otherwise) averages a
 gradient across ranks in place before it is used — each micro-batch's gradient of a Mode A weight, the accumulated
@@ -70,7 +74,6 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core.kernels import ops as kops
 from hmt_core.basis_cache import BasisCache
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
-from hmt_core.projection import scalar
 
 
 class GradReducer(Protocol):
@@ -100,7 +103,8 @@ class PerLayerEngine:
         self.deferred_low: list[Slot] = []
         self.deferred_dense: list[Slot] = []
         self.lagged_coef: Tensor | None = None
-        self.nonfinite = False  # a non-finite gradient was seen in this step
+        self.nonfinite = False  # a refresh met a non-finite gradient (known on the host): the step is dropped
+        self.found_inf: Tensor | None = None  # () bool on the device: a non-finite gradient was seen in this step
         self.reduce_grad: GradReducer | None = None  # in place, across ranks (multi-process)
         self._flush_queued = False  # the reducer's flush is queued for the end of the running backward
         self.handles = [(s.param if s.grad_param is None else s.grad_param).register_post_accumulate_grad_hook(
@@ -186,8 +190,9 @@ class PerLayerEngine:
             self.norms[s.index] = torch.linalg.vector_norm(s.pending)
         if self.clipping:
             self.deferred_low.append(s)
-        elif self._finite(s.pending):
-            opt.update_low_rank(s, s.pending)
+        else:
+            with opt.skipping(self._flag(self.norms[s.index])):
+                opt.update_low_rank(s, s.pending)
             s.pending = None
 
     @torch.no_grad()
@@ -198,18 +203,20 @@ class PerLayerEngine:
             param.grad = None
             return
         self.norms[s.index] = torch.linalg.vector_norm(g)
-        if (s.projected or not self.clipping) and not self._finite(self.norms[s.index]):
-            param.grad = None
-            return
         if s.projected:  # Mode B
             if opt.refresh_due(s):
+                if not self._finite(self.norms[s.index]):  # () on the host: a refresh step synchronizes anyway
+                    param.grad = None
+                    return
                 opt.refresh(s, g)
-            opt.update_full(s, g, self.lagged_coef)
+            with opt.skipping(self._flag(self.norms[s.index])):
+                opt.update_full(s, g, self.lagged_coef)
             param.grad = None
         elif self.clipping:
             self.deferred_dense.append(s)
         else:
-            opt.update_full(s, g)
+            with opt.skipping(self._flag(self.norms[s.index])):
+                opt.update_full(s, g)
             param.grad = None
 
     @property
@@ -236,10 +243,22 @@ class PerLayerEngine:
             self.reduce_grad.flush()
 
     def _finite(self, t: Tensor) -> bool:
-        """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass."""
+        """False (and remembered for the step) if ``t`` has a non-finite value; fake tensors (dry run) pass. A host
+        synchronization: only for a gradient a basis refresh is about to use (refresh steps synchronize anyway)."""
         if not is_fake(t) and not bool(torch.isfinite(t).all()):
             self.nonfinite = True
         return not self.nonfinite
+
+    def _flag(self, norm: Tensor) -> Tensor:
+        """The step's ``found_inf`` after seeing ``norm`` (() of a gradient, non-finite iff the gradient has a
+        non-finite value or its norm overflows): a new () bool device tensor, no host synchronization. Updates
+        issued earlier keep the flag they were issued under."""
+        bad = ~torch.isfinite(norm)
+        self.found_inf = bad if self.found_inf is None else self.found_inf | bad
+        return self.found_inf
+
+    def _no_norm(self, value: float) -> Tensor | None:  # () on the weights' device: a step with nothing to measure
+        return torch.full((), value, device=self.opt.slots[0].param.device) if self.opt.slots else None
 
     def discard_step(self) -> None:
         """Forget this step's gradients and deferred updates (a skipped step)."""
@@ -248,27 +267,37 @@ class PerLayerEngine:
         for s in self.deferred_dense:
             s.param.grad = s.pending = None
         self.norms, self.deferred_low, self.deferred_dense = {}, [], []
-        self.index, self.count, self.nonfinite = 0, 1, False
+        self.index, self.count, self.nonfinite, self.found_inf = 0, 1, False, None
 
     def _global_norm(self) -> Tensor:  # () fp32: ‖g‖ over every parameter (a sharded engine also over ranks)
         return global_norm([self.norms[i] for i in sorted(self.norms)])
 
     @torch.no_grad()
-    def finish_step(self) -> float:
-        """After the last micro-batch's backward: the global norm, then any deferred (clipped) updates."""
+    def finish_step(self) -> Tensor | None:
+        """After the last micro-batch's backward: the global norm, then any deferred (clipped) updates, skipped on
+        the device if a gradient was not finite. Returns the norm (() fp32 on the device), NaN for a skipped step."""
         self._flush()  # normally done at the end of backward already
         if self.nonfinite:
             self.discard_step()
-            return float("nan")
+            return self._no_norm(float("nan"))
         if not self.norms:
-            return 0.0
+            return self._no_norm(0.0)
         total = self._global_norm()
-        if not self._finite(total):
-            self.discard_step()
-            return float("nan")
+        found = self._flag(total)
         if self.cache is not None and self.deferred_low:
             self.cache.prefetch(self.deferred_low[0].name)
         coef = clip_coefficient(total, self.max_grad_norm)
+        with self.opt.skipping(found):
+            self._apply_deferred(coef)
+        if coef is not None:  # a skipped step keeps the previous coefficient (None: 1, unclipped)
+            self.lagged_coef = torch.where(found, 1.0 if self.lagged_coef is None else self.lagged_coef, coef)
+        if self.cache is not None and self.order and not self.next_in_order:
+            self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
+        self.norms, self.deferred_low, self.deferred_dense = {}, [], []
+        self.index, self.count, self.found_inf = 0, 1, None
+        return torch.where(found, float("nan"), total)
+
+    def _apply_deferred(self, coef: Tensor | None) -> None:
         for i, s in enumerate(self.deferred_low):
             if self.cache is not None:
                 self._fetch(s, self.deferred_low[i + 1] if i + 1 < len(self.deferred_low) else None)
@@ -279,9 +308,3 @@ class PerLayerEngine:
         for s in self.deferred_dense:  # pending: a sharded engine's local gradient shard (else None)
             self.opt.update_full(s, s.param.grad if s.pending is None else s.pending, coef)
             s.param.grad = s.pending = None
-        self.lagged_coef = coef
-        if self.cache is not None and self.order and not self.next_in_order:
-            self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
-        self.norms, self.deferred_low, self.deferred_dense = {}, [], []
-        self.index, self.count = 0, 1
-        return scalar(total)  # NaN in a dry run (fake tensors have no value)

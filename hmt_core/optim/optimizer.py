@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,8 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
-from hmt_core.precision import UpdateWriter, chunk_rows_for
+from hmt_core.optim.skip import DeviceSkip, reconcile
+from hmt_core.precision import QuantizedWeight, UpdateWriter, chunk_rows_for
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
                            valid_candidates)
 from hmt_core.rank_budget import energy_curve, make_rank_budget
@@ -74,6 +76,8 @@ class Slot:
     global_shape: tuple[int, ...] | None = None  # the whole weight's shape (None: ``param``'s own)
     grad_param: nn.Parameter | None = None  # the parameter whose ``.grad`` the hooks read (None: ``param``)
     clock: tuple[Any, tuple[upd.ClockGroup, ...]] | None = None  # (born, device) and its cached index tensors
+    skipped: Tensor | None = None  # () int32 on the device: updates skipped on the device, not yet taken off
+    #                                ``step``/``adam_t`` (``LowRankOptimizer.reconcile``)
 
     @property
     def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
@@ -111,6 +115,7 @@ class LowRankOptimizer:
             s.master = self.writer.make_master(s.param)
         self.budget = make_rank_budget({s.name: (s.full_shape, s.param.dtype.itemsize, s.candidates)
                                         for s in slots if s.projected}, cfg)  # None: no state budget
+        self.skip = DeviceSkip()  # the step-wide found_inf while updates run under ``skipping``
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         if cfg.dense_8bit:
             import bitsandbytes as bnb  # optional dependency: only when asked for
@@ -221,6 +226,19 @@ class LowRankOptimizer:
         rank = choose_rank_by_capture([captured[r] for r in ranks], ranks, c.tau)
         return rank, (tuple(captured[r] for r in grid) if grid else None)
 
+    # ------------------------------------------------------------------------------------- device-side skipping
+    def skipping(self, found_inf: Tensor | None) -> AbstractContextManager[None]:
+        """Updates inside run under ``found_inf`` (() bool on the device; None: no skip decision): where it is True
+        they leave weights and state as they were, with no host synchronization (``hmt_core.optim.skip``)."""
+        return self.skip.under(found_inf)
+
+    def _keep(self, s: Slot) -> Tensor | None:  # the writer's keep flag: decay, stochastic rounding, INT8 codes
+        return self.skip.keep(self.cfg.weight_decay > 0 or self.writer.stochastic
+                              or isinstance(s.param, QuantizedWeight))
+
+    def reconcile(self) -> None:
+        reconcile(self.slots)
+
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -238,11 +256,13 @@ class LowRankOptimizer:
             s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
         s.step += 1
         s.adam_t += 1
+        self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
 
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
         c = self.cfg
         self._begin_adam_step(s, g)
+        old = self.skip.snapshot(s.m, s.v)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                                           eps=c.eps, style=c.adam_style, backend=self.kernels)
@@ -255,7 +275,8 @@ class LowRankOptimizer:
             groups = upd.clock_groups(self._clock_index(s, d.device), s.adam_t)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
-        return d, step_size
+        self.skip.restore(old, s.m, s.v)
+        return self.skip.zero(d), step_size
 
     def _clock_index(self, s: Slot, device: torch.device) -> tuple[upd.ClockGroup, ...]:
         """``s.born``'s index tensors, built when ``born`` changes (a refresh, a retirement), else the cached ones."""
@@ -272,16 +293,19 @@ class LowRankOptimizer:
         self._begin_adam_step(s, grad)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
+            old = self.skip.snapshot(s.m[a:b], s.v[a:b])
             d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
                                           beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
                                           backend=self.kernels)
-            with self.writer.rows(s.param.data, s.master, slice(a, b)) as w:
+            self.skip.restore(old, s.m[a:b], s.v[a:b])
+            d = self.skip.zero(d)
+            with self.writer.rows(s.param.data, s.master, slice(a, b), self._keep(s)) as w:
                 upd.apply_update_(w, d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
                                   style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
         for index in self.writer.spans(s.param, s.master, like=full_update):
-            with self.writer.rows(s.param.data, s.master, index) as w:
+            with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
                 upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
                                   weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
 
@@ -304,14 +328,14 @@ class LowRankOptimizer:
                 a, b = kops.factors(d, basis)
                 self._write_fused(s, index, torch.matmul(a, b), step_size * self.cfg.scale)
                 continue
-            with self.writer.rows(s.param.data, s.master, index) as w:
+            with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
                 kops.lowrank_update(w, d, basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
                                     weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style,
                                     backend=self.kernels)
 
     def _write_fused(self, s: Slot, index: Any, update: Tensor, step_size: float) -> None:  # update: rows of W
         self.writer.write_update(s.param.data, index, update.float(), step_size=step_size, lr=self.lr,
-                                 weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
+                                 weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style, keep=self._keep(s))
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
@@ -323,6 +347,8 @@ class LowRankOptimizer:
             grad = grad * coef
         if not s.projected:
             if s.name in self.dense8:
+                if self.skip.on_host():
+                    return  # bitsandbytes' AdamW8bit cannot skip on the device: one host read per step
                 s.param.grad = grad
                 self.dense8[s.name].step()
                 return
@@ -343,39 +369,49 @@ class LowRankOptimizer:
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
                                     kind=c.scaling, reduce=reduce)
+        prev = s.limiter_prev
         coef, s.limiter_prev = upd.apollo_coefficient(grad, factor, prev_norm=s.limiter_prev, sqrt_scale=math.sqrt(
             c.scale), gamma=c.limiter_gamma if c.norm_limiter else None, reduce=reduce)
+        s.limiter_prev = self.skip.limiter(prev, s.limiter_prev)
+        coef, keep = self.skip.zero(coef), self._keep(s)  # a skipped step: a zero coefficient (and rows kept)
         rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
         spans = (upd.row_spans(grad.shape[0], rows) if rows < grad.shape[0]
                  else self.writer.spans(s.param, s.master, like=grad))
         for index in spans:
+            # 0 · NaN is NaN: where the writer does not keep the rows, a skipped step's gradient rows are zeroed too
+            g = grad[index] if keep is not None else self.skip.zero(grad[index])
             if self.writer.fused(s.param.data, grad):  # an INT8 weight: one kernel writes the rows
-                self._write_fused(s, index, grad[index] * upd.rows_of(coef, index), step_size)
+                self._write_fused(s, index, g * upd.rows_of(coef, index), step_size)
                 continue
-            with self.writer.rows(s.param.data, s.master, index) as w:
-                upd.apply_scaled_update_(w, grad[index], upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
+            with self.writer.rows(s.param.data, s.master, index, keep) as w:
+                upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
                                          weight_decay=c.weight_decay, style=c.adam_style)
 
     @torch.no_grad()
-    def step_all(self, max_grad_norm: float | None) -> float:
+    def step_all(self, max_grad_norm: float | None) -> Tensor | None:
         """Ordinary (not per-layer) step, with the same semantics and rounding as the per-layer path: bases are
         refreshed from the unclipped gradients (SVD bases and energy ranks are scale-invariant), the global norm
         is taken over the full gradients, and a projected (Mode A) gradient is clipped after projection
-        (``clip(Pᵀ G) = Pᵀ clip(G)``)."""
+        (``clip(Pᵀ G) = Pᵀ clip(G)``). Returns the norm (() fp32 on the device), NaN for a step skipped on the
+        device (a non-finite gradient); a due refresh checks its gradient on the host (its SVD synchronizes)."""
         live = [s for s in self.slots if s.param.grad is not None]
         if not live:
-            return 0.0
-        for s in live:
-            if self.refresh_due(s):
-                self.refresh(s, s.param.grad)
+            return torch.zeros((), device=self.slots[0].param.device) if self.slots else None
         total = global_norm([torch.linalg.vector_norm(s.param.grad) for s in live])
+        due = [s for s in live if self.refresh_due(s)]
+        if due and not proj.all_finite(total):  # () on the host: a refresh step synchronizes anyway (SVD, rank)
+            return torch.full((), math.nan, device=total.device)  # never refresh from a non-finite gradient
+        for s in due:
+            self.refresh(s, s.param.grad)
+        found_inf = ~torch.isfinite(total)
         coef = clip_coefficient(total, max_grad_norm)
-        for s in live:
-            if s.projected and self.cfg.mode == "A":
-                self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
-            else:
-                self.update_full(s, s.param.grad, coef)
-        return proj.scalar(total)  # NaN in a dry run (fake tensors have no value)
+        with self.skipping(found_inf):
+            for s in live:
+                if s.projected and self.cfg.mode == "A":
+                    self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
+                else:
+                    self.update_full(s, s.param.grad, coef)
+        return torch.where(found_inf, math.nan, total)
 
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> Iterator[Tensor]:
@@ -401,6 +437,7 @@ class LowRankOptimizer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        self.reconcile()
         slots = {}
         for s in self.slots:
             slots[s.name] = {

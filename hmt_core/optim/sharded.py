@@ -37,7 +37,8 @@ Mode B (APOLLO scaling of the full gradient, ``method.mode=B``) updates in the h
 single-process engine (lagged clipping): R = G_k Q on this rank's rows (a left-sided R = Σ_k P_kᵀ G_k all-reduced),
 channel norms per row of a right-sided R (local) or per column of a replicated left-sided R, and the tensor scaling
 and norm-growth limiter as sums of squares over ranks (scalar all-reduces); one more scalar all-reduce, ‖G‖², makes
-the skip decision for a non-finite gradient identical on every rank.
+the skip decision for a non-finite gradient identical on every rank, taken on the device (``hooks``' ``found_inf``;
+``torch.where`` keeps the old values), without a host synchronization.
 
 Two-sided projection (``method.sides=two_sided``, Ĝ = Pᵀ G Q, r × r): P's rows are sharded like a left basis, so
 Ĝ = Σ_k P_kᵀ G_k Q is one r × r all-reduce, the moments are replicated and the update ``W_k −= α·lr·P_k f(D) Qᵀ``
@@ -227,13 +228,16 @@ class ShardedEngine(PerLayerEngine):
         opt = self.opt
         norm = torch.linalg.vector_norm(local)
         self.norms[s.index] = norm
-        if not self._finite(self._sum(norm.float().square())):
-            return
+        total_sq = self._sum(norm.float().square())  # ‖G‖², summed: the same on every rank
+        found_inf = self._flag(total_sq)
         if opt.refresh_due(s):
+            if not self._finite(total_sq):  # on the host, identically on every rank: a refresh step synchronizes
+                return
             full = g.full_tensor()  # (m, n): the seeded random basis (and a captured rank) as in one process
             opt.refresh(s, full)
             del full
-        opt.update_full(s, local, self.lagged_coef, reduce=self._sum)  # R, the tensor and limiter norms: summed
+        with opt.skipping(found_inf):  # R, the tensor and limiter norms: summed over ranks
+            opt.update_full(s, local, self.lagged_coef, reduce=self._sum)
 
     def _sum(self, t: Tensor) -> Tensor:
         """``t`` summed over ranks, in place (what ``LowRankOptimizer.update_full`` needs on row shards)."""

@@ -184,12 +184,12 @@ def randomized_svd_rows(grad: Tensor, k: int, *, rows: slice, shape: tuple[int, 
         ub, s, vh = torch.linalg.svd(all_reduce_(qy.t() @ g, group), full_matrices=False)  # B: (w, n), replicated
     except torch.linalg.LinAlgError:  # raised alike on every rank (replicated inputs)
         return None
-    if not proj._finite(ub, s, vh):
+    if not proj.all_finite(ub, s, vh):
         return None
     u = (qy @ ub)[:, :k]  # (rows_k, k)
     if gather_u:
         u = gather_rows(u.contiguous(), out_dim, group)  # (m, k), replicated
-        if not proj._finite(u):
+        if not proj.all_finite(u):
             return None
     return proj.Factors(u, s[:k], vh[:k], total_energy)
 
