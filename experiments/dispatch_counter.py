@@ -132,6 +132,12 @@ def _library_path(path: str) -> str:
     return path.split(marker, 1)[1] if marker in path else path
 
 
+def _installed(path: str) -> bool:
+    """An installed package's file, even inside the repository (a ``.venv`` in the checkout, as the README's
+    install makes): a library frame, never the project's."""
+    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+
+
 def sync_site() -> str:
     """Where a host sync comes from: ``path:line`` (relative to the repository) of the innermost Python frame in
     this project's code, followed by `` <- package/file.py:line`` when the op's caller is a library's (e.g.
@@ -143,7 +149,7 @@ def sync_site() -> str:
     library = None
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(_REPO_ROOT + os.sep):
+        if path.startswith(_REPO_ROOT + os.sep) and not _installed(path):
             site = f"{os.path.relpath(path, _REPO_ROOT)}:{frame.f_lineno}"
             return site if library is None else f"{site} <- {library}"
         library = library or f"{_library_path(path)}:{frame.f_lineno}"
