@@ -229,7 +229,7 @@ class HMTMethod:
         self.opt: LowRankOptimizer | None = None
         self.engine: PerLayerEngine | None = None
         self.max_grad_norm: float | None = None
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: torch.Tensor | None = None
         self.device: torch.device | None = None  # the training device (the model's at attach)
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -288,7 +288,7 @@ class HMTMethod:
         if self.engine is not None:
             self.engine.start_micro_batch(index, count)
 
-    def step(self) -> float | None:
+    def step(self) -> torch.Tensor | None:  # () fp32 on the device, NaN for a step skipped on the device
         if self.engine is not None:
             self.last_grad_norm = self.engine.finish_step()
         else:

@@ -74,7 +74,7 @@ def _step(forward, method, ctx, x) -> float:
 
     rows = x.shape[0] // ctx.world_size
     _, norm = train_step(forward, method, [x[ctx.rank * rows:(ctx.rank + 1) * rows]], meter=None,
-                         autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
+                         autocast=contextlib.nullcontext, skip_nonfinite=True)
     return norm
 
 
