@@ -58,6 +58,14 @@ def cpu_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device``: to CUDA from pinned memory without blocking the host (a pageable copy may wait for
+    the stream); elsewhere ``.to``."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor, *, fused_ce: bool = True,
             ce_chunk_tokens: int = 1024) -> torch.Tensor:
     """The next-token loss of ``ids`` (batch, seq_len): the model's own ``labels=`` loss, or with ``fused_ce`` the
@@ -180,7 +188,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
     with profiler or contextlib.nullcontext():
         for step in bar:
             method.set_lr_scale(lr_scale(step, cfg))
-            micro = [corpus.train.batch(step * cfg.grad_accum + k).to(device) for k in range(cfg.grad_accum)]
+            micro = [to_device(corpus.train.batch(step * cfg.grad_accum + k), device) for k in range(cfg.grad_accum)]
             metered = step - start < METERED_STEPS
             evals = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
             logged = step % cfg.log_every == 0 or evals

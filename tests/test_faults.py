@@ -84,8 +84,8 @@ def _train(tmp_path, method_raw: dict, *, steps: int, nan_loss=(), nan_grad=(), 
     """Real data, model, method and loop; NaN injected into the loss (the final norm's output) or one weight's gradient at
     chosen steps. Returns (result or raised exception, per-step snapshots of weights + optimizer state)."""
     torch.manual_seed(0)
-    cfg = TrainConfig(steps=steps, seq_len=32, batch_size=2, warmup_steps=1, log_every=1, eval_every=100,
-                      eval_batches=1, progress=False, **train_kw)
+    cfg = TrainConfig(**{"steps": steps, "seq_len": 32, "batch_size": 2, "warmup_steps": 1, "log_every": 1,
+                         "eval_every": 100, "eval_batches": 1, "progress": False, **train_kw})
     corpus = build_corpus(path=None, text_field="text", val_fraction=0.05, vocab_size=512, seq_len=32, batch_size=2,
                           seed=0, cache_dir="~/.cache/hmt")
     model = build_model(MICRO_MODEL, vocab_size=corpus.vocab_size)
@@ -100,11 +100,18 @@ def _train(tmp_path, method_raw: dict, *, steps: int, nan_loss=(), nan_grad=(), 
     weight = model.model.layers[0].mlp.down_proj.weight
     weight.register_hook(lambda g: g * nan if current["step"] in nan_grad else g)
     snapshots, rows = [], []
+    set_lr_scale = method.set_lr_scale
+
+    def step_starts(scale):  # called first in every step (logged or not): the step the hooks are in
+        current["step"] = current.get("next", 0)
+        current["next"] = current["step"] + 1
+        set_lr_scale(scale)
+
+    method.set_lr_scale = step_starts
 
     def log(record):
         rows.append(record)
         snapshots.append([t.detach().clone() for t in (*model.parameters(), *method.state_tensors())])
-        current["step"] = record["step"] + 1
 
     checkpointer = Checkpointer(tmp_path / "ck", every=cfg.checkpoint_every, keep=0, model=model, method=method,
                                 meta={})
