@@ -16,6 +16,7 @@ A host sync is counted as an aten op that makes the host wait for a device value
 4. ``run_training``: every step that is not a read step (logging, eval, checkpoint, last) makes 0 host syncs; a bad
    streak of ``max_bad_steps`` that ends between two reads still fails the run at the next read, naming its steps.
 5. Two ranks (gloo, DDP and FSDP2 adamw): a non-finite loss on one rank only skips the step on both.
+6. ``StepClock``'s CUDA path (a stand-in event class): no wait per step, one at the read.
 """
 
 from __future__ import annotations
@@ -337,3 +338,39 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     for rank, results in got.items():
         for mode, r in results.items():
             assert r == {"loss_finite": rank == 0, "norm_finite": False, "changed": 0}, (rank, mode, r)
+
+
+def test_step_clock_reads_cuda_events_once_per_read(monkeypatch):
+    """The CUDA path of ``StepClock`` with a stand-in for ``torch.cuda.Event`` (this machine has no GPU): one pair
+    of events per step, nothing waited on until ``read``, which waits on the last event only and converts each
+    pair's milliseconds to seconds, in step order."""
+    from experiments.step_tally import StepClock
+
+    log = []
+
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.at = None
+
+        def record(self) -> None:
+            Event.clock += 1.5  # ms
+            self.at = Event.clock
+
+        def synchronize(self) -> None:
+            log.append(("synchronize", self.at))
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = StepClock(torch.device("cuda", 0))
+    for _ in range(3):
+        clock.start()
+        clock.stop()
+    assert log == [], log  # no wait while stepping
+    assert clock.read() == [0.0015, 0.0015, 0.0015]
+    assert log == [("synchronize", 9.0)], log  # the last step's end event only
+    assert clock.read() == [] and clock.pending == []
