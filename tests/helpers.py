@@ -335,3 +335,9 @@ def seeded_token_batches(steps: int, batch: int = 4, seq: int = 16, vocab: int =
     """The distributed workers' global batches: ``steps`` × (batch, seq) token ids from generator seed 7."""
     gen = torch.Generator().manual_seed(7)
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
+
+
+def sgd_hook(param: torch.Tensor) -> None:
+    """A post-accumulate-grad hook that takes one SGD step (lr 0.1) without autograd: ``mul`` + ``add_``."""
+    with torch.no_grad():
+        param.add_(param.grad * -0.1)

@@ -1,0 +1,60 @@
+"""``benchmarks.step_profile``: one cheap row profiled through the real loop, every row's configuration composes,
+and docs/step_profile.md's table is the one the committed results give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import step_profile as sp
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# the benchmark's base, on a smaller model, with one timed step (metered 0-2, timed 3, counted 4 and 5, last 6)
+SHORT = [*sp.BASE, "model.num_layers=1", "model.hidden_size=64", "model.intermediate_size=128",
+         "model.vocab_size=512", "train.seq_len=16", "train.log_every=5", "train.steps=7"]
+
+
+@pytest.fixture(scope="module")
+def adamw_row() -> dict:
+    return sp.profile(sp.compose(*SHORT, "method=adamw"))
+
+
+def test_a_profiled_row_has_every_figure(adamw_row):
+    row = adamw_row
+    assert set(row) >= {"host_syncs", "host_syncs_log_step", "sync_sites", "sync_sites_log_step", "aten_ops",
+                        "aten_ops_per_projected_layer", "collectives", "step_time_s", "world_size"}, sorted(row)
+    for phase in ("forward", "backward", "optimizer"):  # each phase of a step launches kernels
+        assert row["aten_ops"].get(phase, 0) > 0, row["aten_ops"]
+    assert row["aten_ops"]["backward"] > row["aten_ops"]["forward"], row["aten_ops"]  # backward: ~2x forward
+    # the logging step reads the loss on the host: at least that one sync, whatever else is removed
+    assert row["host_syncs_log_step"] >= 1, row["sync_sites_log_step"]
+    assert sum(row["sync_sites"].values()) == row["host_syncs"], row["sync_sites"]
+    assert all(":" in site for site in row["sync_sites"]), row["sync_sites"]
+    assert row["collectives"] == [] and row["world_size"] == 1, row["collectives"]
+    assert row["projected_layers"] is None and row["aten_ops_per_projected_layer"] is None  # adamw projects none
+    assert row["step_time_s"] > 0
+    assert "adamw" in sp.render({"rows": [{"name": "adamw-fused", **row}]})
+
+
+def test_the_loop_batch_is_host_side(adamw_row):
+    """The batch is drawn on the host (``experiments/data.py``): listed apart, never a host sync."""
+    assert adamw_row["host_side_sync_sites"], adamw_row
+    assert not any(site.startswith("experiments/data.py") for site in adamw_row["sync_sites"]), adamw_row
+
+
+def test_a_schedule_without_room_for_the_counted_steps_is_refused():
+    with pytest.raises(ValueError, match="train.log_every=3"):
+        sp.profile(sp.compose(*SHORT, "method=adamw", "train.log_every=3"))
+
+
+def test_every_row_composes():
+    for name, (_, _, overrides) in sp.ROWS.items():
+        run = sp.compose(*sp.BASE, *overrides)
+        assert run.train.steps == sp.STEPS and run.train.log_every == sp.LOG_STEP, name
+
+
+def test_the_page_table_is_the_committed_results():
+    assert sp.main(["--render-only", "--check-docs", str(REPO / "docs" / "step_profile.md")]) == 0
