@@ -1,14 +1,15 @@
 """Host syncs of the training loop and of the baselines' ``step``, and the on-device skip of a non-finite step, on
 CPU.
 
-A host sync is counted as an aten op that makes the host wait for a device value (``_local_scalar_dense``: ``.item()``,
-``bool(t)``, ``float(t)``; ``nonzero``/``masked_select``: data-dependent shapes) or builds a tensor from host data
-(``lift_fresh``: ``torch.tensor(...)``), seen by a ``TorchDispatchMode`` around one step. Counts are exact integers
-(no tolerance): each comes from the code path, not from timing or the CPU.
+Host syncs are counted by ``experiments.dispatch_counter.DispatchCounter`` (``.item()``/``bool(t)``/``float(t)``,
+data-dependent shapes, tensors built from host data, ...) around one step, with the code that is neither the loop's
+nor the method's left uncounted (``_uncounted``): the transformers model's forward (transformers 5 reads a value
+to detect packed sequences when no KV cache is used) and a reference package's own optimizer step. Counts are exact
+integers (no tolerance): each comes from the code path, not from timing or the CPU.
 
-1. ``train_step``: the syncs outside the optimizer's own ``step`` are 0 for torch's fused AdamW (adamw, qlora:
-   ``found_inf`` on the device) and exactly 1 for every optimizer that cannot skip on the device (the one read of
-   the grad norm); the reference package's own syncs inside its ``step`` are printed (torch's fused AdamW: 0).
+1. ``train_step``: 0 host syncs with torch's fused AdamW (adamw, qlora: ``found_inf`` on the device; its step
+   counted too), and exactly 1 besides the reference package's own step for every optimizer that cannot skip on the
+   device (the one read of the grad norm).
 2. A non-finite loss whose gradients are finite (a constant ``inf`` added to it) still skips the step on every
    method: weights and optimizer state unchanged, a non-finite grad norm and loss returned (the NaN backward seed).
 3. ``StepTally`` equals the host bookkeeping it replaces (skipped count, bad streak, last loss, loss EMA bit for bit)
@@ -21,7 +22,6 @@ A host sync is counted as an aten op that makes the host wait for a device value
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import random
@@ -32,55 +32,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from experiments.dispatch_counter import DispatchCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import tiny_llama  # noqa: E402
 
-SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh", "lift_fresh_copy"})
 
+def _uncounted(counter: DispatchCounter, obj, attr: str) -> None:
+    """``obj.attr(...)`` runs with ``counter`` paused (code that is not the loop's or the method's)."""
+    original = getattr(obj, attr)
 
-class SyncCounter(TorchDispatchMode):
-    """Host-sync aten ops by name (``SYNC_OPS``); ``inside[label]``: how many of them ran inside the calls handed
-    to ``exclude_call``/``exclude_module`` (code that is not the loop's or the method's: the model's forward, a
-    reference package's optimizer step)."""
+    def paused(*args, **kwargs):
+        counting, counter.counting = counter.counting, False
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counter.counting = counting
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-        self.inside: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def outside(self) -> int:
-        return self.total - sum(self.inside.values())
-
-    def exclude_call(self, obj, attr: str, label: str) -> None:
-        original = getattr(obj, attr)
-
-        def counted(*args, **kwargs):
-            before = self.total
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.inside[label] += self.total - before
-
-        setattr(obj, attr, counted)
-
-    def exclude_module(self, module: nn.Module, label: str) -> None:
-        mark = []
-        module.register_forward_pre_hook(lambda m, a: mark.append(self.total))
-        module.register_forward_hook(lambda m, a, out: self.inside.update({label: self.total - mark.pop()}))
+    setattr(obj, attr, paused)
 
 
 def _decoder(model: nn.Module) -> nn.Module:
@@ -90,8 +61,10 @@ def _decoder(model: nn.Module) -> nn.Module:
     return next(m for m in model.modules() if type(m).__name__ == "LlamaModel")
 
 
-# (method config, syncs outside the optimizer's own step): 0 where torch's fused AdamW takes found_inf on the
-# device, 1 where the driver reads the grad norm once to decide (hmt_core.driver.OptimizerDriver.step)
+# (method config, host syncs of the step): 0 where torch's fused AdamW takes found_inf on the device (its step
+# counted too), 1 where the driver reads the grad norm once to decide (hmt_core.driver.OptimizerDriver.step; the
+# reference package's own step uncounted)
+FUSED = ("adamw", "qlora")
 CASES = {
     "adamw": ({"name": "adamw"}, 0),
     "qlora": ({"name": "qlora", "lora_r": 4, "compute_dtype": "fp32"}, 0),
@@ -132,19 +105,18 @@ def test_train_step_syncs_outside_the_optimizer(case):
     raw, expected = CASES[case]
     model, method = _method_and_model(raw)
     _step(model, method, [_ids(0), _ids(1)])  # step 0 creates the optimizer state lazily
-    counter = SyncCounter()
-    counter.exclude_call(method.driver.optimizer, "step", "optimizer")
-    counter.exclude_module(_decoder(model), "forward")
+    counter = DispatchCounter()
+    if case not in FUSED:
+        _uncounted(counter, method.driver.optimizer, "step")
+    _uncounted(counter, _decoder(model), "forward")
     for step in (1, 2):  # a galore/apollo basis refresh (gap 2) at step 2, none at step 1
-        counter.counts.clear()
-        counter.inside.clear()
+        counter.reset()
         with counter:
             _, norm = _step(model, method, [_ids(2 * step), _ids(2 * step + 1)])
-        print(f"{case} step {step}: {dict(counter.counts)}; inside: {dict(counter.inside)}")
-        assert counter.outside == expected, (case, step, dict(counter.counts), dict(counter.inside))
+        report = counter.report()
+        print(f"{case} step {step}: {report.host_syncs} host syncs at {report.sync_sites}")
+        assert report.host_syncs == expected, (case, step, report.sync_sites)
         assert isinstance(norm, torch.Tensor) and norm.shape == () and norm.dtype == torch.float32, norm
-        if case in ("adamw", "qlora"):  # torch's fused kernel reads found_inf on the device
-            assert counter.inside["optimizer"] == 0, (case, step, dict(counter.inside))
 
 
 class _InfLoss(nn.Module):
@@ -263,26 +235,30 @@ def test_run_training_syncs_only_on_read_steps(tmp_path):
     model = build_model(MICRO_MODEL, vocab_size=corpus.vocab_size)
     method = methods.make_method(methods.make_config({"name": "adamw"}))
     method.attach(model, max_grad_norm=1.0)
-    counter, per_step, mark = SyncCounter(), [], {"at": 0}
-    counter.exclude_module(_decoder(model), "forward")
-    # the batch is built on the host from host tensors (a sampler's int(), numpy), then copied to the device
-    counter.exclude_call(corpus.train, "batch", "data")
-    original = method.set_lr_scale
+    counter, per_step, mark = DispatchCounter(), [], {"at": 0}
+    _uncounted(counter, _decoder(model), "forward")
+    original_batch, original_lr = corpus.train.batch, method.set_lr_scale
+
+    def batch(index):  # built on the host from host tensors (a sampler's int(), numpy), then copied to the device
+        with counter.phase("data"):
+            return original_batch(index)
 
     def set_lr_scale(scale):  # called first in every step: the counts since the previous call are one step's
-        per_step.append(counter.outside - mark["at"])
-        mark["at"] = counter.outside
-        original(scale)
+        total = counter.report().host_syncs
+        per_step.append(total - mark["at"])
+        mark["at"] = total
+        original_lr(scale)
 
-    method.set_lr_scale = set_lr_scale
+    corpus.train.batch, method.set_lr_scale = batch, set_lr_scale
     ck = Checkpointer(tmp_path / "ck", every=cfg.checkpoint_every, keep=0, model=model, method=method, meta={})
     with counter:
         run_training(model, method, corpus, cfg, torch.device("cpu"), log=lambda r: None, meter=MemoryMeter(),
                      checkpointer=ck)
-    per_step = per_step[1:] + [counter.outside - mark["at"]]  # per_step[k]: step k (its read included)
+    report = counter.report()
+    per_step = per_step[1:] + [report.host_syncs - mark["at"]]  # per_step[k]: step k (its read included)
     read_steps = {0, 4, 8} | {2, 5}  # log_every=4 (and the last step); checkpoints after steps 3 and 6
     quiet = {k: n for k, n in enumerate(per_step) if k not in read_steps}
-    print("host syncs per step (loop and method):", per_step, "elsewhere:", dict(counter.inside))
+    print("host syncs per step (loop and method):", per_step, "at", report.sync_sites)
     assert len(per_step) == cfg.steps and all(n == 0 for n in quiet.values()), quiet
 
 
