@@ -66,7 +66,7 @@ def _setup(rank: int, world: int, name: str, data: list[torch.Tensor], counter) 
     for x in data:
         before = counter.bytes["grad"]
         train_step(forward, method, [x[rank * rows:(rank + 1) * rows]], meter=None,
-                   autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
+                   autocast=contextlib.nullcontext, skip_nonfinite=True)
         steps.append(counter.bytes["grad"] - before)
     metrics = method.metrics()
     return {"refresh_step_bytes": steps[0], "step_bytes": steps[1], "params": sum(p.numel() for p in

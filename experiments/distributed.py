@@ -64,22 +64,18 @@ class DistContext:
     def barrier(self) -> None:
         dist.barrier()
 
-    def mean(self, value: torch.Tensor) -> float:
-        """The mean over ranks of a scalar (each rank's loss: the global-batch loss). The loop calls it once per
-        step, which is how ``comm/grad_bytes_per_step`` counts steps."""
+    def count_step(self) -> None:
+        """The loop calls it once per step: how ``comm/grad_bytes_per_step`` counts steps (host only)."""
         if self.step_bytes is not None:
             self.step_bytes.step()
-        t = value.detach().reshape(1).to(self.device, torch.float64)
+
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of ``values`` (1-D: each rank's loss figures, whose mean is the global batch's), on
+        the device: one all-reduce, no host read (the loop reads the result with its other values)."""
+        t = values.detach().to(self.device, torch.float64, copy=True)
         with self._control():
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t) / self.world_size
-
-    def all_finite(self, value: torch.Tensor) -> bool:
-        """True when ``value`` is finite on every rank (a step is skipped on all ranks or on none)."""
-        flag = torch.tensor([float(bool(torch.isfinite(value).all()))], device=self.device)
-        with self._control():
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return t.div_(self.world_size)
 
     def any_rank(self, value: bool) -> bool:
         flag = torch.tensor([float(value)], device=self.device)

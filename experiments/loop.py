@@ -5,7 +5,15 @@ inflates step time), metrics to the results store and W&B, checkpoints and preem
 (``experiments.checkpointing``).
 
 A step whose loss or gradient is not finite is skipped (no update; counted as ``skipped``); after
-``train.max_bad_steps`` such steps in a row the run fails with ``TooManyBadSteps``, leaving its checkpoints."""
+``train.max_bad_steps`` such steps in a row the run fails with ``TooManyBadSteps``, leaving its checkpoints.
+
+Host syncs: a step reads nothing to the host. The finite decision is made on the device (``train_step``, the
+method's ``step``), and the loss, grad norm, skipped count and bad steps in a row stay on the device
+(``experiments.step_tally``) until a *read step*: a logging step (``step % log_every == 0``), an eval step, the
+last step, a checkpoint step or a preemption. Hence a run with ``max_bad_steps`` bad steps in a row fails at the
+first read step at or after the step that completed the streak (the message names that streak's steps), and a
+skipped step between logging steps shows only in the next logged ``skipped_steps``. Checkpoints are written only
+at read steps, after that check, so none holds the state of a tripped run."""
 
 from __future__ import annotations
 
@@ -13,7 +21,6 @@ import contextlib
 import math
 import resource
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +31,7 @@ from experiments import gpu_stats
 from experiments.checkpointing import Checkpointer, LoopState, TooManyBadSteps
 from experiments.config import TrainConfig
 from experiments.meter import MemoryMeter
+from experiments.step_tally import StepClock, StepTally
 from hmt_core.fused_ce import causal_lm_loss, resolve_head
 from hmt_core.method import Method
 
@@ -50,6 +58,14 @@ def cpu_rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device``: to CUDA from pinned memory without blocking the host (a pageable copy may wait for
+    the stream); elsewhere ``.to``."""
+    if device.type == "cuda":
+        return batch.pin_memory().to(device, non_blocking=True)
+    return batch.to(device)
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor, *, fused_ce: bool = True,
             ce_chunk_tokens: int = 1024) -> torch.Tensor:
     """The next-token loss of ``ids`` (batch, seq_len): the model's own ``labels=`` loss, or with ``fused_ce`` the
@@ -73,17 +89,17 @@ def check_lm_loss(model: nn.Module, cfg: TrainConfig) -> None:
 
 def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tensor], *, meter: MemoryMeter | None,
                autocast: Callable[[], contextlib.AbstractContextManager],
-               skip_nonfinite: bool = False, fused_ce: bool = True, ce_chunk_tokens: int = 1024,
-               all_finite: Callable[[torch.Tensor], bool] | None = None) -> tuple[torch.Tensor, float | None]:
+               skip_nonfinite: bool = False, fused_ce: bool = True,
+               ce_chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step over ``micro_batches`` (each (batch, seq_len) token ids).
 
-    Returns (mean loss as a 0-dim tensor, global grad norm or None); the caller converts, so the same function
-    runs under FakeTensorMode, where tensors have no values. ``skip_nonfinite`` (real tensors only): a
-    micro-batch loss that is not finite ends the step before its backward, and non-finite gradients left for
-    ``method.step`` skip it; both discard the gradients and return a NaN grad norm (and a NaN loss in the first
-    case). HMT checks the gradients it consumes inside backward itself and returns a NaN norm. ``fused_ce``,
-    ``ce_chunk_tokens``: how the loss is computed (``lm_loss``). ``all_finite`` (multi-process: agreed across
-    ranks, so all skip or none) replaces the local finiteness check of the loss.
+    Returns (mean loss, ``method.step()``'s global grad norm or None), both 0-dim tensors on the device: nothing
+    here reads a value to the host, so a step makes no host sync of its own and the same function runs under
+    FakeTensorMode (dry run), where tensors have no values. ``skip_nonfinite``: a micro-batch loss that is not
+    finite seeds its backward with NaN instead of 1 (decided on the device), so its gradients are NaN and
+    ``method.step`` skips the step like any step with non-finite gradients (weights and optimizer state unchanged,
+    a non-finite grad norm returned); under ``dist`` the gradient reduction carries the NaN to every rank, so
+    all ranks skip the step or none. ``fused_ce``, ``ce_chunk_tokens``: how the loss is computed (``lm_loss``).
     """
     phase = meter.phase if meter is not None else (lambda name: contextlib.nullcontext())
     if meter is not None:
@@ -94,14 +110,10 @@ def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tenso
         method.start_micro_batch(i, count)
         with phase("forward"), autocast():
             loss = lm_loss(model, ids, fused_ce=fused_ce, ce_chunk_tokens=ce_chunk_tokens) / count
-        if skip_nonfinite and not (all_finite(loss) if all_finite else bool(torch.isfinite(loss))):
-            return _discard_step(method, torch.full((), float("nan"), device=loss.device))
         with phase("backward"):
-            loss.backward()
+            loss.backward(_nan_if_nonfinite(loss) if skip_nonfinite else None)
         total += loss.detach()
         del loss
-    if skip_nonfinite and not _grads_finite(model):
-        return _discard_step(method, total)
     with phase("optimizer"):
         grad_norm = method.step()
     if meter is not None:
@@ -110,15 +122,11 @@ def train_step(model: nn.Module, method: Method, micro_batches: list[torch.Tenso
     return total, grad_norm
 
 
-def _discard_step(method: Method, loss: torch.Tensor) -> tuple[torch.Tensor, float]:
-    method.zero_grad()
-    return loss, float("nan")
-
-
 @torch.no_grad()
-def _grads_finite(model: nn.Module) -> bool:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return not grads or bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)])).all())
+def _nan_if_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """The backward seed of ``loss``: 1, or NaN where ``loss`` is not finite (every gradient it reaches is then NaN;
+    0-dim bool mask: an elementwise fill, no host sync)."""
+    return torch.ones_like(loss).masked_fill_(torch.isfinite(loss).logical_not_(), float("nan"))
 
 
 @torch.no_grad()
@@ -158,7 +166,10 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                  state: LoopState | None = None, sync=None) -> LoopResult:
     """Train from ``state.next_step`` (0 for a fresh run) to ``cfg.steps``. ``sync`` (multi-process:
     ``experiments.distributed.DistContext``): the logged loss is the mean over ranks, a step is skipped on every
-    rank or none, and per-rank peak memory is reduced to ``memory/peak_max(GiB)``/``memory/peak_mean(GiB)``."""
+    rank or none, and per-rank peak memory is reduced to ``memory/peak_max(GiB)``/``memory/peak_mean(GiB)``.
+
+    Values reach the host only on read steps (module docstring): logging (``step % log_every == 0``), eval, last,
+    checkpoint and preemption steps; every other step runs without a host sync."""
     from tqdm.auto import tqdm
 
     def autocast() -> contextlib.AbstractContextManager:
@@ -167,92 +178,141 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
     check_lm_loss(model, cfg)
     state = state or LoopState()
     start = state.next_step
-    val_batches = corpus.val.fixed_batches(cfg.eval_batches)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-    timed_s, timed_steps, step_times, peak_mib = 0.0, 0, [], 0.0
+    run = _Run(cfg=cfg, method=method, model=model, device=device, sync=sync, log=log, wandb_run=wandb_run,
+               extra_metrics=extra_metrics, checkpointer=checkpointer, state=state,
+               val_batches=corpus.val.fixed_batches(cfg.eval_batches), autocast=autocast,
+               tally=StepTally(state, device, max_bad_steps=cfg.max_bad_steps), clock=StepClock(device))
     pcie = gpu_stats.PcieSampler.for_device(device)  # None on CPU or without NVML
     bar = tqdm(range(start, cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name,
                initial=start, total=cfg.steps)
     with profiler or contextlib.nullcontext():
         for step in bar:
             method.set_lr_scale(lr_scale(step, cfg))
-            micro = [corpus.train.batch(step * cfg.grad_accum + k).to(device) for k in range(cfg.grad_accum)]
+            micro = [to_device(corpus.train.batch(step * cfg.grad_accum + k), device) for k in range(cfg.grad_accum)]
             metered = step - start < METERED_STEPS
-            gpu_stats.synchronize(device)
-            t0 = time.perf_counter()
+            evals = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
+            logged = step % cfg.log_every == 0 or evals
             # PCIe counters are sampled only through the steps that are logged anyway (a sampler costs the host up
             # to one NVML window per step)
-            sampled = pcie is not None and (step % cfg.log_every == 0 or (step + 1) % cfg.eval_every == 0
-                                            or step + 1 == cfg.steps)
+            sampled = pcie is not None and logged
             if sampled:
                 pcie.start()
             try:
+                run.clock.start()
                 with meter if metered else contextlib.nullcontext():
                     loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
                                                    autocast=autocast, skip_nonfinite=True, fused_ce=cfg.fused_ce,
-                                                   ce_chunk_tokens=cfg.ce_chunk_tokens,
-                                                   all_finite=sync.all_finite if sync is not None else None)
-                loss = float(loss_t) if sync is None else sync.mean(loss_t)
-                grad_norm = None if grad_norm is None else float(grad_norm)  # a 0-dim device tensor (or a float)
-                gpu_stats.synchronize(device)
-                dt = time.perf_counter() - t0
+                                                   ce_chunk_tokens=cfg.ce_chunk_tokens)
+                run.tally.add(loss_t, grad_norm)
+                run.clock.stop()
             finally:
                 pcie_metrics = pcie.stop() if sampled else {}
-            if not metered:
-                timed_s, timed_steps = timed_s + dt, timed_steps + 1
-                step_times.append(dt)
-            skipped = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+            run.metered.append(metered)
+            run.has_norm = grad_norm is not None
+            if sync is not None:
+                sync.count_step()
             state.next_step = step + 1
-            if skipped:
-                state.skipped_steps, state.bad_in_row = state.skipped_steps + 1, state.bad_in_row + 1
-            else:
-                state.bad_in_row, state.last_loss = 0, loss
-                state.loss_ema = loss if state.loss_ema is None else 0.9 * state.loss_ema + 0.1 * loss
             if metered:
-                peak_mib = meter.report().peak_bytes / 2**20
-            record = {"step": step, "loss/train": loss, "lr_scale": lr_scale(step, cfg), "time/step_s": dt,
-                      "throughput/tokens_per_s": tokens_per_step / dt, "metered": metered}
-            if grad_norm is not None:
-                record["optim/grad_norm"] = grad_norm
-            if skipped:
-                record["skipped"] = True
-            record["skipped_steps"] = state.skipped_steps
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                with sync.counted_as("eval") if sync is not None else contextlib.nullcontext():
-                    state.val_loss = evaluate(model, val_batches, device, autocast, fused_ce=cfg.fused_ce,
-                                              ce_chunk_tokens=cfg.ce_chunk_tokens)
-                record["loss/val"] = state.val_loss
-            if step % cfg.log_every == 0 or "loss/val" in record or step + 1 == cfg.steps or skipped:
-                record["memory/peak(GiB)"] = peak_mib / 1024
-                if sync is not None:
-                    record.update(sync.memory_metrics(peak_mib * 2**20))
-                record.update(gpu_stats.step_metrics(device), **pcie_metrics)
-                record.update(method.metrics())
-                if extra_metrics is not None:
-                    record.update(extra_metrics())
-                log(record)
-                if wandb_run is not None:
-                    wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
-            if state.bad_in_row >= cfg.max_bad_steps:
-                last = checkpointer.saved[-1]["path"] if checkpointer and checkpointer.saved else "none written"
-                raise TooManyBadSteps(f"{state.bad_in_row} consecutive steps with a non-finite loss or gradient "
-                                      f"(steps {step + 1 - state.bad_in_row}..{step}, each skipped; "
-                                      f"train.max_bad_steps={cfg.max_bad_steps}); last checkpoint: {last}")
-            if checkpointer is not None:
-                if checkpointer.preempt_requested():
+                run.peak_mib = meter.report().peak_bytes / 2**20
+            preempt = checkpointer is not None and checkpointer.preempt_requested()
+            save = checkpointer is not None and checkpointer.due(step + 1) and step + 1 < cfg.steps
+            if logged or preempt or save:
+                dt = run.read_step(step, evals=evals, logged=logged, pcie_metrics=pcie_metrics)
+                if preempt:
                     checkpointer.preempt(state)
-                if checkpointer.due(step + 1) and step + 1 < cfg.steps:
+                if save:
                     checkpointer.save(state)
-            if state.loss_ema is not None:
-                bar.set_postfix(loss=f"{state.loss_ema:.3f}", tok_s=f"{tokens_per_step / dt:.0f}",
-                                mem=f"{peak_mib:.0f}MiB")
+                if state.loss_ema is not None:
+                    bar.set_postfix(loss=f"{state.loss_ema:.3f}", tok_s=f"{run.tokens_per_step / dt:.0f}",
+                                    mem=f"{run.peak_mib:.0f}MiB")
             if profiler is not None and hasattr(profiler, "step"):
                 profiler.step()
     if checkpointer is not None and checkpointer.every > 0:
         checkpointer.save(state)  # the final checkpoint
-    step_time = timed_s / timed_steps if timed_steps else float("nan")
-    return LoopResult(train_loss=state.last_loss, val_loss=state.val_loss, steps=cfg.steps,
-                      tokens=cfg.steps * tokens_per_step,
-                      tokens_per_s=tokens_per_step / step_time if timed_steps else float("nan"),
-                      step_time_s=step_time, step_time_median_s=statistics.median(step_times) if step_times else
-                      float("nan"), meter=meter, skipped_steps=state.skipped_steps, start_step=start)
+    return run.result(start, meter)
+
+
+@dataclass
+class _Run:
+    """``run_training``'s state between read steps, and what a read step does with it."""
+
+    cfg: TrainConfig
+    method: Method
+    model: nn.Module
+    device: torch.device
+    sync: object
+    log: Callable[[dict], None]
+    wandb_run: object
+    extra_metrics: Callable[[], dict] | None
+    checkpointer: Checkpointer | None
+    state: LoopState
+    val_batches: list[torch.Tensor]
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    tally: StepTally
+    clock: StepClock
+    metered: list[bool] = field(default_factory=list)  # per step since the last read
+    has_norm: bool = False
+    peak_mib: float = 0.0
+    timed_s: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
+
+    def read_step(self, step: int, *, evals: bool, logged: bool, pcie_metrics: dict) -> float:
+        """The one host read of the steps since the previous read: their times, the tallies (``state`` updated),
+        the eval, the log record; a ``TooManyBadSteps`` once ``max_bad_steps`` bad steps in a row were seen.
+        Returns this step's time (s)."""
+        cfg, state, sync = self.cfg, self.state, self.sync
+        reading = self.tally.read(state, sync)
+        times = self.clock.read()
+        for dt, metered in zip(times, self.metered):
+            if not metered:
+                self.timed_s += dt
+                self.step_times.append(dt)
+        dt, metered, self.metered = times[-1], self.metered[-1], []
+        if evals:
+            with sync.counted_as("eval") if sync is not None else contextlib.nullcontext():
+                state.val_loss = evaluate(self.model, self.val_batches, self.device, self.autocast,
+                                          fused_ce=cfg.fused_ce, ce_chunk_tokens=cfg.ce_chunk_tokens)
+        if logged:
+            record = {"step": step, "loss/train": reading.loss, "lr_scale": lr_scale(step, cfg), "time/step_s": dt,
+                      "throughput/tokens_per_s": self.tokens_per_step / dt, "metered": metered}
+            if self.has_norm:
+                record["optim/grad_norm"] = reading.grad_norm
+            if reading.skipped:
+                record["skipped"] = True
+            record["skipped_steps"] = state.skipped_steps
+            if evals:
+                record["loss/val"] = state.val_loss
+            self._log(step, record, pcie_metrics)
+        if reading.tripped_at is not None:
+            saved = self.checkpointer.saved if self.checkpointer is not None else []
+            last = saved[-1]["path"] if saved else "none written"
+            n, end = cfg.max_bad_steps, reading.tripped_at
+            raise TooManyBadSteps(f"{n} consecutive steps with a non-finite loss or gradient (steps {end + 1 - n}.."
+                                  f"{end}, each skipped; train.max_bad_steps={n}); last checkpoint: {last}")
+        return dt
+
+    def _log(self, step: int, record: dict, pcie_metrics: dict) -> None:
+        record["memory/peak(GiB)"] = self.peak_mib / 1024
+        if self.sync is not None:
+            record.update(self.sync.memory_metrics(self.peak_mib * 2**20))
+        record.update(gpu_stats.step_metrics(self.device), **pcie_metrics)
+        record.update(self.method.metrics())
+        if self.extra_metrics is not None:
+            record.update(self.extra_metrics())
+        self.log(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+    def result(self, start: int, meter: MemoryMeter) -> LoopResult:
+        cfg, state, n = self.cfg, self.state, len(self.step_times)
+        step_time = self.timed_s / n if n else float("nan")
+        return LoopResult(train_loss=state.last_loss, val_loss=state.val_loss, steps=cfg.steps,
+                          tokens=cfg.steps * self.tokens_per_step,
+                          tokens_per_s=self.tokens_per_step / step_time if n else float("nan"),
+                          step_time_s=step_time,
+                          step_time_median_s=statistics.median(self.step_times) if n else float("nan"),
+                          meter=meter, skipped_steps=state.skipped_steps, start_step=start)

@@ -98,6 +98,19 @@ def _plain_tensors_replicated(params: list[torch.Tensor]):
     return contextlib.nullcontext()
 
 
+def device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` skips a step on the device: torch's Adam/AdamW with every group ``fused`` (their kernels
+    take ``found_inf``; the foreach and single-tensor paths refuse it)."""
+    return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def _replicated(norm: torch.Tensor) -> torch.Tensor:
+    """``clip_grad_norm_``'s result as a plain tensor: a DTensor (FSDP2's sharded gradients) is all-reduced."""
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 class OptimizerDriver:
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None) -> None:
         self.optimizer = optimizer
@@ -108,28 +121,32 @@ class OptimizerDriver:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def step(self) -> torch.Tensor | None:
-        """Clip, then step. Returns the global norm (() on the device), NaN for a step skipped because a gradient is
-        not finite: skipped on the device by an optimizer that takes ``found_inf`` (torch's fused Adam/AdamW, the
-        input ``torch.amp.GradScaler`` gives it: the update is not applied and ``step`` is taken back), else with one
-        host read of the flag per step (the reference packages' optimizers cannot skip on the device)."""
+        """Clip to ``max_grad_norm``, then update unless the gradients are not finite. Returns the pre-clip global
+        gradient norm, a 0-dim fp32 tensor on the gradients' device (non-finite: the step was skipped).
+
+        The skip is decided on the device where the optimizer can take it there: torch's fused Adam/AdamW read
+        ``optimizer.found_inf`` (as ``torch.amp.GradScaler`` hands it over) and leave weights, moments and step
+        counters untouched when it is 1. Every other optimizer (AdamW foreach/single, ``PrecisionAdamW``,
+        bitsandbytes, galore-torch, apollo-torch) has no such input: the decision costs one host read of the norm
+        per step (docs/command_line.md, "A run that diverges")."""
         params = [p for p in self.params() if p.grad is not None]
         if not params:
-            return torch.zeros((), device=next(iter(self.params()), torch.zeros(())).device)
-        limit = self.max_grad_norm if self.max_grad_norm else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=clip_foreach(params))
-        found_inf = ~torch.isfinite(norm)
-        on_device = getattr(self.optimizer, "_step_supports_amp_scaling", False)
-        if not on_device and not is_fake(norm) and bool(found_inf):  # the one host sync of such a step
-            return torch.where(found_inf, float("nan"), norm)
-        if on_device:
-            self.optimizer.found_inf = found_inf.float()  # (): 1.0 skips the fused kernel's update
-        try:
             with _plain_tensors_replicated(params):
                 self.optimizer.step()
-        finally:
-            if on_device:
-                del self.optimizer.found_inf
-        return torch.where(found_inf, float("nan"), norm)
+            return None
+        limit = self.max_grad_norm if self.max_grad_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=clip_foreach(params))
+        norm = _replicated(norm).float()  # () fp32; FSDP2: the global norm on every rank
+        with _plain_tensors_replicated(params):
+            if device_skip(self.optimizer):
+                self.optimizer.found_inf = torch.isfinite(norm).logical_not().float()  # () fp32, GradScaler's form
+                try:
+                    self.optimizer.step()
+                finally:
+                    del self.optimizer.found_inf
+            elif is_fake(norm) or bool(torch.isfinite(norm)):  # the one host sync (a fake tensor has no value)
+                self.optimizer.step()
+        return norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -15,7 +15,12 @@ The training loop (``experiments.loop``) asks a method exactly these things and 
 Every method has one frozen keyword-only dataclass ``Config``; the name -> factory dict lives in
 ``experiments.methods``. Gradient clipping belongs to the method because a method that updates inside
 backward must decide how (or whether) a *global* norm can be applied; ``step`` returns the pre-clip global
-gradient norm when it computes one.
+gradient norm when it computes one, as a device tensor.
+
+Non-finite gradients: ``step`` itself leaves the weights and optimizer state as they were (and returns a non-finite
+norm), on the device where the optimizer can (HMT's engine, torch's fused AdamW), else after one host read of the
+norm. The loop seeds a non-finite loss's backward with NaN, so a non-finite loss reaches ``step`` as non-finite
+gradients (``experiments.loop.train_step``).
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ class Method(Protocol):
         """Called before the backward of micro-batch ``index`` of ``count`` (gradient accumulation)."""
         ...
 
-    def step(self) -> float | None:
-        """Finish one optimizer step after the last micro-batch's backward; returns the global grad norm."""
+    def step(self) -> torch.Tensor | None:
+        """Finish one optimizer step after the last micro-batch's backward. Returns the pre-clip global grad norm
+        as a 0-dim fp32 tensor on the model's device (never a Python float: the caller reads it to the host only on
+        a logging step), non-finite if non-finite gradients made the step a no-op, or None if it computes none."""
         ...
 
     def zero_grad(self) -> None: ...

@@ -65,7 +65,7 @@ def _run(ctx, overrides: dict, policy: str, data) -> tuple[dict, dict]:
     rows = data[0].shape[0] // ctx.world_size
     for x in data:
         train_step(forward, method, [x[ctx.rank * rows:(ctx.rank + 1) * rows]], meter=None,
-                   autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
+                   autocast=contextlib.nullcontext, skip_nonfinite=True)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     saved = handle.saved_bytes() if handle is not None else {}
     return {k: v.detach().clone() for k, v in weights.items()}, saved

@@ -148,8 +148,7 @@ def _case(ctx, name: str, data, out: Path, seed: int):
             micro = list(x.split(x.shape[0] // 2))
         else:
             micro = [x[ctx.rank * rows:(ctx.rank + 1) * rows]]
-        train_step(forward, method, micro, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True,
-                   all_finite=ctx.all_finite)
+        train_step(forward, method, micro, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True)
 
     return model, method, ckpt, step
 

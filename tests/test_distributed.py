@@ -144,8 +144,7 @@ def _ddp_case(ctx, name: str, overrides: dict, data, snaps) -> list[dict]:
         model.load_state_dict(snap["weights"])
         method.load_state_dict(torch.load(io.BytesIO(snap["method"]), weights_only=False))
         shard = x[ctx.rank * rows:(ctx.rank + 1) * rows]
-        train_step(forward, method, [shard], meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True,
-                   all_finite=ctx.all_finite)
+        train_step(forward, method, [shard], meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True)
         out.append(_diffs(model.state_dict(), snap["after"]))
     out[1].update(out.pop(0))  # reported with step 0
     return out
@@ -169,7 +168,7 @@ def _fsdp2_case(ctx, data, snaps) -> list[dict]:
         if snap.get("optim") is not None:
             set_optimizer_state_dict(model, method.driver.optimizer, snap["optim"], options=full)
         train_step(model, method, [x[ctx.rank * rows:(ctx.rank + 1) * rows]], meter=None,
-                   autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
+                   autocast=contextlib.nullcontext, skip_nonfinite=True)
         out.append(_diffs(get_model_state_dict(model, options=full), snap["after"]))
     return out
 
@@ -220,7 +219,7 @@ def _resume_case(ctx, name: str, overrides: dict, data, root: Path) -> dict:
 
     def step(forward, method, x) -> None:
         train_step(forward, method, [x[ctx.rank * rows:(ctx.rank + 1) * rows]], meter=None,
-                   autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
+                   autocast=contextlib.nullcontext, skip_nonfinite=True)
 
     full = StateDictOptions(full_state_dict=True)
     model, method, forward, ckpt = build(0)

@@ -120,8 +120,7 @@ def _fsdp2_case(ctx, overrides: dict, data, snaps, micro: int = 1) -> list[dict]
         method.load_state_dict(_local_state(torch.load(io.BytesIO(snap["method"]), weights_only=False), slots))
         batches = [x[ctx.rank * rows:(ctx.rank + 1) * rows]] if micro == 1 else \
             [x[r] for r in micro_rows(ctx.rank, ctx.world_size, rows, MICRO)]
-        train_step(model, method, batches, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True,
-                   all_finite=ctx.all_finite)
+        train_step(model, method, batches, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True)
         after = get_model_state_dict(model, options=full)
         step = {"diff": {}, "basis": {}, "state_bytes": {}}
         for name, s in slots.items():
@@ -168,7 +167,7 @@ def _resume_case(ctx, overrides: dict, data, root: Path) -> dict[str, float]:
 
     def step(model, method, x) -> None:
         train_step(model, method, [x[ctx.rank * rows:(ctx.rank + 1) * rows]], meter=None,
-                   autocast=contextlib.nullcontext, skip_nonfinite=True, all_finite=ctx.all_finite)
+                   autocast=contextlib.nullcontext, skip_nonfinite=True)
 
     full = StateDictOptions(full_state_dict=True)
     model, method, ckpt = build(0)
