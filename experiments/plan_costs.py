@@ -172,10 +172,10 @@ def act_pieces(space: Space, llama: bool) -> dict[str, dict]:
 
 # ---- tracing -----------------------------------------------------------------------------------------------------
 def target_layers(run: RunConfig) -> int:
-    if run.model.path:
+    if run.model.hf_dir:
         from experiments.models import load_hf_config
 
-        return int(load_hf_config(run.model.path).num_hidden_layers)
+        return int(load_hf_config(run.model.hf_dir).num_hidden_layers)
     return run.model.num_layers
 
 
@@ -185,16 +185,16 @@ def layer_variants(run: RunConfig):
     ``num_hidden_layers`` changed into a temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="hmt-plan-") as tmp:
         def with_layers(layers: int) -> RunConfig:
-            if not run.model.path:
+            if not run.model.hf_dir:
                 return dataclasses.replace(run, model=dataclasses.replace(run.model, num_layers=layers))
             from experiments.models import load_hf_config
 
             folder = Path(tmp) / f"L{layers}"
             if not folder.exists():
-                config = load_hf_config(run.model.path)
+                config = load_hf_config(run.model.hf_dir)
                 config.num_hidden_layers = layers
                 config.save_pretrained(folder)
-            return dataclasses.replace(run, model=dataclasses.replace(run.model, path=str(folder)))
+            return dataclasses.replace(run, model=dataclasses.replace(run.model, path=str(folder), card=None))
 
         yield with_layers
 
@@ -225,6 +225,8 @@ def cache_key(run: RunConfig, space: Space) -> str:
     from experiments.run import versions
 
     plain = to_plain_dict(run)
+    if plain["model"]["card"] is None:  # the keys of costs measured before cards existed
+        del plain["model"]["card"]
     for key in ("mode", "results_dir", "run_id", "force", "wandb", "profile", "seed", "device", "data", "dist"):
         plain.pop(key, None)
     for key in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every", "progress",
