@@ -104,7 +104,7 @@ def _check_card(model: ModelConfig) -> None:
     if model.path is not None:
         raise ValueError(f"model.card={model.card} and model.path={model.path} both name the model; use one")
     for key, value in card_fields(model.card).items():
-        if key != "name" and getattr(model, key) != value:
+        if key not in ("name", "attn_implementation") and getattr(model, key) != value:
             raise ValueError(f"model.{key}={getattr(model, key)} differs from card {model.card}'s {value} "
                              f"({card_dir(model.card)}/config.json): a card's shape is its config.json; copy "
                              "that folder, edit it and pass model.path=<folder>")

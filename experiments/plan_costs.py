@@ -193,6 +193,9 @@ def layer_variants(run: RunConfig):
             if not folder.exists():
                 config = load_hf_config(run.model.hf_dir)
                 config.num_hidden_layers = layers
+                types = getattr(config, "layer_types", None)  # per-layer attention kinds (Gemma 2, Qwen2): cut too
+                if types:
+                    config.layer_types = [types[i % len(types)] for i in range(layers)]
                 config.save_pretrained(folder)
             return dataclasses.replace(run, model=dataclasses.replace(run.model, path=str(folder), card=None))
 

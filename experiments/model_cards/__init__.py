@@ -47,7 +47,10 @@ CARD_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", 
 def card_fields(name: str) -> dict:
     """``model=<card>``'s ``ModelConfig`` fields: its name and the shape its config.json states."""
     config = card_config(name)
-    return {"name": name, "card": name, **{key: config[hf] for key, hf in CARD_FIELDS.items() if hf in config}}
+    shape = {key: config[hf] for key, hf in CARD_FIELDS.items() if hf in config}
+    # Gemma 2's attention soft-caps its logits, which transformers' SDPA path does not: it refuses sdpa
+    attention = {"attn_implementation": "eager"} if config["model_type"] == "gemma2" else {}
+    return {"name": name, "card": name, **shape, **attention}
 
 
 def card_params(config: dict, *, layers: int | None = None) -> int:
