@@ -126,3 +126,4 @@ def test_a_model_path_run_is_fine_tuning_only_when_weights_were_loaded(tmp_path,
     files = RunFiles(path=tmp_path, status="completed", config={"model": {"name": "qwen2-494m", "path": "/m"}},
                      summary={"run_id": "r", "method": "adamw", "model": "qwen2-494m", "model_source": source})
     assert run_row(files)["task"] == task
+
