@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.model_cards import card_dir, card_fields, card_names
+from experiments.model_cards import CARD_FIELDS, card_dir, card_fields, card_names
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
 
 DTYPES = ("bf16", "fp32", "fp16")
@@ -104,10 +104,10 @@ def _check_card(model: ModelConfig) -> None:
     if model.path is not None:
         raise ValueError(f"model.card={model.card} and model.path={model.path} both name the model; use one")
     for key, value in card_fields(model.card).items():
-        if key not in ("name", "attn_implementation") and getattr(model, key) != value:
-            raise ValueError(f"model.{key}={getattr(model, key)} differs from card {model.card}'s {value} "
-                             f"({card_dir(model.card)}/config.json): a card's shape is its config.json; copy "
-                             "that folder, edit it and pass model.path=<folder>")
+        if key in CARD_FIELDS and getattr(model, key) != value:  # the shape, not the name or attention kernel
+            raise ValueError(f"model.{key}={getattr(model, key)} differs from card {model.card}'s {CARD_FIELDS[key]}="
+                             f"{value} ({card_dir(model.card)}/config.json): a card's shape is its config.json; "
+                             "copy that folder, edit it and pass model.path=<folder>")
 
 
 MODEL_PHASES: dict[str, ModelConfig] = {

@@ -6,7 +6,6 @@ bytes, a full card runs through the CLI's dry run under its own name, shape over
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -24,6 +23,7 @@ from experiments.dryrun import trace_steps
 from experiments.model_cards import card_config, card_dir, card_names, card_params
 from experiments.models import architecture_name, build_model, load_hf_config, with_config_name
 from experiments.plan_costs import layer_variants
+from experiments.run import main_with_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "experiments" / "conf")
@@ -93,7 +93,7 @@ def test_a_card_runs_through_the_cli_dry_run_under_its_name(tmp_path):
 
 
 @pytest.mark.parametrize("override, culprit", [
-    ("model.num_layers=2", "model.num_layers=2 differs from card llama3.1-8b's 32"),
+    ("model.num_layers=2", "model.num_layers=2 differs from card llama3.1-8b's num_hidden_layers=32"),
     ("model.path=experiments/model_cards/qwen2.5-7b", "both name the model"),
     ("model.card=llama9-1t", "'llama9-1t' is not a model card"),
 ])
@@ -106,15 +106,24 @@ def test_a_card_shape_override_is_refused_naming_the_key(override, culprit):
 
 
 def test_a_model_path_run_is_named_after_its_config(tmp_path):
-    """``model.path=`` under the default phase (``tiny``) takes the config's architecture and size; a name given
-    with ``model.name`` and a card's name are kept."""
+    """``model.path=`` under the default phase (``tiny``) takes the config's architecture and size, in its run id
+    and summary; a name given with ``model.name`` and a card's name are kept."""
     folder = tmp_path / "q"
-    shutil.copytree(card_dir("qwen2.5-0.5b"), folder)
+    folder.mkdir()
+    config = {**card_config("qwen2.5-0.5b"), "num_hidden_layers": 2}  # 2 layers: a fast dry run
+    (folder / "config.json").write_text(json.dumps(config))
+    expected = f"qwen2-{round(card_params(config) / 1e6)}m"
+    register_configs()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="run", overrides=[f"model.path={folder}", "mode=dryrun", "method=adamw",
+                                                    "train.seq_len=32", "train.batch_size=1",
+                                                    f"results_dir={tmp_path / 'runs'}"])
+    assert to_run_config(cfg).model.name == "tiny"
+    summary = main_with_config(cfg)
+    assert summary["model"] == expected and summary["run_id"].startswith(f"adamw-{expected}-dryrun-"), summary
     run = compose_run(f"model.path={folder}")
-    assert run.model.name == "tiny"
-    assert with_config_name(run).model.name == "qwen2-494m"  # 494,032,768 parameters
     big = replace(run, model=replace(run.model, path=str(card_dir("llama3.1-8b"))))
-    assert with_config_name(big).model.name == "llama-8.0b"
+    assert with_config_name(big).model.name == "llama-8.0b"  # 8,030,261,248 parameters
     named = compose_run(f"model.path={folder}", "model.name=mine")
     assert with_config_name(named).model.name == "mine"
     card = compose_run("model=gemma2-2b")
