@@ -20,8 +20,9 @@ from analysis.rundirs import RunFiles
 from experiments import methods
 from experiments.config import register_configs, to_run_config
 from experiments.dryrun import trace_steps
-from experiments.model_cards import card_config, card_dir, card_names, card_params
+from experiments.model_cards import card_config, card_dir, card_names, card_params, docs_block, render_cards
 from experiments.models import architecture_name, build_model, load_hf_config, with_config_name
+from experiments.plan_capacity import load_results, readme_block, render_table
 from experiments.plan_costs import layer_variants
 from experiments.run import main_with_config
 
@@ -136,3 +137,12 @@ def test_a_model_path_run_is_fine_tuning_only_when_weights_were_loaded(tmp_path,
                      summary={"run_id": "r", "method": "adamw", "model": "qwen2-494m", "model_source": source})
     assert run_row(files)["task"] == task
 
+
+def test_docs_page_tables_are_what_the_cards_and_committed_capacity_results_render():
+    """docs/model_cards.md: the cards table renders the committed config.json files, the capacity table the
+    committed results/model_cards/capacity/*.json (at least one: the table is measured, not typed)."""
+    page = ROOT / "docs" / "model_cards.md"
+    assert docs_block(page.read_text(encoding="utf-8")) == render_cards()
+    results = load_results(ROOT / "results" / "model_cards" / "capacity")
+    assert results and {r["model"] for r in results} <= set(CARDS), [r["model"] for r in results]
+    assert readme_block(page) == render_table(results)
