@@ -146,3 +146,37 @@ def test_docs_page_tables_are_what_the_cards_and_committed_capacity_results_rend
     results = load_results(ROOT / "results" / "model_cards" / "capacity")
     assert results and {r["model"] for r in results} <= set(CARDS), [r["model"] for r in results]
     assert readme_block(page) == render_table(results)
+
+
+def test_capacity_search_resumes_keeping_the_cells_already_measured(tmp_path, monkeypatch):
+    """A rerun of ``--capacity`` searches only the (method, GPU size) cells missing from its JSON; a file written
+    under another GPU allowance is not reused."""
+    from experiments import plan_capacity
+    from experiments.gpu_allowance import reserve_bytes, reserve_label
+    from experiments.plan_costs import GIB
+
+    run = compose_run("model=qwen2.5-0.5b", f"results_dir={tmp_path}", "dryrun.gpu_sizes_gib=[16,24]")
+    cell = {"fits": True, "tokens": 2048, "batch_size": 1, "seq_len": 2048, "exact": True}
+    path = tmp_path / "capacity" / f"qwen2.5-0.5b-s{run.train.seq_len}.json"
+    path.parent.mkdir()
+    old = {"schema": plan_capacity.SCHEMA, "model": "qwen2.5-0.5b", "seq_len": run.train.seq_len,
+           "reserve": reserve_label(run), "reserve_gib": reserve_bytes(run) / GIB, "gpu_sizes_gib": [16, 24],
+           "methods": {"adamw": {"settings": "s", "sizes": {"16": cell, "24": cell}},
+                       "galore": {"settings": "s", "sizes": {"16": cell}}}}
+    path.write_text(json.dumps(old))
+    searched = []
+
+    def fake_search(r, sizes, *, log):
+        searched.append((r.method.name, tuple(sizes)))
+        return {str(s): {**cell, "tokens": 4096, "batch_size": 2} for s in sizes}
+
+    monkeypatch.setattr(plan_capacity, "baseline_capacity", fake_search)
+    result = plan_capacity.capacity(run, {"methods": ["adamw", "galore"]}, [], log=lambda _: None)
+    assert searched == [("galore", (24,))], searched
+    assert json.loads(path.read_text())["methods"] == result["methods"]
+    assert result["methods"]["galore"]["sizes"] == {"16": cell, "24": {**cell, "tokens": 4096, "batch_size": 2}}
+    assert result["methods"]["adamw"]["sizes"] == {"16": cell, "24": cell}
+    path.write_text(json.dumps({**old, "reserve_gib": old["reserve_gib"] + 1}))  # another allowance: all again
+    searched.clear()
+    plan_capacity.capacity(run, {"methods": ["adamw"]}, [], log=lambda _: None)
+    assert searched == [("adamw", (16, 24))], searched
