@@ -76,7 +76,9 @@ def run_row(run: RunFiles) -> dict:
     row["optim_state_bytes"] = method_summary.get("optim/state_bytes")
     row["optim_state_host_bytes"] = method_summary.get("optim/state_host_bytes")
     row["rank_fixed"] = method_summary.get("rank/fixed")
-    finetuned = _mapping(config.get("model")).get("path") or str(row["model"] or "").endswith("-ft")
+    source = summary.get("model_source")  # "weights": from_pretrained; "config"/"phase": random init
+    finetuned = (source == "weights" if source else
+                 bool(_mapping(config.get("model")).get("path")) or str(row["model"] or "").endswith("-ft"))
     row["task"] = "fine-tuning" if finetuned else "pretraining"
     for phase, value in sorted(_mapping(memory.get("peak_by_phase_bytes")).items()):
         row[f"peak_phase_{phase}_bytes"] = value

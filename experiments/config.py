@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.model_cards import CARD_FIELDS, card_dir, card_fields, card_names
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
 
 DTYPES = ("bf16", "fp32", "fp16")
@@ -72,9 +73,12 @@ class ModelConfig:
     dtype: str = "bf16"  # weight storage dtype
     attn_implementation: str = "sdpa"
     tie_embeddings: bool = False
+    card: str | None = None  # a committed config-only folder, experiments/model_cards/<card> (model=<card>)
 
     def __post_init__(self) -> None:
         _positive("model", self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size")
+        if self.card is not None:
+            _check_card(self)
         _one_of("model", "dtype", self.dtype, DTYPES)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} not divisible by model.num_heads={self.num_heads}")
@@ -85,6 +89,26 @@ class ModelConfig:
         if self.path is not None:
             if not (Path(self.path).expanduser() / "config.json").exists():
                 raise FileNotFoundError(f"model.path has no Hugging Face model (config.json): {self.path}")
+
+    @property
+    def hf_dir(self) -> str | None:
+        """The Hugging Face folder the model is built from: ``model.path``, or the card's committed folder; None
+        for the harness's own Llama shape (the fields above)."""
+        if self.path:
+            return self.path
+        return str(card_dir(self.card)) if self.card else None
+
+
+def _check_card(model: ModelConfig) -> None:
+    """A card is built from its folder: a shape field overridden on the command line would be silently ignored,
+    so it is refused, as is a card together with ``model.path``."""
+    if model.path is not None:
+        raise ValueError(f"model.card={model.card} and model.path={model.path} both name the model; use one")
+    for key, value in card_fields(model.card).items():
+        if key in CARD_FIELDS and getattr(model, key) != value:  # the shape, not the name or attention kernel
+            raise ValueError(f"model.{key}={getattr(model, key)} differs from card {model.card}'s {CARD_FIELDS[key]}="
+                             f"{value} ({card_dir(model.card)}/config.json): a card's shape is its config.json; "
+                             "copy that folder, edit it and pass model.path=<folder>")
 
 
 MODEL_PHASES: dict[str, ModelConfig] = {
@@ -205,12 +229,13 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # first); the buckets sum in fp32 and divide after, the same values for W = 2 and fp32 gradients.
 # ``train.on_oom``, ``train.max_replans``, ``train.memory_cap_gib``: runs recorded without them failed on an OOM and
 # had no meter-enforced cap.
+# ``model.card``: runs recorded without it built the model from its phase shape or ``model.path``.
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
                       ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
                       ("dryrun", "expandable_segments"): False, ("method", "impl"): "fused",
                       ("dryrun", "device"): "cpu", ("train", "on_oom"): "fail", ("train", "max_replans"): 3,
-                      ("train", "memory_cap_gib"): None}
+                      ("train", "memory_cap_gib"): None, ("model", "card"): None}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -374,6 +399,8 @@ def register_configs() -> None:
         cs.store(group="method", name=name, node=mutable_twin(config_cls))
     for name, phase in MODEL_PHASES.items():
         cs.store(group="model", name=name, node=_instance_twin(phase))
+    for card in card_names():  # model=llama3.1-8b: a config-only folder under experiments/model_cards
+        cs.store(group="model", name=card, node=_instance_twin(ModelConfig(**card_fields(card))))
     cs.store(group="data", name="sotu", node=mutable_twin(DataConfig))
     for name, policy in PRESETS.items():  # every key present, so `activation.attn_out=fp8` overrides one action
         cs.store(group="activation", name=name, node={"preset": name, **policy.to_dict()})

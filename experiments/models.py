@@ -8,19 +8,23 @@ training from scratch at a published shape (Llama-2-7B, Mistral-7B, Qwen2-7B, GP
 (``FakeTensorMode``) always builds from the config: it needs shapes, never values. Nothing here touches the
 network (``local_files_only=True``; ``trust_remote_code`` is never set).
 
+A ``model.path`` run under a phase's name (``tiny`` by default) is named after its config instead
+(``config_name``: architecture and size, e.g. ``llama-8.0b``), so its run id and reports say what it trains.
+
 ``load_hf_config`` parses and checks ``config.json`` cheaply (no model is built), so a broken file fails before
 any compute with a one-line ``UserError`` naming the file and, for invalid JSON, the line and column.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from experiments.config import ModelConfig
+from experiments.config import MODEL_PHASES, ModelConfig, RunConfig
 from experiments.errors import UserError
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -115,16 +119,16 @@ def model_source(cfg: ModelConfig, *, shapes_only: bool = False) -> str:
     (``model.path`` holds only config.json, or a dry run: random init from the config) or ``"weights"``
     (``from_pretrained``). ``shapes_only=True`` (``mode=dryrun``) answers for a dry run from outside one; inside
     ``FakeTensorMode`` that is detected."""
-    if not cfg.path:
+    if not cfg.hf_dir:
         return "phase"
-    return "weights" if has_weights(cfg.path) and not (shapes_only or _in_fake_mode()) else "config"
+    return "weights" if has_weights(cfg.hf_dir) and not (shapes_only or _in_fake_mode()) else "config"
 
 
 def model_vocab_size(cfg: ModelConfig) -> int:
     """Embedding rows of the model ``cfg`` describes: ``config.json``'s ``vocab_size`` when ``model.path`` is
     set, else ``model.vocab_size``; the size to train a tokenizer for."""
-    if cfg.path:
-        return int(load_hf_config(cfg.path).vocab_size)
+    if cfg.hf_dir:
+        return int(load_hf_config(cfg.hf_dir).vocab_size)
     return cfg.vocab_size
 
 
@@ -132,9 +136,9 @@ def max_positions(cfg: ModelConfig) -> int | None:
     """Longest sequence the model's position table covers: ``config.json``'s ``max_position_embeddings`` (GPT-2:
     ``n_positions``) when ``model.path`` is set, else ``model.max_position_embeddings``; None when the config
     states none."""
-    if not cfg.path:
+    if not cfg.hf_dir:
         return cfg.max_position_embeddings
-    config = load_hf_config(cfg.path)
+    config = load_hf_config(cfg.hf_dir)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -181,10 +185,10 @@ def _build_model(cfg: ModelConfig, *, vocab_size: int | None = None, device: tor
     ``model_source``). ``vocab_size``: the tokenizer's size; a phase model gets that many embedding rows, a
     ``cfg.path`` model keeps its config's and must have at least that many."""
     dtype = TORCH_DTYPES[cfg.dtype]
-    if not cfg.path:
+    if not cfg.hf_dir:
         return _in_dtype_on_device(lambda: _llama_from_phase(cfg, vocab_size), dtype, device)
-    config = load_hf_config(cfg.path)
-    file = _config_file(cfg.path)
+    config = load_hf_config(cfg.hf_dir)
+    file = _config_file(cfg.hf_dir)
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise UserError(f"the tokenizer has {vocab_size} tokens but {file} has vocab_size={config.vocab_size}")
     source = model_source(cfg)
@@ -193,13 +197,13 @@ def _build_model(cfg: ModelConfig, *, vocab_size: int | None = None, device: tor
         if source == "weights":
             from transformers import AutoModelForCausalLM
 
-            print(f"model: {arch} loaded from {cfg.path} (weights)", file=sys.stderr)
+            print(f"model: {arch} loaded from {cfg.hf_dir} (weights)", file=sys.stderr)
             model = AutoModelForCausalLM.from_pretrained(
-                str(Path(cfg.path).expanduser()), config=config, dtype=dtype,
+                str(Path(cfg.hf_dir).expanduser()), config=config, dtype=dtype,
                 attn_implementation=cfg.attn_implementation, local_files_only=True, trust_remote_code=False)
             model.config.use_cache = False
             return model.to(device)
-        why = "dry run: shapes only" if has_weights(cfg.path) else "no weights there"
+        why = "dry run: shapes only" if has_weights(cfg.hf_dir) else "no weights there"
         print(f"model: {arch} random init from {file} ({why})", file=sys.stderr)
         return _in_dtype_on_device(lambda: _from_config(config, dtype, cfg.attn_implementation), dtype, device)
     except ValueError as e:  # e.g. an attention implementation this architecture does not support
@@ -215,6 +219,25 @@ def architecture_name(config) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) or config.model_type
+
+
+def config_name(path: str | Path) -> str:
+    """``<model_type>-<size>`` of the config at ``path``: parameters counted on the meta device (no memory, tied
+    weights once), in billions with one decimal (``llama-8.0b``) or below a billion in millions (``qwen2-494m``)."""
+    config = load_hf_config(path)
+    with torch.device("meta"):
+        model = _from_config(config, torch.bfloat16, "sdpa")
+    n = sum(p.numel() for p in model.parameters())
+    return f"{config.model_type}-{n / 1e9:.1f}b" if n >= 1e9 else f"{config.model_type}-{round(n / 1e6)}m"
+
+
+def with_config_name(run: RunConfig) -> RunConfig:
+    """``run`` with its model named after ``model.path``'s config when the name is a phase's (``model=tiny`` is
+    the default): the phase's name would claim a shape ``model.path`` replaces. A name given on the command line
+    (``model.name=...``) or a card's (``model=llama3.1-8b``) is kept."""
+    if not run.model.path or run.model.name not in MODEL_PHASES:
+        return run
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, name=config_name(run.model.path)))
 
 
 def _llama_from_phase(cfg: ModelConfig, vocab_size: int | None):

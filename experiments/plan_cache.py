@@ -44,14 +44,14 @@ def _hash(obj) -> str:
 
 
 def model_shape(run: RunConfig) -> dict:
-    """The model node as far as it shapes a trace: no name, no depth; a ``model.path`` model by its config."""
+    """The model node as far as it shapes a trace: no name, no depth; a ``model.path`` or card model by its config."""
     node = without_added_defaults({"model": dataclasses.asdict(run.model)})["model"]
-    for key in ("name", "num_layers", "path"):
-        node.pop(key)
-    if run.model.path:
+    for key in ("name", "num_layers", "path", "card"):
+        node.pop(key, None)
+    if run.model.hf_dir:  # a model.path folder or a model card's
         from experiments.models import load_hf_config
 
-        hf = load_hf_config(run.model.path).to_dict()
+        hf = load_hf_config(run.model.hf_dir).to_dict()
         node["hf_config"] = {k: v for k, v in hf.items() if k not in _HF_DROP}
     return node
 

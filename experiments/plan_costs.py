@@ -170,10 +170,10 @@ def act_pieces(space: Space, llama: bool) -> dict[str, dict]:
 
 # ---- tracing -----------------------------------------------------------------------------------------------------
 def target_layers(run: RunConfig) -> int:
-    if run.model.path:
+    if run.model.hf_dir:
         from experiments.models import load_hf_config
 
-        return int(load_hf_config(run.model.path).num_hidden_layers)
+        return int(load_hf_config(run.model.hf_dir).num_hidden_layers)
     return run.model.num_layers
 
 
@@ -183,16 +183,19 @@ def layer_variants(run: RunConfig):
     ``num_hidden_layers`` changed into a temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="hmt-plan-") as tmp:
         def with_layers(layers: int) -> RunConfig:
-            if not run.model.path:
+            if not run.model.hf_dir:
                 return dataclasses.replace(run, model=dataclasses.replace(run.model, num_layers=layers))
             from experiments.models import load_hf_config
 
             folder = Path(tmp) / f"L{layers}"
             if not folder.exists():
-                config = load_hf_config(run.model.path)
+                config = load_hf_config(run.model.hf_dir)
                 config.num_hidden_layers = layers
+                types = getattr(config, "layer_types", None)  # per-layer attention kinds (Gemma 2, Qwen2): cut too
+                if types:
+                    config.layer_types = [types[i % len(types)] for i in range(layers)]
                 config.save_pretrained(folder)
-            return dataclasses.replace(run, model=dataclasses.replace(run.model, path=str(folder)))
+            return dataclasses.replace(run, model=dataclasses.replace(run.model, path=str(folder), card=None))
 
         yield with_layers
 

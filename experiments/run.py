@@ -25,7 +25,8 @@ from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_c
                                 without_added_defaults)
 from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
 from experiments.data import MIN_BPE_VOCAB, has_tokenizer
-from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size
+from experiments.models import (load_hf_config, max_positions, model_source, model_vocab_size,
+                                with_config_name)
 from experiments.replan import OutOfMemoryGiveUp
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
 from experiments.step_time import check_step_time
@@ -134,12 +135,12 @@ def check_wandb(run: RunConfig) -> None:
 def preflight(run: RunConfig) -> None:
     """Checks that need neither data nor model weights: they fail before anything is built or written."""
     check_wandb(run)
-    if run.model.path:
-        load_hf_config(run.model.path)  # config.json must parse and name a known architecture
+    if run.model.hf_dir:
+        load_hf_config(run.model.hf_dir)  # config.json must parse and name a known architecture
     limit = max_positions(run.model)
     if limit is not None and run.train.seq_len > limit:
         raise UserError(f"train.seq_len={run.train.seq_len} exceeds the model's max_position_embeddings={limit}"
-                        + (f" ({run.model.path}/config.json)" if run.model.path else
+                        + (f" ({run.model.hf_dir}/config.json)" if run.model.hf_dir else
                            " (raise model.max_position_embeddings for a model built from scratch)"))
     check_vocab_size(run)
     t = run.train
@@ -152,11 +153,11 @@ def preflight(run: RunConfig) -> None:
 def check_vocab_size(run: RunConfig) -> None:
     """A trained byte-level BPE has at least ``MIN_BPE_VOCAB`` tokens (256 byte symbols + EOS): a smaller
     vocabulary would silently give the model that many embedding rows while config.yaml records the smaller one."""
-    if run.mode != "train" or (run.model.path and has_tokenizer(Path(run.model.path).expanduser())):
+    if run.mode != "train" or (run.model.hf_dir and has_tokenizer(Path(run.model.hf_dir).expanduser())):
         return  # a dry run builds no tokenizer; a model's own tokenizer is checked against its embedding later
     vocab = model_vocab_size(run.model)
     if vocab < MIN_BPE_VOCAB:
-        key = f"{run.model.path}/config.json vocab_size" if run.model.path else "model.vocab_size"
+        key = f"{run.model.hf_dir}/config.json vocab_size" if run.model.hf_dir else "model.vocab_size"
         raise UserError(f"{key}={vocab} is below {MIN_BPE_VOCAB}, the smallest byte-level BPE the harness trains "
                         f"(256 byte symbols + the EOS token): the model would get {MIN_BPE_VOCAB} embedding rows, "
                         f"not {vocab}; use a vocab_size >= {MIN_BPE_VOCAB}")
@@ -207,7 +208,7 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
 def main_with_config(cfg: DictConfig) -> dict | None:
     """Validate, then execute; bad input and Ctrl-C end in one ``error:`` line (no traceback unless
     ``HYDRA_FULL_ERROR=1``) and a non-zero exit."""
-    run = one_line_errors(lambda: to_run_config(cfg), ValueError, TypeError, FileNotFoundError)
+    run = one_line_errors(lambda: with_config_name(to_run_config(cfg)), ValueError, TypeError, FileNotFoundError)
     try:
         return one_line_errors(lambda: execute(run, to_plain_dict(run)), PermissionError, FileNotFoundError,
                                CheckpointError)

@@ -34,9 +34,10 @@ def trainable_params(run: RunConfig) -> int:
 
 
 def upper_params(run: RunConfig) -> int | None:
-    """A cheap upper bound for a phase model (Llama, full multi-head attention counted), None for ``model.path``."""
+    """A cheap upper bound for a phase model (Llama, full multi-head attention counted), None for a ``model.path``
+    or card model."""
     m = run.model
-    if m.path:
+    if m.hf_dir:
         return None
     h = m.hidden_size
     return m.num_layers * (4 * h * h + 3 * h * m.intermediate_size + 2 * h) + 2 * m.vocab_size * h + h

@@ -111,6 +111,7 @@ def validated_run_config(cfg: Any) -> Any:
     from omegaconf import OmegaConf
 
     from experiments.config import RunConfig, to_run_config
+    from experiments.models import with_config_name
 
     if "hydra" in cfg:  # a job's config: its hydra node may hold values only set inside the job
         cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
@@ -121,7 +122,7 @@ def validated_run_config(cfg: Any) -> Any:
                 "argument (experiments.sweep)") if "sweep" in unknown else ""
         raise UserError(f"unknown top-level config key(s) {', '.join(unknown)} (added with +key=...?); known: "
                         f"{', '.join(sorted(known))}{hint}")
-    return to_run_config(cfg)
+    return with_config_name(to_run_config(cfg))
 
 
 def run_ref_from_config(cfg: Any) -> RunRef:

@@ -121,10 +121,10 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
         corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
                               vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
                               seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
-                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.path),
+                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.hf_dir),
                               chunk_chars=run.data.chunk_chars)
     corpus = distributed.shard_corpus(corpus, ctx)  # this rank's rows of each global batch
-    rows = model_vocab_size(run.model) if run.model.path else corpus.vocab_size  # before any weight is read
+    rows = model_vocab_size(run.model) if run.model.hf_dir else corpus.vocab_size  # before any weight is read
     if corpus.vocab_size > rows:
         raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
                         f"{corpus.vocab_size} tokens but the model's embedding has {rows} rows (config.json "
