@@ -58,8 +58,7 @@ def _batches(x, rank: int, micro: int) -> list[torch.Tensor]:
 def _train_step(forward, method, ctx, batches) -> None:
     from experiments.loop import train_step
 
-    train_step(forward, method, batches, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True,
-               all_finite=ctx.all_finite)
+    train_step(forward, method, batches, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True)
 
 
 def _bucketed(rank: int, overrides: dict, lowrank: bool, micro: int, bucket_mb: float, data, snaps) -> dict:
