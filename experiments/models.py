@@ -237,7 +237,11 @@ def with_config_name(run: RunConfig) -> RunConfig:
     (``model.name=...``) or a card's (``model=llama3.1-8b``) is kept."""
     if not run.model.path or run.model.name not in MODEL_PHASES:
         return run
-    return dataclasses.replace(run, model=dataclasses.replace(run.model, name=config_name(run.model.path)))
+    try:
+        name = config_name(run.model.path)
+    except (ValueError, OSError, KeyError):  # a config transformers cannot build: the run says so when it builds
+        return run  # the model (one line, as a run's error); a sweep's other runs go on
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, name=name))
 
 
 def _llama_from_phase(cfg: ModelConfig, vocab_size: int | None):

@@ -370,13 +370,12 @@ def make_rank_budget(weights: dict[str, tuple[tuple[int, int], int, tuple[int, .
         return None
     limit = budget_bytes(budget, ((shape, size) for shape, size, _ in weights.values()))
     state_size = 2 if cfg.state_dtype == "bf16" else 4
-    limiter = cfg.mode == "B" and cfg.norm_limiter  # Mode B's 0-d norm of G ⊙ s: G's dtype, promoted by an
-    channel = getattr(cfg, "scaling", "channel") == "channel"  # fp32 channel vector s (a 0-d tensor s promotes nothing)
+    limiter = cfg.mode == "B" and cfg.norm_limiter  # Mode B's 0-d norm of G ⊙ s, accumulated in fp32 or wider
 
     def layer(shape, size, grid) -> LayerBudget:
         left, right = which_sides(shape, cfg.sides)
         costs = tuple(layer_state_bytes(shape, r, left=left, right=right, state_size=state_size, basis_size=size,
-                                        extra=(max(4, size) if channel else size) if limiter else 0) for r in grid)
+                                        extra=max(4, size) if limiter else 0) for r in grid)
         return LayerBudget(grid=grid, costs=costs, max_rank=min(shape))
 
     grids = {n: rank_grid(c, min(shape), cfg.rank_fallback) for n, (shape, _, c) in weights.items()}

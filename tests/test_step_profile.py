@@ -29,8 +29,11 @@ def test_a_profiled_row_has_every_figure(adamw_row):
     for phase in ("forward", "backward", "optimizer"):  # each phase of a step launches kernels
         assert row["aten_ops"].get(phase, 0) > 0, row["aten_ops"]
     assert row["aten_ops"]["backward"] > row["aten_ops"]["forward"], row["aten_ops"]  # backward: ~2x forward
-    # the logging step reads the loss on the host: at least that one sync, whatever else is removed
-    assert row["host_syncs_log_step"] >= 1, row["sync_sites_log_step"]
+    # torch's fused AdamW skips a non-finite step on the device (found_inf): no host sync on a non-logging step.
+    # The logging step's one read (experiments.step_tally: ``tolist()`` of the tallies) copies to the host on CUDA,
+    # but dispatches no op for a CPU tensor, so a CPU profile cannot see it: at least as many as a plain step.
+    assert row["host_syncs"] == 0, row["sync_sites"]
+    assert row["host_syncs_log_step"] >= row["host_syncs"], row["sync_sites_log_step"]
     assert sum(row["sync_sites"].values()) == row["host_syncs"], row["sync_sites"]
     assert all(":" in site for site in row["sync_sites"]), row["sync_sites"]
     assert row["collectives"] == [] and row["world_size"] == 1, row["collectives"]
