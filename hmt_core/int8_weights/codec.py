@@ -25,6 +25,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core import kernels
+from hmt_core.adam import apply_update_
 from hmt_core.precision import stochastic_round_int
 
 BLOCK = 256  # Q-GaLore's weight group size
@@ -118,14 +119,8 @@ def int8_update_torch(codes: Tensor, scales: Tensor, update: Tensor, noise: Tens
                       step_size: float, decay: float, decay_after: bool) -> None:
     """``int8_update``'s PyTorch fallback, the unfused ops: dequantize, ``apply_update_``'s arithmetic, requantize."""
     w = dequantize_torch(codes, scales, block, torch.float32)
-    if decay_after:  # hf: W ← W − s·U, then W ← W − ηλ·W
-        w.add_(update, alpha=-step_size)
-        if decay > 0.0:
-            w.add_(w, alpha=-decay)
-    else:  # torch: W ← (1 − ηλ)·W, then W ← W − s·U
-        if decay != 0:
-            w.mul_(1 - decay)
-        w.add_(update, alpha=-step_size)
+    # decay = ηλ: apply_update_ with lr 1 and weight decay ηλ (1.0 · ηλ is ηλ exactly); hf decays after the step
+    apply_update_(w, update, step_size=step_size, lr=1.0, weight_decay=decay, style="hf" if decay_after else "torch")
     q, s = quantize(w, block, stochastic=True, noise=noise)
     codes.copy_(q)
     scales.copy_(s)

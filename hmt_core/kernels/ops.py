@@ -45,14 +45,9 @@ def lowrank_update_torch(weight: Tensor, a: Tensor, b: Tensor, scale: float, ste
         full = torch.matmul(a[i:i + chunk], b)  # (chunk, in)
         if scale != 1.0:
             full.mul_(scale)
-        if decay_after:  # hf: W ← W − s·U, then W ← W − ηλ·W
-            w.add_(full, alpha=-step_size)
-            if decay > 0.0:
-                w.add_(w, alpha=-decay)
-        else:  # torch: W ← (1 − ηλ)·W, then W ← W − s·U
-            if decay != 0:
-                w.mul_(1 - decay)
-            w.add_(full, alpha=-step_size)
+        # decay = ηλ: lr 1 and weight decay ηλ (1.0 · ηλ is ηλ exactly); hf decays after the step
+        upd.apply_update_(w, full, step_size=step_size, lr=1.0, weight_decay=decay,
+                          style="hf" if decay_after else "torch")
         del full
 
 
