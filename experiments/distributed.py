@@ -84,11 +84,12 @@ class DistContext:
         return bool(flag.item())
 
     def gather_floats(self, value: float) -> list[float]:
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        """Every rank's ``value`` (a logged step's figure): a fill kernel, not a host-to-device copy, and one read."""
+        t = torch.full((1,), float(value), dtype=torch.float64, device=self.device)
         out = [torch.zeros_like(t) for _ in range(self.world_size)]
         with self._control():
             dist.all_gather(out, t)
-        return [float(x) for x in out]
+        return torch.cat(out).tolist()
 
     def memory_metrics(self, peak_bytes: float) -> dict[str, float]:
         """The per-rank figures of a logged step: peak memory over ranks, and (counted) gradient bytes per step
