@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from dataclasses import dataclass, replace
 
@@ -139,8 +140,19 @@ def setup(run, device: torch.device) -> DistContext | None:
 def teardown(ctx: DistContext | None) -> None:
     if ctx is not None and ctx.comm is not None:
         ctx.comm.uninstall()
-    if ctx is not None and dist.is_initialized():
+    if ctx is not None:
+        release_process_groups()
+
+
+def release_process_groups() -> None:
+    """Destroys the process groups and collects what still holds them (DDP reducers and FSDP2 states sit in
+    reference cycles), so gloo's worker threads are joined now, while the interpreter is alive. Left to the
+    interpreter's final collection, a worker thread that drops the last reference to a collective's tensor needs
+    the GIL during finalization and aborts the process (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded."""
+    if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 @contextlib.contextmanager

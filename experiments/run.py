@@ -25,6 +25,7 @@ from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_c
                                 without_added_defaults)
 from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
 from experiments.data import MIN_BPE_VOCAB, has_tokenizer
+from experiments.distributed import release_process_groups
 from experiments.models import (load_hf_config, max_positions, model_source, model_vocab_size,
                                 with_config_name)
 from experiments.replan import OutOfMemoryGiveUp
@@ -202,7 +203,10 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
             return execute_dryrun(run, config_dict, method, run_dir, device, build_summary, print_summary)
         from experiments.train import execute_train
 
-        return execute_train(run, config_dict, method, run_dir, device, build_summary, print_summary)
+        try:
+            return execute_train(run, config_dict, method, run_dir, device, build_summary, print_summary)
+        finally:  # the run's models and wrappers, which hold the process group, went with execute_train's frame
+            release_process_groups()
 
 
 def main_with_config(cfg: DictConfig) -> dict | None:

@@ -331,6 +331,24 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+def spawn_gloo(worker: Callable, args: tuple, nprocs: int) -> None:
+    """``mp.spawn(worker, args, nprocs)``, and each process then releases its process groups
+    (``experiments.distributed.release_process_groups``) once ``worker``'s frame, with the models and wrappers
+    that hold them, is gone: gloo's threads are joined before the interpreter finalizes, not during it (SIGABRT)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_then_release_process_groups, args=(worker, *args), nprocs=nprocs, join=True)
+
+
+def _then_release_process_groups(rank: int, worker: Callable, *args) -> None:
+    from experiments.distributed import release_process_groups
+
+    try:
+        worker(rank, *args)
+    finally:
+        release_process_groups()
+
+
 def seeded_token_batches(steps: int, batch: int = 4, seq: int = 16, vocab: int = 256) -> list[torch.Tensor]:
     """The distributed workers' global batches: ``steps`` × (batch, seq) token ids from generator seed 7."""
     gen = torch.Generator().manual_seed(7)

@@ -216,10 +216,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
+    from helpers import spawn_gloo
 
     out = tmp_path_factory.mktemp("dist_comm")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_gloo(_worker, (2, free_port(), str(out)), nprocs=2)
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 

@@ -84,13 +84,13 @@ def real() -> dict:
     """Rank 0's meter in a real 2-process gloo run of every case."""
     import tempfile
 
-    import torch.multiprocessing as mp
+    from helpers import spawn_gloo
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(2, port, out), nprocs=2, join=True)
+        spawn_gloo(_worker, (2, port, out), nprocs=2)
         return json.loads(Path(out, "rank0.json").read_text())
 
 

@@ -205,9 +205,9 @@ def _worker(rank: int, world: int, port: int, out: str, other: int | None) -> No
 
 
 def _spawn(out: Path, world: int, other: int | None) -> dict:
-    import torch.multiprocessing as mp
+    from helpers import spawn_gloo
 
-    mp.spawn(_worker, args=(world, free_port(), str(out), other), nprocs=world, join=True)
+    spawn_gloo(_worker, (world, free_port(), str(out), other), nprocs=world)
     merged: dict = {}
     for rank in range(world):
         for key, value in json.loads((out / f"w{world}-rank{rank}.json").read_text()).items():

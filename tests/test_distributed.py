@@ -262,9 +262,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 def spawn_pair(worker, out: Path) -> dict:
     """``worker(rank, 2, port, out)`` in two spawned processes; each writes ``<out>/rank<r>.json``: {rank: result}."""
-    import torch.multiprocessing as mp
+    from helpers import spawn_gloo
 
-    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_gloo(worker, (2, free_port(), str(out)), nprocs=2)
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
