@@ -1,4 +1,4 @@
-"""``python -m analysis.report <results dir> --out <dir> [--readme README.md | --check-readme README.md]``
+"""``python -m analysis.report <results dir> --out <dir> [--readme docs/results.md | --check-readme docs/results.md]``
 
 Regenerates everything from the run directories at any depth under ``<results dir>`` (``analysis.rundirs``):
 
@@ -23,14 +23,15 @@ Regenerates everything from the run directories at any depth under ``<results di
   rank heatmap per layer (+ rank distribution), activation error by component, host-device bytes/checkpoints
 * ``<out>/index.md``: what was written, what was skipped for lack of data, and the damaged runs left out
 
-``--no-figures`` skips the figures (fast; enough for the README check).
-``--readme`` rewrites the block between ``README_BEGIN`` and ``README_END`` in that file with the main table;
+``--no-figures`` skips the figures (fast; enough for the table check).
+``--readme`` rewrites the block between ``README_BEGIN`` and ``README_END`` in that Markdown file (the committed one
+is ``docs/results.md``; the option keeps its name from when the table was in the README) with the main table;
 ``--check-readme`` exits 1 if that block differs from what the results give (the committed-results check).
 Output is deterministic: the same results give byte-identical tables.
 
 A damaged run (truncated summary.json, unreadable config.yaml, bad metrics.jsonl) is left out with a one-line
 ``warning:`` on stderr. Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
-file or a folder other than a previous report, an unwritable destination, a README without the table markers —
+file or a folder other than a previous report, an unwritable destination, a page without the table markers —
 a ``--memory-results`` folder without a completed dry run, ``--compile-latex`` without pdflatex on PATH — is one
 line ``error: ...`` and exit 2, before anything is written. The report is built in a temporary folder
 beside ``<out>`` and renamed into place, so ``<out>`` holds either the previous report or the new one, whole.
@@ -147,8 +148,8 @@ def check_out_dir(out: Path) -> None:
 
 
 def check_readme(path: Path, *, rewrite: bool) -> str:
-    """The README's text; ``UserError`` naming it when it is missing, unreadable, lacks the block or (``rewrite``)
-    cannot be rewritten."""
+    """The text of the page holding the table; ``UserError`` naming it when it is missing, unreadable, lacks the
+    block or (``rewrite``) cannot be rewritten."""
     flag = "--readme" if rewrite else "--check-readme"
     if not path.is_file():
         raise UserError(f"{flag} {path}: {'no such file' if not path.exists() else 'not a file'}")
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-latex", action="store_true",
                         help="compile tables/all_tables.tex with pdflatex into tables/all_tables.pdf")
     readme = parser.add_mutually_exclusive_group()
-    readme.add_argument("--readme", type=Path, help="rewrite the results-table block of this file")
+    readme.add_argument("--readme", type=Path,
+                        help="rewrite the results-table block of this Markdown file (docs/results.md)")
     readme.add_argument("--check-readme", type=Path, help="exit 1 if this file's results-table block is stale")
     args = parser.parse_args(argv)
     return one_line_errors(lambda: build_report(args), OSError)

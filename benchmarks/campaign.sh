@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The tuned, multi-seed campaign behind the README's main table, through the sweep machinery.
+# The tuned, multi-seed campaign behind docs/results.md's main table (and the README's headline table), through
+# the sweep machinery.
 #
 #   bash benchmarks/campaign.sh            # 91 min for the lanes here (2 shared cores); completed runs are skipped
 #
@@ -7,7 +8,7 @@
 #   A: campaign_baselines (tuned) -> campaign_base (the AdamW model fine-tuning starts from) -> campaign_finetune
 #   B: campaign_hmt (tuned) -> campaign_hmt_ablations at HMT default's tuned learning rate
 # then campaign_long (4x the steps, 3 rows) and campaign_timing (every setting's speed measured alone: the lanes share the CPU, so their step times are
-# not comparable), then the report (docs/campaign) and the README main table.
+# not comparable), then the report (docs/campaign) and the main table in docs/results.md.
 # Each lane's log: results/campaign-logs/<lane>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,4 +47,4 @@ echo "campaign lanes finished in $(( ($(date +%s) - start) / 60 )) min (lane A r
 sweep campaign_long > results/campaign-logs/long.log 2>&1      # AdamW, GaLore, HMT at 4x the steps (flattening)
 sweep campaign_timing > results/campaign-logs/timing.log 2>&1
 python -m analysis.report results/campaign --timing results/campaign-timing --memory-results results/paper_memory \
-  --out docs/campaign --readme README.md --compile-latex
+  --out docs/campaign --readme docs/results.md --compile-latex

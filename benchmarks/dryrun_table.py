@@ -1,7 +1,8 @@
-"""The README's 7B / 13B memory table: one dry-run training step per (model, method, settings) row.
+"""The 7B / 13B memory table of ``docs/dryrun.md``: one dry-run training step per (model, method, settings) row.
 
     python -m benchmarks.dryrun_table [--models 7b,13b] [--rows adamw,hmt-min,...] [--force]
-                                      [--out results/dryrun_table] [--readme README.md | --check-readme README.md]
+                                      [--out results/dryrun_table]
+                                      [--readme docs/dryrun.md | --check-readme docs/dryrun.md]
 
 Each row runs ``python -m experiments.run mode=dryrun model=<model> train.seq_len=2048 train.batch_size=1
 <row's overrides> results_dir=<out> run_id=<model>-<row>`` in its own process (``FakeTensorMode``: no GPU, no
@@ -10,7 +11,8 @@ activation probe's peak, the caching allocator's predicted reserved bytes (``exp
 renders a Markdown table per model, with the GPU allowance lines (``experiments.gpu_allowance``: what a CUDA run
 holds beside the reserved bytes) under it. A row completed in ``<out>`` is read back, not
 re-run, unless ``--force``; a row whose dry run fails (a setting the method does not have yet) is listed as
-failed with its error line. ``--readme`` writes the table between the README's ``dryrun-table`` markers;
+failed with its error line. ``--readme`` writes the table between the ``dryrun-table`` markers of that page (the
+option keeps its name from when the table was in the README);
 ``--check-readme`` exits 1 when they differ from what the committed results give (``tests/test_dryrun_table.py``).
 """
 
@@ -128,7 +130,7 @@ def render(out: Path, models: list[str], rows: list[str]) -> str:
 def replace_block(text: str, block: str) -> str:
     begin, end = text.find(BEGIN), text.find(END)
     if begin < 0 or end < begin:
-        raise SystemExit(f"error: README has no dry-run table markers {BEGIN!r} ... {END!r}")
+        raise SystemExit(f"error: the page has no dry-run table markers {BEGIN!r} ... {END!r}")
     return text[: begin + len(BEGIN)] + "\n" + block + text[end:]
 
 
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="re-run rows already completed in --out")
     parser.add_argument("--render-only", action="store_true", help="render the committed results; run nothing")
     readme = parser.add_mutually_exclusive_group()
-    readme.add_argument("--readme", type=Path)
-    readme.add_argument("--check-readme", type=Path)
+    readme.add_argument("--readme", type=Path, help="rewrite the dry-run table block of this page (docs/dryrun.md)")
+    readme.add_argument("--check-readme", type=Path, help="exit 1 if this page's dry-run table is stale")
     args = parser.parse_args(argv)
     models, rows = args.models.split(","), args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS] + [m for m in models if m not in MODELS]

@@ -1,6 +1,7 @@
-"""The README's and docs' memory tables quote the committed results they come from: the architecture table
-(``results/arch_dryrun/``), the memory-by-size table (``docs/campaign/tables/memory_by_size.md``, rendered from
-``results/paper_memory/``), the INT8 section's AdamW rows (``results/int8_bench/int8_bench.json``) and
+"""The guide's memory tables quote the committed results they come from: docs/models.md's architecture table
+(``results/arch_dryrun/``), docs/results.md's memory-by-size table (``docs/campaign/tables/memory_by_size.md``,
+rendered from ``results/paper_memory/``), docs/memory_savings.md's INT8 AdamW rows
+(``results/int8_bench/int8_bench.json``) and
 docs/gpu-memory-model.md's AdamW example (``results/dryrun_table/7b-adamw``). Figures are compared as the tables
 print them (two decimals of GiB), so a regenerated result that moves a printed figure fails here."""
 
@@ -20,14 +21,15 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def readme() -> str:
-    return (REPO / "README.md").read_text()
+def page(name: str) -> str:
+    return (REPO / "docs" / name).read_text()
 
 
 def test_architecture_table_is_the_committed_runs() -> None:
     table = (REPO / "results" / "arch_dryrun" / "table.md").read_text()
     start = table.index("| architecture | params |")
-    assert table[start:].strip() in readme(), "README architecture table differs from results/arch_dryrun/table.md"
+    assert table[start:].strip() in page("models.md"), (
+        "docs/models.md architecture table differs from results/arch_dryrun/table.md")
     for arch in arch_dryrun.ARCHS:
         for method in arch_dryrun.METHODS:
             summary = json.loads((REPO / "results" / "arch_dryrun" / f"{arch}-{method}" / "summary.json").read_text())
@@ -40,7 +42,7 @@ def test_memory_by_size_rows_are_the_reports() -> None:
     rows = [line for line in rendered.splitlines() if line.startswith("| ") and not line.startswith("| Method")]
     assert rows, rendered
     for line in rows:
-        assert line in readme(), line
+        assert line in page("results.md"), line
     adamw = json.loads(next((REPO / "results" / "paper_memory").glob("adamw-7b-dryrun-*/summary.json")).read_text())
     assert f"{gib(adamw['memory']['peak_bytes'])} (" in next(r for r in rows if r.startswith("| adamw |")), rows
 
@@ -53,7 +55,7 @@ def test_int8_section_adamw_rows_are_the_bench() -> None:
         row = (f"| {size} | adamw / adamw `eight_bit` | {gib(full['peak_bytes'])} / {gib(eight['peak_bytes'])} | "
                f"{cat(full, 'params')} | {cat(full, 'grads')} | {cat(full, 'optimizer')} / {cat(eight, 'optimizer')} | "
                f"{cat(full, 'activations')} | {cat(full, 'temp')} / {cat(eight, 'temp')} | — |")
-        assert row in readme(), row
+        assert row in page("memory_savings.md"), row
 
 
 def test_gpu_memory_model_adamw_example_is_the_dryrun_table() -> None:

@@ -1,6 +1,6 @@
-"""The README's 7B/13B dry-run table is what the committed dry runs under ``results/dryrun_table/`` give, byte for
-byte (``python -m benchmarks.dryrun_table --render-only --readme README.md`` regenerates it), every row of it was
-traced (no "failed"/"not run" cells), and each row's label says what its overrides set."""
+"""The 7B/13B dry-run table of docs/dryrun.md is what the committed dry runs under ``results/dryrun_table/`` give,
+byte for byte (``python -m benchmarks.dryrun_table --render-only --readme docs/dryrun.md`` regenerates it), every
+row of it was traced (no "failed"/"not run" cells), and each row's label says what its overrides set."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from benchmarks import dryrun_table
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_readme_dryrun_table_is_the_committed_results() -> None:
+def test_dryrun_page_table_is_the_committed_results() -> None:
     out = REPO / "results" / "dryrun_table"
     block = dryrun_table.render(out, list(dryrun_table.MODELS), list(dryrun_table.ROWS))
     assert "failed" not in block and "not run" not in block, block
-    readme = (REPO / "README.md").read_text()
-    assert dryrun_table.replace_block(readme, block) == readme, (
-        "README dry-run table is stale: python -m benchmarks.dryrun_table --render-only --readme README.md")
-    assert dryrun_table.main(["--render-only", "--check-readme", str(REPO / "README.md")]) == 0
+    page = (REPO / "docs" / "dryrun.md").read_text()
+    assert dryrun_table.replace_block(page, block) == page, (
+        "docs/dryrun.md table is stale: python -m benchmarks.dryrun_table --render-only --readme docs/dryrun.md")
+    assert dryrun_table.main(["--render-only", "--check-readme", str(REPO / "docs" / "dryrun.md")]) == 0
 
 
 def test_row_labels_follow_the_last_override() -> None:

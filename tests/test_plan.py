@@ -331,9 +331,9 @@ def test_bracket_finds_the_edge_of_a_monotone_peak(true, start):
     assert (lo, hi) == (true, true + 1) and traces <= 5, (lo, hi, traces)
 
 
-def test_readme_capacity_table_is_what_the_committed_results_render():
+def test_planner_page_capacity_table_is_what_the_committed_results_render():
     results = load_results(REPO / "results" / "capacity")
     assert results, "no committed results/capacity/*.json"
-    readme = REPO / "README.md"
-    assert BEGIN in readme.read_text() and END in readme.read_text()
-    assert readme_block(readme) == render_table(results)
+    page = REPO / "docs" / "planner.md"
+    assert BEGIN in page.read_text() and END in page.read_text()
+    assert readme_block(page) == render_table(results)
