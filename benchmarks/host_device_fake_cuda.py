@@ -48,7 +48,7 @@ CUDA = torch.device("cuda", 0)
 MODELS = ("125m", "7b")
 STEPS = 2
 MODE_B = ["method=hmt", "method.mode=B", "method.rank=1", "method.basis=random", "method.scaling=tensor",
-          "method.scale=128.0", "method.state_dtype=bf16"]  # the memory-minimal Mode B setting (README)
+          "method.scale=128.0", "method.state_dtype=bf16"]  # the memory-minimal Mode B setting (docs/dryrun.md)
 # name -> (label, overrides): the CPU dry run's rows, then Mode B rank 1 with and without parked bases
 ROWS: dict[str, tuple[str, list[str]]] = {
     **hdm.ROWS,

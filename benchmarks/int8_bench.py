@@ -7,7 +7,7 @@ loss and quantization error, side by side in one run (CPU; not a test).
 
 (a) Dry-run peaks (``mode=dryrun``'s trace, seq 2048, batch 1, two steps; GiB at the step's peak, the activation
 probe's peak beside it) of HMT with BF16 and INT8 weights, with its defaults and with the memory-minimal setting
-of the README's 7B table, and of ``method=qlora`` / ``method=adamw`` (+ ``method.eight_bit=true``) when those can be
+of docs/dryrun.md's 7B table, and of ``method=qlora`` / ``method=adamw`` (+ ``method.eight_bit=true``) when those can be
 traced (else ``n/a (reason)``). Targets: 7B HMT int8 memory-minimal ≤ 10.0 GiB, 13B ≤ 20.0 GiB.
 (b) Step time of the ``tiny`` model (h 256, L 4, vocab 4096, batch 8 × seq 128, HMT defaults, the loop's
 ``train_step`` with autocast and the fused loss): INT8 vs BF16 weights, interleaved steps, medians, one thread.

@@ -13,7 +13,7 @@ So the checkpoint stores that state as one serialized entry with every DTensor g
 size); restoring puts each value back on this run's mesh with its placements (``distribute_tensor`` slices the
 full value locally: no communication). The gathering costs the full low-rank moments (m × r or r × n per projected
 weight, plus the dense parameters' moments) on every rank for the duration of a save — memory a checkpoint step
-needs on top of training's, documented in the README.
+needs on top of training's, documented in docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ STEP_PHASES = ("forward", "backward", "optimizer")
 PHASES = (*STEP_PHASES, "probe")
 KEEP_COUNTED = "offload_cpu"  # keep, but counted by the policy (see the module docstring)
 NO_RECOMPUTE = ("embedding", "residual")  # policy.py: the embedding saves only indices; residual via layers
-MINI = {"mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128.0}  # APOLLO-Mini (README)
+MINI = {"mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128.0}  # APOLLO-Mini (docs/dryrun.md)
 
 
 @dataclass(frozen=True, kw_only=True)

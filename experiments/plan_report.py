@@ -75,7 +75,7 @@ def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget
 
 
 def render_plan(rec: dict) -> str:
-    """The plan as a Markdown table (printed, and pasted into the README)."""
+    """The plan as a Markdown table (printed, and pasted into docs/planner.md)."""
     c, v = rec["choice"], rec["verified"]
     reserve = rec.get("reserve_gib", rec.get("cuda_context_gib"))  # records before the GPU allowance: the flat one
     o = c["optimizer"]

@@ -76,7 +76,7 @@ def test_fake_peaks_match_real_within_one_percent(name):
 
 def test_probe_at_125m_width_is_bounded_and_traced():
     """The probe before step 0 peaks below the training step (both metered on real tensors), and the dry run's
-    figure for it is the real one: 125M widths (hidden 768, vocab 32000), 2 layers, seq 256, the README's 7B row
+    figure for it is the real one: 125M widths (hidden 768, vocab 32000), 2 layers, seq 256, docs/dryrun.md's 7B row
     with the lossy ``hmt`` activation preset (the probe's heaviest case: a policy pass plus ablations) and Mode B
     rank 1 with the lm_head projected and bf16 state (a small step to stay below; step 0 only, before any optimizer
     state exists, the step's lowest peak)."""

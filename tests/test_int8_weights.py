@@ -492,10 +492,10 @@ def _train(weight_dtype: str, steps: int, *, root=None, every: int = 0, kill_aft
 
 def test_int8_training_tracks_bf16_on_a_micro_model():
     """40 steps of HMT on a micro Llama (hidden 64, 2 layers, built-in corpus), BF16 vs INT8 weights from the same
-    initialization and batches: the final validation losses agree within 3% (the README's 200-step tiny comparison is
-    in ``benchmarks/int8_bench.py``; measured here: 0.1%). The same 3% as the 200-step target: a wrong
-    dequantization or a lost update would show at once (at step 0 the loss is ln 512 ≈ 6.2; training reaches
-    ≈ 5.2, so 3% ≈ 0.16 is a sixth of what these steps learn)."""
+    initialization and batches: the final validation losses agree within 3% (the 200-step tiny comparison of
+    docs/memory_savings.md is in ``benchmarks/int8_bench.py``; measured here: 0.1%). The same 3% as the 200-step
+    target: a wrong dequantization or a lost update would show at once (at step 0 the loss is ln 512 ≈ 6.2; training
+    reaches ≈ 5.2, so 3% ≈ 0.16 is a sixth of what these steps learn)."""
     losses = {wd: _train(wd, 40) for wd in ("bf16", "int8")}
     val = {wd: r.val_loss for wd, (_, r, _) in losses.items()}
     first = losses["bf16"][0][0]
@@ -543,7 +543,7 @@ def _assert_fake_matches_real(real: dict, fake: dict) -> None:
 def test_dry_run_traces_int8_and_equals_real_runs():
     """``mode=dryrun`` traces the INT8 step (conversion, dequantizations, the stochastic-rounding writes) and its
     figures equal a real CPU run's within 1% (equal to the byte here): the tiny model (Mode A, basis refreshes every
-    step) and a 125M-width 2-layer model with the README's memory-minimal setting (Mode B rank 1, full
+    step) and a 125M-width 2-layer model with the memory-minimal setting (Mode B rank 1, full
     checkpointing, the activation probe traced too). The INT8 step's ``params`` are below the BF16 step's."""
     tiny = ["model=tiny", "train.seq_len=64", "train.batch_size=2", "method=hmt", "method.rank=16",
             "method.update_interval=1"]

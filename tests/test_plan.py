@@ -6,8 +6,8 @@ budget, and the emitted plan (``<results_dir>/plans/<name>.yaml``) runs AS IS th
 with exactly the peak the planner verified; without ``verify=true`` the answer is labelled a prediction; a cost
 table made optimistic is corrected by the verification traces to the capacity procedure's micro-batch; costs
 measured on 1- and 2-layer traces predict a 4-layer model's peak; plans are never written into tracked folders and
-the committed plans still load; bad budgets and bad model names end in one ``error:`` line; the README's capacity
-table is what the committed results render.
+the committed plans still load; bad budgets and bad model names end in one ``error:`` line; docs/planner.md's
+capacity table is what the committed results render.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_milp_piecewise_reference_and_infeasible_budget():
 
 # ---- a planned tiny model, verified -----------------------------------------------------------------------------------
 # A small choice space keeps the traces few (12): the reference, and full layer recomputation as the one activation
-# choice; the per-component choices are exercised by the MILP tests above and by the README's 7B plan.
+# choice; the per-component choices are exercised by the MILP tests above and by docs/planner.md's 7B plan.
 SPACE = ["modes=[A]", "state_dtypes=[bf16]", "weight_dtypes=[bf16]", "dense_8bit=[false]", "project_head=[false]",
          "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[false,true]", "max_batch_size=64"]
 MODEL = ["model=tiny", "model.num_layers=2", "train.seq_len=64", "train.fused_ce=false", "dryrun.reserve=flat",
@@ -259,7 +259,7 @@ def test_plans_are_never_written_over_tracked_source(capsys, tmp_path):
 
 
 def test_committed_plans_still_load():
-    """The README's committed plans (``experiments/conf/plan/``) compose as before: ``+plan=<name>``."""
+    """The committed plans (``experiments/conf/plan/``) compose as before: ``+plan=<name>``."""
     for name, batch in (("7b-s2048-16gib", None), ("7b-s2048-16gib-b1", 1)):
         nodes = yaml.safe_load((REPO / "experiments" / "conf" / "plan" / f"{name}.yaml").read_text())
         run = planner.run_config([f"+plan={name}", "mode=dryrun"])
