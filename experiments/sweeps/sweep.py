@@ -1,7 +1,7 @@
 """Sweep files, run identity and run state: what a sweep is, which of its runs are done, and a CLI over them.
 
 A sweep file (``experiments/sweeps/<name>.yaml``) lists override sets for ``python -m experiments.run``; its
-format and expansion are in ``experiments.sweep_files``.
+format and expansion are in ``experiments.sweeps.files``.
 
 A run's identity is the runner's own: the ``run_id`` it would write to (``run_id=`` if given, else
 ``experiments.run.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 import yaml
 
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
-from experiments.tuning import RunLookup
-from experiments.sweep_files import (  # noqa: F401  (the sweep-file API stays importable from here)
+from experiments.sweeps.tuning import RunLookup
+from experiments.sweeps.files import (  # noqa: F401  (the sweep-file API stays importable from here)
     SWEEPS_DIR,
     expand_sweep,
     first_line,
@@ -51,7 +51,7 @@ from experiments.sweep_files import (  # noqa: F401  (the sweep-file API stays i
     sweep_label,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
 STATES = ("pending", "running", "completed", "failed", "preempted")
 # Overrides that never change what a run computes; dropped before composing a config only to learn its id.
@@ -119,7 +119,7 @@ def validated_run_config(cfg: Any) -> Any:
     unknown = sorted(str(key) for key in cfg if key not in known)
     if unknown:
         hint = ("; a sweep file is chosen with hydra.sweeper.file=<name> (experiments.run -m) or as the sweep "
-                "argument (experiments.sweep)") if "sweep" in unknown else ""
+                "argument (experiments.sweeps.sweep)") if "sweep" in unknown else ""
         raise UserError(f"unknown top-level config key(s) {', '.join(unknown)} (added with +key=...?); known: "
                         f"{', '.join(sorted(known))}{hint}")
     return with_config_name(to_run_config(cfg))

@@ -1,16 +1,16 @@
 """``python -m experiments.plan model=7b train.seq_len=2048 --capacity`` — the largest micro-batch that fits each GPU.
 
 For each method (``adamw``, ``galore``, ``apollo-mini`` with full activation checkpointing, their reference
-packages' defaults otherwise; ``hmt`` as planned by ``experiments.plan``) and each size in ``dryrun.gpu_sizes_gib``
-(minus the GPU allowance, ``experiments.gpu_allowance.reserve_bytes``): the most tokens per micro-batch (one
+packages' defaults otherwise; ``hmt`` as planned by ``experiments.planner.plan``) and each size in ``dryrun.gpu_sizes_gib``
+(minus the GPU allowance, ``experiments.memory.gpu_allowance.reserve_bytes``): the most tokens per micro-batch (one
 forward/backward) whose dry-run step fits.
 
 Search, kept to few full-size traces: a baseline's reference is traced on 1- and 2-layer models at full width and
-batch 1, 2 (and past the fused loss's chunk, ``experiments.plan_costs.batch_segments``), giving its peak per phase
+batch 1, 2 (and past the fused loss's chunk, ``experiments.planner.costs.batch_segments``), giving its peak per phase
 as a line in the micro-batch b at the model's depth; the largest predicted b is then traced at full size (a real
 dry-run step) and stepped down until it fits (at most ``MAX_VERIFY`` traces). When not even one sequence of
 ``train.seq_len`` fits, the sequence is shortened instead: the largest multiple of ``SEQ_STEP`` tokens the
-per-token costs predict, verified the same way. HMT's figures are ``experiments.plan``'s verified plans (for a
+per-token costs predict, verified the same way. HMT's figures are ``experiments.planner.plan``'s verified plans (for a
 shorter sequence: the plan's costs scaled per token, verified at full size likewise).
 
 Writes ``<results_dir>/capacity/<model>-s<seq>.json`` after each method; a rerun keeps the cells (method, GPU size)
@@ -28,9 +28,9 @@ import sys
 from pathlib import Path
 
 from experiments.errors import UserError
-from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.model_cards import card_config, card_names, card_params
-from experiments.plan_costs import GIB, PHASES, STEP_PHASES, batch_segments, derive, layer_variants, trace_sample
+from experiments.planner.costs import GIB, PHASES, STEP_PHASES, batch_segments, derive, layer_variants, trace_sample
 
 SCHEMA = "hmt-capacity/1"
 BASELINES = {
@@ -58,7 +58,7 @@ def measure_reference(run, *, log=print) -> dict:
                 r = dataclasses.replace(with_layers(layers), train=dataclasses.replace(run.train, batch_size=b))
                 samples[f"L{layers}b{b}"] = trace_sample(r)
     log(f"  {run.method.name}: traced {len(samples)} small models")
-    from experiments.plan_costs import target_layers
+    from experiments.planner.costs import target_layers
 
     return {"segments": segments, "samples": {"ref": samples}, "seq_len": run.train.seq_len,
             "layers": target_layers(run)}
@@ -167,9 +167,9 @@ def baseline_capacity(run, sizes, *, log=print) -> dict:
 
 
 def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
-    from experiments.plan import NoPlan, model_label, plan_with, prepare
-    from experiments.plan_milp import solve
-    from experiments.plan_model import build_problem
+    from experiments.planner.plan import NoPlan, model_label, plan_with, prepare
+    from experiments.planner.milp import solve
+    from experiments.planner.model import build_problem
 
     results = Path(run.results_dir).expanduser() / "capacity"
     planner = {**planner, "plan_dir": planner.get("plan_dir") or str(results / "plans"), "verify": True}
@@ -230,10 +230,10 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
     fits is the answer (``exact`` false when the traces ran out first)."""
     import dataclasses
 
-    from experiments.plan import plan_nodes, verify_plan, write_plan_yaml
-    from experiments.plan_milp import leanest
-    from experiments.plan_model import build_problem
-    from experiments.plan_report import run_command
+    from experiments.planner.plan import plan_nodes, verify_plan, write_plan_yaml
+    from experiments.planner.milp import leanest
+    from experiments.planner.model import build_problem
+    from experiments.planner.report import run_command
 
     prob = build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats, flops=prep.flops,
                          cal=prep.cal, budget_gib=float(size), llama=prep.llama)
@@ -259,7 +259,7 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
 
 
 def capacity(run, planner: dict, overrides: list[str], *, log=print) -> dict:
-    from experiments.plan import model_label, run_config
+    from experiments.planner.plan import model_label, run_config
 
     sizes = tuple(run.dryrun.gpu_sizes_gib)
     methods = planner.get("methods") or list(METHODS)
@@ -281,7 +281,7 @@ def capacity(run, planner: dict, overrides: list[str], *, log=print) -> dict:
         log(f"capacity: {m}" + (f" (kept from {path}: {', '.join(sorted(done, key=int))} GiB)" if done else ""))
         if m == "hmt":
             sizes_out = hmt_capacity(run, planner, todo, log=log)
-            settings = "planned by experiments.plan"
+            settings = "planned by experiments.planner.plan"
         else:
             sizes_out = baseline_capacity(run_config([*kept, *BASELINES[m]]), todo, log=log)
             settings = " ".join(BASELINES[m])

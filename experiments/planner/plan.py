@@ -6,17 +6,17 @@ which HMT's own allocator picks per-layer ranks, or Mode B = APOLLO-Mini; state 
 bitsandbytes 8-bit dense state, INT8 projected weights), the action of each activation component (keep / recompute
 / int8 …, or full layer recomputation) and the micro-batch size that maximize tokens per micro-batch, then
 retained gradient energy, then step time, under ``budget_gib`` less the GPU allowance
-(``experiments.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
+(``experiments.memory.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
 ``dryrun.reserve=flat``, ``dryrun.cuda_context_gib``):
 
-1. costs: dry-run traces of 1- and 2-layer models at full width (``experiments.plan_costs``), read from the
-   committed cost table or the user's cache (``experiments.plan_cache``) and traced only where missing; FLOPs and
-   a calibrated time model (``experiments.plan_model``);
-2. an integer program solved with ``scipy.optimize.milp`` (``experiments.plan_milp``; after Adacc, Chen et al.
+1. costs: dry-run traces of 1- and 2-layer models at full width (``experiments.planner.costs``), read from the
+   committed cost table or the user's cache (``experiments.planner.cache``) and traced only where missing; FLOPs and
+   a calibrated time model (``experiments.planner.model``);
+2. an integer program solved with ``scipy.optimize.milp`` (``experiments.planner.milp``; after Adacc, Chen et al.
    2025) — the answer is the cost model's prediction;
 3. with ``verify=true``: the plan, written as a Hydra config, is run AS IS as a real ``mode=dryrun`` of the full
    model; if its peak (the dry run's verdict peak; with ``dryrun.reserve=modeled`` the caching allocator's
-   predicted reserved bytes, ``experiments.gpu_allowance.step_bytes``) exceeds the budget, the cost model is
+   predicted reserved bytes, ``experiments.memory.gpu_allowance.step_bytes``) exceeds the budget, the cost model is
    corrected by what was measured (``Corrections``) and the MILP solved again (at most ``max_iters`` times).
 
 Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` another folder; never the tracked
@@ -24,8 +24,8 @@ Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` ano
 traces. Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``, ``batch_size`` (a fixed
 micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``, ``max_iters``,
 ``calibration``, ``refresh_costs`` and the choice space ``modes, state_budgets, state_dtypes, weight_dtypes,
-dense_8bit, project_head, actions, layer_recompute, max_batch_size`` (``experiments.plan_costs.Space``);
-``--capacity`` (``experiments.plan_capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
+dense_8bit, project_head, actions, layer_recompute, max_batch_size`` (``experiments.planner.costs.Space``);
+``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
 committed cost table). Design and measurements: ``docs/planner.md``.
 """
 
@@ -43,15 +43,15 @@ from pathlib import Path
 import yaml
 
 from experiments.errors import UserError, one_line_errors
-from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
-from experiments.plan_correct import Corrections
-from experiments.plan_costs import GIB, Space, derive, measure, target_layers
-from experiments.plan_milp import min_peak, solve
-from experiments.plan_model import build_problem, calibrate, param_bytes, region_flops, weight_stats
-from experiments.plan_report import model_label, plan_record, plans_dir, render_plan, run_command
+from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.planner.correct import Corrections
+from experiments.planner.costs import GIB, Space, derive, measure, target_layers
+from experiments.planner.milp import min_peak, solve
+from experiments.planner.model import build_problem, calibrate, param_bytes, region_flops, weight_stats
+from experiments.planner.report import model_label, plan_record, plans_dir, render_plan, run_command
 from experiments.step_time import CONFIRM_S
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
               "layer_recompute", "max_batch_size")
@@ -92,7 +92,7 @@ def compose(overrides: Sequence[str], plan_dir: Path | None = None):
     from hydra.core.global_hydra import GlobalHydra
 
     import experiments.run  # noqa: F401  (registers the structured configs)
-    from experiments.sweep import checked
+    from experiments.sweeps.sweep import checked
 
     extra = [f"hydra.searchpath=[file://{Path(plan_dir).resolve()}]"] if plan_dir is not None else []
 
@@ -101,14 +101,14 @@ def compose(overrides: Sequence[str], plan_dir: Path | None = None):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return hydra_compose(config_name="run", overrides=[*extra, *overrides])
 
-    return checked("experiments.plan", make)
+    return checked("experiments.planner.plan", make)
 
 
 def run_config(overrides: Sequence[str]):
-    from experiments.sweep import checked, validated_run_config
+    from experiments.sweeps.sweep import checked, validated_run_config
 
     cfg = compose(overrides)
-    return checked("experiments.plan", lambda: validated_run_config(cfg))
+    return checked("experiments.planner.plan", lambda: validated_run_config(cfg))
 
 
 def space_from(planner: dict) -> Space:
@@ -132,7 +132,7 @@ def plan_nodes(run, solution, space: Space) -> dict:
     import dataclasses
 
     from experiments.config import to_plain_dict
-    from experiments.plan_costs import policy_for
+    from experiments.planner.costs import policy_for
 
     choice = solution.option.payload
     method = dataclasses.replace(run.method, **choice.method_changes(run.method))
@@ -200,7 +200,7 @@ class Prepared:
 
 
 def prepare(run, planner: dict, *, log=print) -> Prepared:
-    from experiments.plan_cache import TABLE_DIR, USER_DIR, Table
+    from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
 
     space = space_from(planner)
     layers = target_layers(run)
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
         preflight(run)
         if planner.get("capacity"):
-            from experiments.plan_capacity import capacity
+            from experiments.planner.capacity import capacity
 
             return capacity(run, planner, overrides)
         if planner.get("table"):
