@@ -153,7 +153,7 @@ def _add_settings(runs: list[dict], configs: dict[str, dict]) -> None:
     completed = {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))
                  for row in runs if row["status"] == "completed"}
     labels = compact_labels({r: settings[r] for r in completed}, completed)
-    # A learning-rate search (experiments.tuning) groups runs whose settings differ only in the learning rate;
+    # A learning-rate search (experiments.sweeps.tuning) groups runs whose settings differ only in the learning rate;
     # failed runs belong to it too (a diverged rate is a result).
     sans_lr = {r: {k: v for k, v in s.items() if k != "method.lr"} for r, s in settings.items()}
     search_labels = compact_labels(sans_lr, {row["run_id"]: (str(row["method"]), str(row["model"]), str(row["mode"]))

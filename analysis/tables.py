@@ -176,9 +176,9 @@ def versus_adamw_table(results: Results) -> Table:
 
 
 def lr_search_table(results: Results) -> Table:
-    """A learning-rate search (``experiments.tuning``): the metric at every rate searched, the rate chosen (the
+    """A learning-rate search (``experiments.sweeps.tuning``): the metric at every rate searched, the rate chosen (the
     tuner's own rule, ``select_lr``) and whether the grid brackets it. Failed (diverged) runs read "failed"."""
-    from experiments.tuning import metric_or_inf, select_lr
+    from experiments.sweeps.tuning import metric_or_inf, select_lr
 
     runs = results.runs[results.runs["mode"] == "train"].copy()
     runs = runs[runs["status"].isin(["completed", "failed"]) & runs["lr"].notna()]

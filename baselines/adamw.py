@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from hmt_core.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
+from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
 from hmt_core.method import named_trainable_parameters, trainable_parameters
 from hmt_core.optim import update as upd
 from hmt_core.precision import UpdateWriter, write_rows
@@ -58,7 +58,7 @@ class Config:
     seed: int = 0  # stochastic rounding's generator
     eight_bit: bool = False  # bitsandbytes AdamW8bit: block-wise 8-bit moments
     paged: bool = False  # with eight_bit: PagedAdamW8bit (CUDA unified memory for the state)
-    impl: str = "fused"  # torch.optim.AdamW's kernels: fused | foreach | single (hmt_core.driver.torch_optimizer_impl)
+    impl: str = "fused"  # torch.optim.AdamW's kernels: fused | foreach | single (baselines.driver.torch_optimizer_impl)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

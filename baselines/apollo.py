@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from baselines.galore import split_params
-from hmt_core.driver import Built, OptimizerMethod
+from baselines.driver import Built, OptimizerMethod
 from hmt_core.hmt import projectable_modules, projected_elements
 
 PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "tensor", "scale": 128.0}}

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hmt_core.driver import Built, OptimizerMethod
+from baselines.driver import Built, OptimizerMethod
 from hmt_core.hmt import projected_elements, require_projected_weights
 
 

@@ -4,7 +4,7 @@ absmax values quantized again to 8 bits (their mean as an fp32 offset, one fp32 
 256-entry dynamic map), so a weight of ``n`` elements keeps ``n/2`` bytes of codes plus ``n/64`` bytes (or
 ``4n/64`` without double quantization) of block constants.
 
-Two things here make the memory meter (``experiments.meter``) see what a QLoRA step really holds:
+Two things here make the memory meter (``experiments.memory.meter``) see what a QLoRA step really holds:
 
 - ``Linear4bit``: bitsandbytes' ``Linear4bit``, whose forward runs with ``Visible4bitGemm`` on CPU (and fake)
   tensors. bitsandbytes' forward calls its ``gemm_4bit`` op, which on CPU is its default implementation

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch import nn
 
 from experiments.errors import UserError
-from hmt_core.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
+from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
 from hmt_core.method import trainable_parameters
 
 OPTIMIZERS = ("adamw", "adamw8bit")

@@ -1,7 +1,7 @@
 """Activation policies side by side in one run: none, full_ckpt, selective, hmt.
 
 For each preset, on the same model, init and batch (built-in corpus, seq len >= 512):
-  * act@fwd_end: live bytes of forward-born tensors when forward ends (experiments.meter.MemoryMeter,
+  * act@fwd_end: live bytes of forward-born tensors when forward ends (experiments.memory.meter.MemoryMeter,
     category "activations"): what the step holds for backward, measured by a dispatch-mode tracker;
   * saved(hooks): bytes autograd keeps, measured by the policy's pack hooks (hmt_core.activations.measure);
   * peak-params: step peak of live bytes minus parameters (activations + grads + recompute/decompress temps);
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from experiments.data import build_corpus  # noqa: E402
-from experiments.meter import MemoryMeter  # noqa: E402
+from experiments.data.corpus import build_corpus  # noqa: E402
+from experiments.memory.meter import MemoryMeter  # noqa: E402
 from hmt_core.activations.apply import apply_policy  # noqa: E402
 from hmt_core.activations.measure import cosine, flat_grad  # noqa: E402
 from hmt_core.activations.policy import PRESETS  # noqa: E402

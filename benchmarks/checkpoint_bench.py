@@ -4,7 +4,7 @@ host basis cache (``method.offload_bases``), with host↔device bytes per step.
     python benchmarks/checkpoint_bench.py [--model tiny|125m|...] [--steps 4] [--seq-len 128] [--batch 2]
 
 Trains ``--steps`` steps of each method on random tokens (same init), writes one checkpoint with the run's own
-code (``experiments.checkpointing.Checkpointer``) and reports its files' sizes. Runs on CPU or CUDA (``--device``);
+code (``experiments.checkpoint.manager.Checkpointer``) and reports its files' sizes. Runs on CPU or CUDA (``--device``);
 on CPU "device" and "host" are the same memory, so the cache's byte counts are bookkeeping, not savings.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from experiments import methods
-from experiments.checkpointing import Checkpointer, LoopState
+from experiments.checkpoint.manager import Checkpointer, LoopState
 from experiments.config import MODEL_PHASES
 from experiments.loop import autocast_context, train_step
 from experiments.models import build_model, count_params

@@ -1,4 +1,4 @@
-"""Peak RSS and time of building a large local corpus (``experiments.data.build_corpus``): read, split, train the
+"""Peak RSS and time of building a large local corpus (``experiments.data.corpus.build_corpus``): read, split, train the
 BPE, encode, write the token files, open them memory-mapped, draw batches.
 
 A deterministic synthetic corpus of ``--size-mb`` MB is generated once under ``--workdir`` (Zipf-distributed
@@ -100,7 +100,7 @@ def child(args) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from experiments.data import build_corpus
+    from experiments.data.corpus import build_corpus
 
     def rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -136,7 +136,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=int, default=100)
     p.add_argument("--workdir", default="/tmp/hmt_data_rss")
-    p.add_argument("--old", metavar="REV", help="measure experiments/data.py at this git revision instead")
+    p.add_argument("--old", metavar="REV", help="measure experiments/data/corpus.py at this git revision instead")
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
-"""FSDP2's start-up peak per rank, two ways, on CPU with gloo (``experiments.meter.StartupPeak``, live tensor bytes):
-the meta start (``experiments.distributed.build_sharded``: meta build, ``fully_shard``, ``to_empty``, the
-single-process values replayed shard by shard, ``experiments.meta_init``) and the old start (the whole model built on
+"""FSDP2's start-up peak per rank, two ways, on CPU with gloo (``experiments.memory.meter.StartupPeak``, live tensor bytes):
+the meta start (``experiments.dist.parallel.build_sharded``: meta build, ``fully_shard``, ``to_empty``, the
+single-process values replayed shard by shard, ``experiments.dist.meta_init``) and the old start (the whole model built on
 the device, then ``fully_shard``), for a random-init Llama of the given shape, W processes, and the wall time of each
 (metered: the meter's dispatch overhead is in both; a tiny model is started first as a warm-up).
 
@@ -32,9 +32,9 @@ class _Identity:
 def _worker(rank: int, world: int, port: int, shape: dict) -> None:
     import torch.distributed as dist
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.config import ModelConfig
-    from experiments.meter import StartupPeak
+    from experiments.memory.meter import StartupPeak
     from experiments.models import build_model
 
     torch.set_num_threads(1)

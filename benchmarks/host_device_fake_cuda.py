@@ -37,7 +37,7 @@ from benchmarks.fake_cuda import driver_stand_ins, fake_cuda, fire_backward
 from experiments import methods
 from experiments.config import MODEL_PHASES, RunConfig, register_configs, to_run_config
 from experiments.loop import autocast_context, lm_loss
-from experiments.meter import MemoryMeter, MemoryReport
+from experiments.memory.meter import MemoryMeter, MemoryReport
 from experiments.models import build_model
 from hmt_core.activations import apply_policy
 from hmt_core.method import Method

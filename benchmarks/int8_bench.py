@@ -138,9 +138,9 @@ def step_times(reps: int, warmup: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- (c) loss at N steps
 def train_tiny(weight_dtype: str, steps: int) -> tuple[dict, torch.nn.Module]:
-    from experiments.data import build_corpus
+    from experiments.data.corpus import build_corpus
     from experiments.loop import run_training
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
 
     cfg = TrainConfig(steps=steps, progress=False)
     corpus = build_corpus(path=None, text_field="text", val_fraction=0.05, vocab_size=4096, seq_len=cfg.seq_len,

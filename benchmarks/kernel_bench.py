@@ -2,7 +2,7 @@
 
     python benchmarks/kernel_bench.py [--real] [--skip-e2e] [--steps 10]
 
-1. Memory bound of the fused update's fallback (any machine): ``experiments.meter.MemoryMeter``'s peak
+1. Memory bound of the fused update's fallback (any machine): ``experiments.memory.meter.MemoryMeter``'s peak
    temporary bytes of the naive ``W -= lr * (P @ U @ Q.T)`` vs the row-chunked fallback
    (``hmt_core.kernels.ops.lowrank_update_torch``) on a LLaMA-7B MLP matrix (11008 × 4096, r = 256), traced
    under FakeTensorMode (no memory used); ``--real`` also measures fp32 on real CPU tensors (~0.6 GB RAM).
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.update_memory import update_temp_bytes  # noqa: E402
+from experiments.memory.update_temporaries import update_temp_bytes  # noqa: E402
 from hmt_core import kernels, precision  # noqa: E402
 from hmt_core.activations import codecs  # noqa: E402
 from hmt_core.kernels import ops  # noqa: E402

@@ -5,7 +5,7 @@ all-reduce), also with the LM head projected (``method.target_patterns`` + ``lm_
 
     python benchmarks/lowrank_comm_125m.py            # 2 gloo processes on CPU; writes results/lowrank_comm_125m/
 
-Bytes are what ``experiments.dist_comm.CommCounter`` counts (the payload handed to each collective), for step 0
+Bytes are what ``experiments.dist.comm.CommCounter`` counts (the payload handed to each collective), for step 0
 (every basis refreshed: projected gradients all-reduced in full) and step 1 (between refreshes); "amortized" spreads
 one refresh over ``update_interval=200`` steps. The embedding's sparse payload depends on the distinct tokens per
 rank: the batches are uniform random token ids (4 × 512 per rank), the pessimistic case — natural text repeats
@@ -41,11 +41,12 @@ SETUPS = {  # name -> (method overrides, lowrank_comm)
 
 
 def _setup(rank: int, world: int, name: str, data: list[torch.Tensor], counter) -> dict:
-    from experiments import distributed, methods
+    from experiments import methods
+    from experiments.dist import parallel as distributed
     from dataclasses import replace
 
     from experiments.config import MODEL_PHASES
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
     from experiments.loop import train_step
     from experiments.models import build_model
 
@@ -78,7 +79,7 @@ def _setup(rank: int, world: int, name: str, data: list[torch.Tensor], counter) 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.dist_comm import CommCounter
+    from experiments.dist.comm import CommCounter
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

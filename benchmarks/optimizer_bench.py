@@ -6,7 +6,7 @@ and the moment-policy comparison on basis change.
 Sections:
 1. optimizer-state bytes per method (``state_tensors()``, storages counted once) on a LLaMA-shaped model;
 2. peak gradient bytes with and without HMT's per-layer updates: the largest sum of live ``.grad`` bytes seen by
-   a post-accumulate hook (plus HMT's low-rank accumulators), and ``experiments.meter.MemoryMeter``'s peak;
+   a post-accumulate hook (plus HMT's low-rank accumulators), and ``experiments.memory.meter.MemoryMeter``'s peak;
 3. step time (forward + backward + update) of each method relative to AdamW, amortized over a refresh every
    ``--interval`` steps: ``(t_refresh + (T−1)·t_plain) / T``;
 4. randomized SVD (HMT's, warm and cold) vs ``torch.linalg.svd`` on a large fp32 matrix with a power-law
@@ -105,7 +105,7 @@ def section_state_and_time(a) -> None:
 
 
 def section_grad_peak(a) -> None:
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
 
     print("\n== 2. peak gradient bytes (max_grad_norm=1.0; 1 and 2 micro-batches)")
     gen = torch.Generator().manual_seed(1)

@@ -3,7 +3,7 @@ of W (PyTorch's fake process group + ``FakeTensorMode``, bf16 weights, hmt's def
 oversample 8, 2 power iterations). ``gather``: all-gather G (m × n, what ``DTensor.full_tensor`` returns), the
 single-process refresh, a left-sided Ĝ from the gathered G; ``sketch``: the distributed randomized SVD on the row
 shard (``hmt_core.optim.sharded_sketch``; Halko et al. 2011, Alg. 4.4). Peak live bytes above the gradient shard
-(temporaries + the new state), measured by ``experiments.meter.MemoryMeter``.
+(temporaries + the new state), measured by ``experiments.memory.meter.MemoryMeter``.
 
     python benchmarks/refresh_memory.py      # writes results/refresh_memory/refresh.json and prints the table
 """
@@ -31,7 +31,7 @@ def refresh_bytes(m: int, n: int, world: int, mode: str) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from experiments import methods
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
     from hmt_core.kernels import ops as kops
     from hmt_core.optim.optimizer import LowRankOptimizer, Slot
     from hmt_core.optim.sharded import chunk_rows

@@ -30,12 +30,13 @@ import numpy as np
 import torch
 
 from benchmarks import host_device_memory as hdm
-from experiments import distributed, methods
+from experiments import methods
+from experiments.dist import parallel as distributed
 from experiments.config import RunConfig, register_configs, to_run_config
-from experiments.data import Corpus, PackedTokens
+from experiments.data.corpus import Corpus, PackedTokens
 from experiments.dispatch_counter import OTHER_PHASE, DispatchCounter, DispatchCounts
 from experiments.loop import METERED_STEPS, run_training
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 from experiments.models import model_vocab_size
 from experiments.results import atomic_write_text
 from experiments.train import seed_everything, set_deterministic

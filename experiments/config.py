@@ -26,7 +26,7 @@ DTYPES = ("bf16", "fp32", "fp16")
 RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
 MODES = ("train", "dryrun")
 RESERVE_MODES = ("modeled", "flat")
-GPU_ARCHS = ("ampere", "ada", "hopper", "blackwell")  # experiments.gpu_allowance
+GPU_ARCHS = ("ampere", "ada", "hopper", "blackwell")  # experiments.memory.gpu_allowance
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("disabled", "offline", "online")
 DIST_MODES = ("none", "ddp", "fsdp2")
@@ -251,7 +251,7 @@ def without_added_defaults(plain: dict) -> dict:
 class DryrunConfig:
     steps: int = 2  # optimizer steps traced; >= 2 puts lazily created state and a second step in the window
     # how "fits on an N GiB GPU" is judged: "modeled" = the caching allocator's predicted reserved bytes + the GPU
-    # allowance lines (experiments.gpu_allowance) for a gpu_arch GPU; "flat" = live peak + cuda_context_gib
+    # allowance lines (experiments.memory.gpu_allowance) for a gpu_arch GPU; "flat" = live peak + cuda_context_gib
     reserve: str = "modeled"
     gpu_arch: str = "hopper"
     expandable_segments: bool = False  # the replay as under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -284,7 +284,7 @@ class WandbConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DistConfig:
-    """Multi-process training launched by torchrun (``experiments.distributed``); ``train.batch_size`` is global."""
+    """Multi-process training launched by torchrun (``experiments.dist.parallel``); ``train.batch_size`` is global."""
 
     mode: str = "none"  # "none" | "ddp" (DistributedDataParallel) | "fsdp2" (fully_shard per decoder layer + root)
     backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU
@@ -377,7 +377,8 @@ def _instance_twin(obj: Any) -> Any:
 def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
-    from experiments import cluster, methods
+    from experiments import methods
+    from experiments.sweeps import cluster
 
     cs = ConfigStore.instance()
     cluster.register(cs)

@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from experiments.meter import _METADATA_OPS
+from experiments.memory.meter import _METADATA_OPS
 
 METADATA_OPS = frozenset(_METADATA_OPS)
 OTHER_PHASE = "other"  # ops outside any ``phase(...)``

@@ -6,13 +6,13 @@ Model construction, the method's ``prepare``/``attach`` (quantization, adapters,
 traced (an op without a fake implementation) fails the run loudly; it never reports a partial number. With an
 activation policy, the activation probe that ``mode=train`` runs before step 0 (``metered_probe``) is traced too,
 in the same order (after ``attach``, before the policy is applied), under its own meter — except under
-``dist=ddp|fsdp2``, where training skips it (``experiments.dist_checks.probe_skipped``) and so does the trace.
+``dist=ddp|fsdp2``, where training skips it (``experiments.dist.checks.probe_skipped``) and so does the trace.
 
 The report adds, beside the usual summary: peak bytes by category at each phase's peak, the modules retaining the
 most forward bytes (what their forward left alive: saved activations and outputs), and a fits/does-not-fit
 verdict per GPU size: the meters' allocation streams (the step's, the probe's) replayed through the CUDA caching
 allocator's rules give the predicted reserved bytes, to which the GPU allowance lines (CUDA context, NCCL buffers,
-side-stream pools; ``experiments.gpu_allowance``) are added (``dryrun.reserve=flat``: the larger live peak plus
+side-stream pools; ``experiments.memory.gpu_allowance``) are added (``dryrun.reserve=flat``: the larger live peak plus
 ``dryrun.cuda_context_gib``, as before).
 """
 
@@ -29,12 +29,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from experiments import dist_checks, distributed, dryrun_device
+from experiments import dryrun_device
+from experiments.dist import checks as dist_checks
+from experiments.dist import parallel as distributed
 from experiments.config import RunConfig
 from experiments.errors import UserError
-from experiments.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, fsdp_unit_reduce_bytes, modeled_verdicts
+from experiments.memory.gpu_allowance import allowance_of_trace, fsdp_unit_bytes, fsdp_unit_reduce_bytes, modeled_verdicts
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, train_step
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 from experiments.models import count_params
 from experiments.results import RunDir
 from hmt_core.activations import apply_policy, probe
@@ -145,8 +147,8 @@ def verdicts(peak_bytes: int, sizes_gib: tuple[int, ...], reserve_gib: float) ->
 
 def gpu_verdicts(run: RunConfig, traced: dict, verdict_peak: int) -> dict:
     """Fits/does-not-fit per ``dryrun.gpu_sizes_gib``. ``dryrun.reserve=modeled``: the caching allocator's
-    predicted reserved bytes (``experiments.allocator_model``) plus the GPU allowance for ``dryrun.gpu_arch``
-    (``experiments.gpu_allowance``); ``flat``: the live peak plus ``dryrun.cuda_context_gib``. The predicted
+    predicted reserved bytes (``experiments.memory.allocator_model``) plus the GPU allowance for ``dryrun.gpu_arch``
+    (``experiments.memory.gpu_allowance``); ``flat``: the live peak plus ``dryrun.cuda_context_gib``. The predicted
     allocator peaks are reported either way."""
     d = run.dryrun
     allowance = allowance_of_trace(run, traced)

@@ -4,7 +4,7 @@ The trace runs on fake CPU tensors whatever the target (docs/dryrun-cuda.md says
 CUDA tensors run the forward but not the backward, whose autograd engine asks the CUDA runtime for streams).
 ``dryrun.device=cuda`` makes every decision the code takes from a tensor's device the one a CUDA run takes:
 
-- optimizer kernels: chosen explicitly (``hmt_core.driver.torch_optimizer_impl``: fused AdamW by default), so a
+- optimizer kernels: chosen explicitly (``baselines.driver.torch_optimizer_impl``: fused AdamW by default), so a
   FakeTensor takes the same path as a CUDA tensor, whatever the target;
 - HMT's Triton kernels (``hmt_core.kernels.fake_tensors_on("cuda")``: ``use_triton`` counts fake tensors as CUDA
   tensors), whose custom ops' fake implementations allocate what the Triton launch allocates.

@@ -1,7 +1,7 @@
 """Errors that are the user's input, not the harness's bug.
 
 Raise ``UserError`` (or a subclass) with a message that names the culprit — the file, the config key and the
-value — and the entry points (``experiments.run``, ``experiments.sweep``, ``experiments.plan``,
+value — and the entry points (``experiments.run``, ``experiments.sweeps.sweep``, ``experiments.planner.plan``,
 ``analysis.report``) print it as one line ``error: <message>`` and exit non-zero, with no traceback (set
 ``HYDRA_FULL_ERROR=1`` to see one). Anything else that escapes is a bug and keeps its traceback.
 """

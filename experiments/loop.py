@@ -2,7 +2,7 @@
 meter around the first ``METERED_STEPS`` steps (of this process: a resumed run meters its first steps after the
 checkpoint), throughput measured on the steps after them (so the meter's Python dispatch overhead never
 inflates step time), metrics to the results store and W&B, checkpoints and preemption
-(``experiments.checkpointing``).
+(``experiments.checkpoint.manager``).
 
 A step whose loss or gradient is not finite is skipped (no update; counted as ``skipped``); after
 ``train.max_bad_steps`` such steps in a row the run fails with ``TooManyBadSteps``, leaving its checkpoints.
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from experiments import gpu_stats
-from experiments.checkpointing import Checkpointer, LoopState, TooManyBadSteps
+from experiments.memory import gpu_stats
+from experiments.checkpoint.manager import Checkpointer, LoopState, TooManyBadSteps
 from experiments.config import TrainConfig
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 from experiments.step_tally import StepClock, StepTally
 from hmt_core.fused_ce import causal_lm_loss, resolve_head
 from hmt_core.method import Method
@@ -165,7 +165,7 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                  extra_metrics: Callable[[], dict] | None = None, checkpointer: Checkpointer | None = None,
                  state: LoopState | None = None, sync=None) -> LoopResult:
     """Train from ``state.next_step`` (0 for a fresh run) to ``cfg.steps``. ``sync`` (multi-process:
-    ``experiments.distributed.DistContext``): the logged loss is the mean over ranks, a step is skipped on every
+    ``experiments.dist.parallel.DistContext``): the logged loss is the mean over ranks, a step is skipped on every
     rank or none, and per-rank peak memory is reduced to ``memory/peak_max(GiB)``/``memory/peak_mean(GiB)``.
 
     Values reach the host only on read steps (module docstring): logging (``step % log_every == 0``), eval, last,

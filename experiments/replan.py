@@ -1,13 +1,13 @@
 """``train.on_oom=replan``: a run that survives its own out-of-memory error (design: ``docs/gpu_runs.md``).
 
 On ``torch.OutOfMemoryError`` — from the CUDA allocator, or from the memory meter when live device bytes pass
-``train.memory_cap_gib`` (``experiments.meter.MemoryMeter.cap_bytes``) — the failed attempt has already written its
+``train.memory_cap_gib`` (``experiments.memory.meter.MemoryMeter.cap_bytes``) — the failed attempt has already written its
 metrics and keeps its checkpoints (``experiments.train``); ``train_with_replans`` then takes the next rung of
 ``next_plan``, says in one line what changed, and runs again from the last checkpoint (the metrics rows of the
 steps after it are replaced by the new attempt's, so every step is logged once). After ``train.max_replans`` steps
 down, or when the ladder is exhausted, the run ends in one ``error:`` line.
 
-The ladder follows the planner's own objective (``experiments.plan``: tokens per micro-batch first, then gradient
+The ladder follows the planner's own objective (``experiments.planner.plan``: tokens per micro-batch first, then gradient
 energy, then step time), so time is given up before the micro-batch:
 
 1. full layer recomputation (``activation.layer_recompute=true``, the other decoder-layer components ``keep``);

@@ -20,18 +20,18 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
 from experiments import methods
-from experiments.checkpointing import INTERRUPTED_EXIT_CODE, TooManyBadSteps, config_differences
+from experiments.checkpoint.manager import INTERRUPTED_EXIT_CODE, TooManyBadSteps, config_differences
 from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config,
                                 without_added_defaults)
 from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
-from experiments.data import MIN_BPE_VOCAB, has_tokenizer
-from experiments.distributed import release_process_groups
+from experiments.data.corpus import MIN_BPE_VOCAB, has_tokenizer
+from experiments.dist.parallel import release_process_groups
 from experiments.models import (load_hf_config, max_positions, model_source, model_vocab_size,
                                 with_config_name)
 from experiments.replan import OutOfMemoryGiveUp
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
 from experiments.step_time import check_step_time
-from hmt_core.checkpoint import CheckpointError
+from experiments.checkpoint.store import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "galore-torch", "apollo-torch", "hydra-core",

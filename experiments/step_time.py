@@ -1,6 +1,6 @@
 """A training run that would take this CPU too long per step asks first (``train.confirm``).
 
-Time model (the planner's, ``experiments.plan_model``): one optimizer step does ≈ 6 FLOPs per trainable parameter
+Time model (the planner's, ``experiments.planner.model``): one optimizer step does ≈ 6 FLOPs per trainable parameter
 per token (forward 2, backward 4; Kaplan et al. 2020, eq. 2.1), at the matmul rate F this CPU measures
 (``plan_model.calibrate``, well under a second). Above ``CONFIRM_S`` seconds per step a CPU training run asks
 (an interactive terminal: y/N) or, not interactive, is refused in one line unless ``train.confirm=true``. A GPU run
@@ -25,8 +25,8 @@ def step_flops(run: RunConfig, params: int) -> float:
 
 def trainable_params(run: RunConfig) -> int:
     """Trainable parameters of ``run``'s model at its depth (1- and 2-layer models on fake tensors, linear in L)."""
-    from experiments.plan_costs import target_layers
-    from experiments.plan_model import weight_stats
+    from experiments.planner.costs import target_layers
+    from experiments.planner.model import weight_stats
 
     stats = weight_stats(run)
     n1, n2 = (sum(n for n, _ in stats[k]["weights"].values()) for k in ("L1", "L2"))
@@ -51,7 +51,7 @@ def check_step_time(run: RunConfig, device_type: str, *, ask=input) -> None:
     if bound is not None and step_flops(run, bound) / SLOWEST_CPU_FLOPS <= CONFIRM_S:
         return
     from experiments.models import TORCH_DTYPES
-    from experiments.plan_model import calibrate
+    from experiments.planner.model import calibrate
 
     rate = calibrate("cpu", TORCH_DTYPES[run.model.dtype], codecs=())["flops_per_s"]
     seconds = step_flops(run, trainable_params(run)) / rate

@@ -10,13 +10,16 @@ from pathlib import Path
 
 import torch
 
-from experiments import dist_checks, distributed, gpu_stats, methods
-from experiments.checkpointing import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
+from experiments import methods
+from experiments.dist import checks as dist_checks
+from experiments.dist import parallel as distributed
+from experiments.memory import gpu_stats
+from experiments.checkpoint.manager import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
-from experiments.data import build_corpus, has_tokenizer
+from experiments.data.corpus import build_corpus, has_tokenizer
 from experiments.dryrun import metered_probe
 from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
-from experiments.meter import MemoryMeter, StartupPeak
+from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.errors import UserError, exit_with_error
 from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.replan import Attempt, resumed_plan, train_with_replans
@@ -102,7 +105,7 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
                   build_summary, print_summary, *, attempt: Attempt | None = None) -> dict:
     """Set up (data, model, method: every check that needs them fails here, before any compute and before
     anything is written), then train and write ``run_dir``. Under torchrun (``dist=ddp|fsdp2``) every rank runs
-    this; rank 0 alone writes (``experiments.distributed``)."""
+    this; rank 0 alone writes (``experiments.dist.parallel``)."""
     ctx = distributed.setup(run, device)  # None for dist=none; validates the launch before anything else
     device = ctx.device if ctx is not None else device
     main = ctx is None or ctx.is_main

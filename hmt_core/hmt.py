@@ -48,7 +48,7 @@ from torch import nn
 from hmt_core import int8_weights
 from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.basis_cache import BasisCache, basis_bytes
-from hmt_core.driver import state_bytes_summary
+from hmt_core.state_bytes import state_bytes_summary
 from hmt_core.optim import sharded as sh
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot

@@ -333,7 +333,7 @@ def join_gloo(rank: int, world: int, port: int) -> None:
 
 def spawn_gloo(worker: Callable, args: tuple, nprocs: int) -> None:
     """``mp.spawn(worker, args, nprocs)``, and each process then releases its process groups
-    (``experiments.distributed.release_process_groups``) once ``worker``'s frame, with the models and wrappers
+    (``experiments.dist.parallel.release_process_groups``) once ``worker``'s frame, with the models and wrappers
     that hold them, is gone: gloo's threads are joined before the interpreter finalizes, not during it (SIGABRT)."""
     import torch.multiprocessing as mp
 
@@ -341,7 +341,7 @@ def spawn_gloo(worker: Callable, args: tuple, nprocs: int) -> None:
 
 
 def _then_release_process_groups(rank: int, worker: Callable, *args) -> None:
-    from experiments.distributed import release_process_groups
+    from experiments.dist.parallel import release_process_groups
 
     try:
         worker(rank, *args)

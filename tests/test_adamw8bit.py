@@ -15,9 +15,9 @@ from test_runner import run
 
 from baselines import adamw
 from experiments import methods
-from experiments.checkpointing import Checkpointer, LoopState, ResumePoint
+from experiments.checkpoint.manager import Checkpointer, LoopState, ResumePoint
 from experiments.dryrun import trace_steps
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 from helpers import batches, tiny_llama
 from test_dryrun import _run_config
 

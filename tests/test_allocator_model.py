@@ -1,4 +1,4 @@
-"""The caching-allocator replay (``experiments.allocator_model``) against sequences worked out by hand from
+"""The caching-allocator replay (``experiments.memory.allocator_model``) against sequences worked out by hand from
 ``CUDACachingAllocator.cpp``'s rules, and the meter's event log that feeds it. All figures are exact integers: no
 tolerance is involved."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from experiments.allocator_model import allocation_size, replay, round_size
-from experiments.meter import MemoryMeter
+from experiments.memory.allocator_model import allocation_size, replay, round_size
+from experiments.memory.meter import MemoryMeter
 
 MiB = 2**20
 

@@ -67,11 +67,11 @@ def compose_run(results: Path, *overrides: str):
 
 
 def _recording_build_model(monkeypatch) -> dict:
-    """Wrap the ``build_model`` the runner calls (through ``experiments.distributed.build_sharded``) to keep the built model and a copy of its initial weights."""
-    import experiments.distributed
+    """Wrap the ``build_model`` the runner calls (through ``experiments.dist.parallel.build_sharded``) to keep the built model and a copy of its initial weights."""
+    import experiments.dist.parallel
 
     seen: dict = {}
-    real = experiments.distributed.build_model
+    real = experiments.dist.parallel.build_model
 
     def build(*args, **kwargs):
         model = real(*args, **kwargs)
@@ -79,7 +79,7 @@ def _recording_build_model(monkeypatch) -> dict:
         seen["initial"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         return model
 
-    monkeypatch.setattr(experiments.distributed, "build_model", build)
+    monkeypatch.setattr(experiments.dist.parallel, "build_model", build)
     return seen
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_runner import CONF, MICRO
 
-from experiments.data import build_corpus
-from experiments.local_corpus import split_long_text
+from experiments.data.corpus import build_corpus
+from experiments.data.local_corpus import split_long_text
 from experiments.run import main_with_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -265,7 +265,7 @@ def test_a_byte_level_bpe_never_has_fewer_than_257_tokens(tmp_path):
     """Why model.vocab_size < 257 is refused: asked for 100 tokens, the trainer still keeps all 256 bytes + EOS."""
     from tokenizers import pre_tokenizers
 
-    from experiments.data import MIN_BPE_VOCAB, train_tokenizer
+    from experiments.data.corpus import MIN_BPE_VOCAB, train_tokenizer
 
     encoder = train_tokenizer([book(5)], 100, tmp_path / "bpe.json")
     assert encoder.vocab_size == MIN_BPE_VOCAB == len(pre_tokenizers.ByteLevel.alphabet()) + 1, encoder.vocab_size

@@ -40,7 +40,7 @@ def report(*args: str | Path) -> subprocess.CompletedProcess:
 
 
 def sweep_cli(*args: str | Path) -> subprocess.CompletedProcess:
-    return run_tool("-m", "experiments.sweep", *args)
+    return run_tool("-m", "experiments.sweeps.sweep", *args)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, *culprits: str | Path) -> str:
@@ -248,7 +248,7 @@ def test_ignored_keys_match_the_runners_run_identity() -> None:
     assert IGNORED_TRAIN_KEYS == RUN_ID_IGNORED_TRAIN_KEYS
 
 
-# ---- experiments.sweep and the sweeper ---------------------------------------------------------------------------
+# ---- experiments.sweeps.sweep and the sweeper ---------------------------------------------------------------------------
 def test_unknown_sweep_name() -> None:
     line = assert_one_line_error(sweep_cli("status", "paper_mian"), "sweep paper_mian: not found")
     assert "paper_main" in line, "the known sweeps are listed"
@@ -276,10 +276,10 @@ def composing_runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.Complet
     (base / "bad.yaml").write_text("runs:\n  - [method=adamw]\n  - [method=hmt, method.rnk=3]\n")
     results = f"results_dir={base / 'results'}"
     cases = {
-        "unknown-key": ["experiments.sweep", "list", "smoke", "method.rnk=3"],
-        "wrong-type": ["experiments.sweep", "status", "smoke", "train.steps=abc"],
-        "unknown-method": ["experiments.sweep", "array", "-", "method=adamww"],
-        "unwritable-results": ["experiments.sweep", "mark-failed", "smoke", "--index", "0", "--reason", "killed",
+        "unknown-key": ["experiments.sweeps.sweep", "list", "smoke", "method.rnk=3"],
+        "wrong-type": ["experiments.sweeps.sweep", "status", "smoke", "train.steps=abc"],
+        "unknown-method": ["experiments.sweeps.sweep", "array", "-", "method=adamww"],
+        "unwritable-results": ["experiments.sweeps.sweep", "mark-failed", "smoke", "--index", "0", "--reason", "killed",
                                f"results_dir={base / 'blocker' / 'results'}"],
         "multirun-unknown-sweep": ["experiments.run", "-m", "hydra.sweeper.file=no_such_sweep", results],
         "multirun-bad-run": ["experiments.run", "-m", f"hydra.sweeper.file={base / 'bad.yaml'}", results],

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from experiments import methods
-from experiments.checkpointing import Checkpointer, LoopState, ResumePoint
+from experiments.checkpoint.manager import Checkpointer, LoopState, ResumePoint
 from experiments.loop import train_step
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 
 
 def test_save_writes_manifest_with_checksums_and_keeps_last_n(tmp_path):
@@ -156,7 +156,7 @@ def test_frozen_weights_are_fingerprinted_not_stored(tmp_path, tiny_llama_config
 
 def test_memory_meter_does_not_change_numerics(tiny_llama_config):
     """A resumed run meters different steps than an uninterrupted one: metering must be numerically invisible."""
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
 
     torch.manual_seed(7)
     batches = [torch.randint(0, 256, (2, 16)) for _ in range(3)]

@@ -6,7 +6,7 @@ Skipped (one line) without a CUDA device; ``python -m benchmarks.gpu_validate`` 
 
 What is compared. The allocator's peak over the measured steps, minus what was allocated before the model was
 built (``base``: the cuBLAS workspace, created by a warm-up matmul, and anything an earlier test left), against
-the meter's peak (``experiments.meter``, source ``cuda``: every tensor an ATen op returns, by storage). Two steps
+the meter's peak (``experiments.memory.meter``, source ``cuda``: every tensor an ATen op returns, by storage). Two steps
 are measured so the lazily created optimizer state exists at the second step's peak, as in the runner
 (``METERED_STEPS``). Tolerance: ``|allocated − meter| ≤ 5 % · allocated + 2 MiB``. The 5 % is what the meter
 does not see: workspaces that kernels allocate through the caching allocator inside one op (cuBLASLt, SDPA
@@ -57,11 +57,11 @@ def measured_steps(label: str, preset: str = "none", *, steps: int = 2) -> dict:
     """``steps`` real training steps of ``METHODS[label]`` with the activation ``preset``; the runner's set-up
     (experiments.train) in miniature. Returns the loss, the meter's and the allocator's peaks."""
     from experiments.loop import autocast_context, train_step
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
     from experiments.models import build_model
     from hmt_core.activations import apply_policy
     from hmt_core.activations.policy import ActivationPolicy
-    from hmt_core.driver import iter_state_tensors
+    from hmt_core.state_bytes import iter_state_tensors
 
     device = torch.device("cuda", torch.cuda.current_device())
     base = _clean_base(device)

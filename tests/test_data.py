@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.data import (Document, PackedTokens, build_corpus, load_builtin_corpus, load_local_corpus,
+from experiments.data.corpus import (Document, PackedTokens, build_corpus, load_builtin_corpus, load_local_corpus,
                               split_documents)
 from experiments.errors import UserError
-from experiments.local_corpus import iter_documents, split_long_text
+from experiments.data.local_corpus import iter_documents, split_long_text
 
 
 def test_builtin_corpus_split_is_by_document_and_deterministic():

@@ -25,7 +25,7 @@ from helpers import batches, tiny_llama
 
 from baselines import adamw, qlora
 from hmt_core import kernels
-from hmt_core.driver import torch_optimizer_impl
+from baselines.driver import torch_optimizer_impl
 from hmt_core.kernels import ops
 from hmt_core.projection import Basis
 

@@ -96,7 +96,7 @@ def test_reading_a_tensor_marked_host_resident_is_host_side():
 
 
 def test_reset_forgets_and_the_counter_nests_under_another_mode():
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
 
     counter, meter = DispatchCounter(), MemoryMeter()
     x = torch.randn(3)

@@ -52,7 +52,7 @@ def _run(ctx, overrides: dict, policy: str, data) -> tuple[dict, dict]:
     component of the last forward (empty without a policy)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.loop import train_step
     from helpers import tiny_llama
     from hmt_core.activations import apply_policy
@@ -74,7 +74,7 @@ def _run(ctx, overrides: dict, policy: str, data) -> tuple[dict, dict]:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
 
     from helpers import join_gloo, seeded_token_batches
 

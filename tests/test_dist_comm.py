@@ -1,6 +1,6 @@
 """Gradient communication of multi-process training, 2 processes on gloo:
 
-1. Per-layer HMT under DDP averages its gradients in asynchronous fp32 buckets (``experiments.dist_comm.
+1. Per-layer HMT under DDP averages its gradients in asynchronous fp32 buckets (``experiments.dist.comm.
    GradAverager``); one step at a time from the single-process state, the weights equal the single-process global
    batch bit for bit whatever the bucket size: 0 (one all-reduce per gradient), 100 KiB (several buckets) and the
    25 MiB default (one bucket here) — Mode A with clipping and Mode B. Why exact: W = 2, so fl(a + b)/2 =
@@ -45,7 +45,7 @@ DYNAMIC = {"name": "hmt", "rank": None, "rank_candidates": [4, 8, 16], "update_i
 
 
 def _ctx(rank: int, mode: str = "ddp", **kw):
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
 
     return DistContext(mode=mode, rank=rank, world_size=2, local_rank=rank, backend="gloo",
                        device=torch.device("cpu"), **kw)
@@ -67,7 +67,7 @@ def _bucketed(rank: int, overrides: dict, lowrank: bool, micro: int, bucket_mb: 
     import hashlib
     import io
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from helpers import tiny_llama
 
     ctx = _ctx(rank, lowrank_comm=lowrank, bucket_mb=bucket_mb)
@@ -91,7 +91,7 @@ def _bucket_log(rank: int, data) -> dict:
     ran."""
     import torch.distributed as dist
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.dispatch_counter import DispatchCounter
     from experiments.loop import lm_loss
     from helpers import tiny_llama
@@ -134,7 +134,7 @@ def _bucket_log(rank: int, data) -> dict:
 def _fp16_average(rank: int) -> dict:
     import torch.distributed as dist
 
-    from experiments.dist_comm import GradAverager
+    from experiments.dist.comm import GradAverager
 
     tiny = 2.0 ** -24  # the smallest fp16 subnormal
     grad = torch.full((4,), tiny, dtype=torch.float16)
@@ -151,7 +151,7 @@ def _fp16_average(rank: int) -> dict:
 
 def _forced_disagreement(rank: int, ctx, data) -> dict:
     """One step with a dynamic rank where rank 1's ``choose_rank`` answers another candidate than its own."""
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from helpers import tiny_llama
     from hmt_core.optim import optimizer
 

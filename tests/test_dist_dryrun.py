@@ -35,7 +35,7 @@ register_configs()
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
 MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
          "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "dryrun.steps=2"]
-# FSDP2 reduces a unit's gradients as one flat FP32 buffer (reduce_dtype=fp32, experiments.distributed.shard_model):
+# FSDP2 reduces a unit's gradients as one flat FP32 buffer (reduce_dtype=fp32, experiments.dist.parallel.shard_model):
 # in MICRO a decoder layer's unsharded gradients (q, k, v, o: 4 x 64 x 64; gate, up, down: 3 x 64 x 176; two norms
 # of 64) and the root's (embedding and lm_head, 512 x 64 each, and the final norm of 64), 4 bytes each. The largest
 # is the one buffer whose release a real run may delay.

@@ -1,4 +1,4 @@
-"""Low-rank gradient communication (``dist.lowrank_comm``) and the byte counter (``experiments.dist_comm``), on
+"""Low-rank gradient communication (``dist.lowrank_comm``) and the byte counter (``experiments.dist.comm``), on
 CPU with gloo, 2 processes (one ``torch.multiprocessing.spawn`` for every case).
 
 1. Equivalence, one step at a time from the same state (per-layer hmt Mode A, randomized-SVD bases, rank 8,
@@ -52,7 +52,7 @@ def _method(overrides: dict, model, clip: float | None):
 
 
 def _ctx(rank: int, world: int, **kw):
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
 
     return DistContext(mode="ddp", rank=rank, world_size=world, local_rank=rank, backend="gloo",
                        device=torch.device("cpu"), **kw)
@@ -119,7 +119,7 @@ def _bound(s, total_abs, world: int):  # -> like Ĝ: 2 γ_{n+1} |P|ᵀ S / W in 
 
 
 def _equivalence(rank: int, world: int, data) -> list[dict]:
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from helpers import tiny_llama
 
     ctx = _ctx(rank, world)
@@ -160,7 +160,7 @@ def _equivalence(rank: int, world: int, data) -> list[dict]:
 
 
 def _exact(rank: int, world: int, data) -> list[dict]:
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from helpers import tiny_llama
 
     ctx = _ctx(rank, world)
@@ -189,7 +189,7 @@ def expected_bytes(model, slots, rank: int, local_batches: list[torch.Tensor]) -
     in)·4 after it (one-sided: Ĝ is (out, r) or (r, in)); the embedding's non-zero rows as a sparse tensor on every
     step — the tokens of this rank's batch but its last position (whose hidden state no label reads): int64 row
     indices + fp32 rows; the rest dense."""
-    from experiments.dist_comm import row_sparse_names
+    from experiments.dist.comm import row_sparse_names
 
     projected, sparse = {s.name for s in slots if s.projected}, row_sparse_names(model)
     full, steps = 0, [0] * len(local_batches)
@@ -208,8 +208,8 @@ def expected_bytes(model, slots, rank: int, local_batches: list[torch.Tensor]) -
 
 
 def _bytes(rank: int, world: int, data, model_fn, hmt_rank: int) -> dict:
-    from experiments import distributed
-    from experiments.dist_comm import CommCounter
+    from experiments.dist import parallel as distributed
+    from experiments.dist.comm import CommCounter
 
     counter = CommCounter().install()
     try:

@@ -1,4 +1,4 @@
-"""Resuming a multi-process run at another world size (``experiments.dist_checkpoint``, DCP resharding), CPU, gloo.
+"""Resuming a multi-process run at another world size (``experiments.checkpoint.dcp``, DCP resharding), CPU, gloo.
 
 The global batch is the same for every world size W (rank r takes rows [r·B/W, (r+1)·B/W)), so only the state's
 layout depends on W. Three spawns (W = 1, 2, 1), each running every case: build, train 2 steps, write a DCP
@@ -30,7 +30,7 @@ a model built from other weights and train the same 2 steps.
    and 3e-5; the uninterrupted W=1 and W=2 runs differ by 2e-5 from the step-0 refresh alone, printed for
    context).
    galore-torch and apollo-torch under FSDP2 (their state gathered to full values in the checkpoint,
-   ``experiments.dtensor_state``), 2 → 1 and 1 → 2, W = 1 feeding the halves as micro-batches: the restored state
+   ``experiments.dist.dtensor_state``), 2 → 1 and 1 → 2, W = 1 feeding the halves as micro-batches: the restored state
    equals the saved one bit for bit; the continued run differs only where DTensor sums partial products of the
    two shards (a left-projected Pᵀ G, APOLLO's channel and tensor norms), the reorderings bounded in
    ``tests/test_fsdp2_baselines.py`` (≲ 3.5e-7 per step, two steps here, and the reordered Adam moments carry it
@@ -81,8 +81,8 @@ def _full_state(model, method) -> dict[str, object]:
 
     from torch.distributed.tensor import DTensor
 
-    from experiments import dtensor_state
-    from experiments.dist_checkpoint import torch_optimizer
+    from experiments.dist import dtensor_state
+    from experiments.checkpoint.dcp import torch_optimizer
     from hmt_core.optim import sharded_state
 
     full = StateDictOptions(full_state_dict=True)
@@ -128,8 +128,9 @@ def _max_diff(a: dict, b: dict) -> tuple[float, list[str]]:
 
 
 def _case(ctx, name: str, data, out: Path, seed: int):
-    from experiments import distributed, methods
-    from experiments.dist_checkpoint import DistCheckpointer
+    from experiments import methods
+    from experiments.dist import parallel as distributed
+    from experiments.checkpoint.dcp import DistCheckpointer
     from experiments.loop import train_step
     from helpers import tiny_llama
 
@@ -158,9 +159,9 @@ def _worker(rank: int, world: int, port: int, out: str, other: int | None) -> No
     written at ``other`` ranks and compare with what that world size saved and reached."""
     import torch.distributed as dist
 
-    from experiments.checkpointing import LoopState, ResumePoint
-    from experiments.distributed import DistContext
-    from hmt_core import checkpoint as ck
+    from experiments.checkpoint.manager import LoopState, ResumePoint
+    from experiments.dist.parallel import DistContext
+    from experiments.checkpoint import store as ck
 
     from helpers import join_gloo
 
@@ -244,8 +245,8 @@ def test_a_checkpoint_resumes_at_another_world_size(resumed, case):
 
 
 def test_per_rank_state_is_refused_at_another_world_size(monkeypatch, tmp_path):
-    from experiments import dist_checkpoint
-    from experiments.checkpointing import ResumePoint
+    from experiments.checkpoint import dcp as dist_checkpoint
+    from experiments.checkpoint.manager import ResumePoint
     from experiments.errors import UserError
 
     class Stub(dist_checkpoint.DistCheckpointer):
@@ -282,7 +283,7 @@ def _dcp_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint: weights, AdamW's moments, and (galore, apollo) the gathered state entry."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from experiments import dtensor_state
+    from experiments.dist import dtensor_state
 
     dcp_to_torch_save(str(path), str(tmp))
     state = torch.load(tmp, weights_only=False)
@@ -323,8 +324,9 @@ def test_torchrun_fsdp2_checkpoint_of_two_ranks_resumes_on_one(tmp_path, method)
 def test_only_rank_zero_requests_the_slurm_requeue(monkeypatch, tmp_path):
     import signal
 
-    from experiments import checkpointing, dist_checkpoint
-    from experiments.checkpointing import LoopState, Preempted
+    from experiments.checkpoint import manager as checkpointing
+    from experiments.checkpoint import dcp as dist_checkpoint
+    from experiments.checkpoint.manager import LoopState, Preempted
 
     requests: list[int] = []
     monkeypatch.setattr(checkpointing, "request_slurm_requeue", lambda: requests.append(1) or "requeued")

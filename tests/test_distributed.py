@@ -1,4 +1,4 @@
-"""Multi-process training (``experiments.distributed``, ``experiments.dist_checkpoint``) on CPU with gloo.
+"""Multi-process training (``experiments.dist.parallel``, ``experiments.checkpoint.dcp``) on CPU with gloo.
 
 1. DDP equals the single-process run on the same global batch, one step at a time from the same state (teacher
    forcing), for adamw, galore, apollo and hmt (per-layer Mode A and B, and ``per_layer=false``; INT8 weights with
@@ -128,7 +128,7 @@ def _diffs(after: dict, expected: dict) -> dict[str, tuple[float, float]]:
 
 
 def _ddp_case(ctx, name: str, overrides: dict, data, snaps) -> list[dict]:
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.loop import train_step
     from helpers import tiny_llama
 
@@ -154,7 +154,7 @@ def _fsdp2_case(ctx, data, snaps) -> list[dict]:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.loop import train_step
     from helpers import tiny_llama
 
@@ -202,12 +202,12 @@ def _resume_case(ctx, name: str, overrides: dict, data, root: Path) -> dict:
     weights, continues with the same step 2 as the uninterrupted run (bit for bit: same ops, same order)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from experiments import distributed
-    from experiments.checkpointing import LoopState, ResumePoint
-    from experiments.dist_checkpoint import DistCheckpointer
+    from experiments.dist import parallel as distributed
+    from experiments.checkpoint.manager import LoopState, ResumePoint
+    from experiments.checkpoint.dcp import DistCheckpointer
     from experiments.loop import train_step
     from helpers import tiny_llama
-    from hmt_core import checkpoint as ck
+    from experiments.checkpoint import store as ck
 
     rows = data[0].shape[0] // ctx.world_size
 
@@ -237,7 +237,7 @@ def _resume_case(ctx, name: str, overrides: dict, data, root: Path) -> dict:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
 
     from helpers import join_gloo, seeded_token_batches
 
@@ -375,7 +375,7 @@ def test_sigterm_under_torchrun_ends_preempted_with_one_line_and_the_requeue_cod
     checkpoint is written, the run ends ``preempted`` (no error.txt), rank 0 says so in one line, every rank exits
     75 (torchrun's report names each worker's exit code: torchrun itself turns any non-zero worker exit into its
     report and exit 1, see docs/gpu_runs.md), and the same command resumes and completes."""
-    from experiments.checkpointing import PREEMPTED_EXIT_CODE
+    from experiments.checkpoint.manager import PREEMPTED_EXIT_CODE
 
     results, config = tmp_path / "results", [*E2E, "dist=ddp", "train.steps=12", "train.checkpoint_every=0"]
     job = _launch(results, "p", *config)

@@ -92,7 +92,7 @@ def test_a_method_that_cannot_be_traced_says_so(tmp_path, monkeypatch):
     """A method whose code cannot run on fake tensors raises ``NotTraceableError``: one ``error:`` line, a failed
     run whose summary says ``"traceable": false`` and why, never a partial number (every method traces today:
     qlora through baselines/nf4.py, so a stand-in refuses here)."""
-    from hmt_core.driver import Built, OptimizerMethod
+    from baselines.driver import Built, OptimizerMethod
     from hmt_core.method import NotTraceableError
 
     def refuse(model):

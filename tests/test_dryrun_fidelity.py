@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from experiments import methods
 from experiments.config import register_configs, to_run_config
 from experiments.dryrun import trace_steps
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 from hmt_core import projection as proj
 from hmt_core.activations.measure import GradAgreement, cosine
 

@@ -80,9 +80,9 @@ def model_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 def torch_optim_state(optimizer: torch.optim.Optimizer) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
     """(device state, host state) of a ``torch.optim`` optimizer: torch keeps the ``step`` counter of a
     non-capturable, non-fused Adam on the host by design (a 0-d CPU tensor); a fused or capturable one keeps it
-    on the device (``hmt_core.driver.torch_optimizer_impl`` picks fused AdamW by default); everything else must
+    on the device (``baselines.driver.torch_optimizer_impl`` picks fused AdamW by default); everything else must
     be on the device."""
-    from hmt_core.driver import iter_state_tensors
+    from hmt_core.state_bytes import iter_state_tensors
 
     host_step = {id(p): not (g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
                  for p in g["params"]}
@@ -332,7 +332,7 @@ def test_a_checkpoint_of_implicit_kernels_resumes_fused_with_its_step_counters_o
     """A checkpoint written before the kernel choice was explicit (``foreach=None``: torch keeps ``step`` on the
     host) resumed by a fused AdamW: torch places each ``step`` by the *saved* group options, so the driver writes
     the run's choice into them before loading; the fused kernel needs every state tensor on the device."""
-    from hmt_core.driver import OptimizerDriver
+    from baselines.driver import OptimizerDriver
 
     with fake_cuda():
         weight = nn.Parameter(torch.zeros(4, 4, device=CUDA))

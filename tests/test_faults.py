@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments import methods
-from experiments.checkpointing import PREEMPTED_EXIT_CODE, Checkpointer, TooManyBadSteps
+from experiments.checkpoint.manager import PREEMPTED_EXIT_CODE, Checkpointer, TooManyBadSteps
 from experiments.config import ModelConfig, TrainConfig
-from experiments.data import build_corpus
+from experiments.data.corpus import build_corpus
 from experiments.loop import run_training, train_step
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 from experiments.models import build_model
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 from test_resume import ENV, finish, last_step, launch, losses, wait_for
 
 # the subprocess runs are test_resume.MICRO's 10 steps: the uninterrupted one is conftest's session fixture

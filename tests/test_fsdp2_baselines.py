@@ -1,6 +1,6 @@
 """galore-torch and apollo-torch under FSDP2 (``dist=fsdp2``), on CPU with gloo, two processes.
 
-Their optimizers step FSDP2's DTensor shards unchanged (``experiments.dtensor_state`` says how); these tests check
+Their optimizers step FSDP2's DTensor shards unchanged (``experiments.dist.dtensor_state`` says how); these tests check
 that this is the single-process method, and what it communicates:
 
 1. One step at a time from the same state, fsdp2 + galore / apollo / APOLLO-Mini equals the single-process
@@ -12,7 +12,7 @@ that this is the single-process method, and what it communicates:
 3. The gradient is gathered only where the method factors it: galore-torch's SVD at refresh steps (one all-gather
    per projected weight), never between refreshes, never for APOLLO's seeded random bases (DTensor's
    ``CommDebugMode`` counts the collectives of each optimizer step).
-4. The harness's byte counter (``experiments.dist_comm``) counts under FSDP2 exactly the payloads the collectives'
+4. The harness's byte counter (``experiments.dist.comm``) counts under FSDP2 exactly the payloads the collectives'
    shapes give: FSDP2's weight all-gathers, its gradient reduce-scatters, and galore's extra traffic.
 
 Tolerance. Everything is fp32 and clipping is off (a sharded norm is another summation order). FSDP2's
@@ -86,7 +86,8 @@ def _case(ctx, overrides: dict, data) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from experiments import distributed, dtensor_state
+    from experiments.dist import parallel as distributed
+    from experiments.dist import dtensor_state
     from experiments.loop import lm_loss
     from helpers import tiny_llama
 
@@ -125,10 +126,10 @@ def _case(ctx, overrides: dict, data) -> dict:
 
 
 def _comm_case(ctx, overrides: dict, data) -> dict:
-    """Bytes counted per training step (``experiments.dist_comm.CommCounter``: FSDP2's all-gathers as ``param``,
+    """Bytes counted per training step (``experiments.dist.comm.CommCounter``: FSDP2's all-gathers as ``param``,
     its reduce-scatters and DTensor's collectives as ``grad``) and the shapes they should equal."""
-    from experiments import distributed
-    from experiments.dist_comm import CommCounter
+    from experiments.dist import parallel as distributed
+    from experiments.dist.comm import CommCounter
     from experiments.loop import lm_loss
     from helpers import tiny_llama
 
@@ -153,7 +154,7 @@ def _comm_case(ctx, overrides: dict, data) -> dict:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
     from helpers import join_gloo, seeded_token_batches
 
     join_gloo(rank, world, port)

@@ -104,7 +104,7 @@ def _digest(t: torch.Tensor | None) -> str:
 def _fsdp2_case(ctx, overrides: dict, data, snaps, micro: int = 1) -> list[dict]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.loop import train_step
     from helpers import tiny_llama
 
@@ -150,12 +150,12 @@ def _resume_case(ctx, overrides: dict, data, root: Path) -> dict[str, float]:
     max|a − b| of the full weights after step 3 (the moments' row shards are read back too, or step 2 differs)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from experiments import distributed
-    from experiments.checkpointing import LoopState, ResumePoint
-    from experiments.dist_checkpoint import DistCheckpointer
+    from experiments.dist import parallel as distributed
+    from experiments.checkpoint.manager import LoopState, ResumePoint
+    from experiments.checkpoint.dcp import DistCheckpointer
     from experiments.loop import train_step
     from helpers import tiny_llama
-    from hmt_core import checkpoint as ck
+    from experiments.checkpoint import store as ck
 
     rows = data[0].shape[0] // ctx.world_size
     overrides = {**overrides, "update_interval": 3}
@@ -189,7 +189,7 @@ def _resume_case(ctx, overrides: dict, data, root: Path) -> dict[str, float]:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,10 +1,10 @@
-"""``dist=fsdp2`` starts on the meta device (``experiments.meta_init``), on CPU with gloo, two processes:
+"""``dist=fsdp2`` starts on the meta device (``experiments.dist.meta_init``), on CPU with gloo, two processes:
 
 1. every rank's shard holds exactly (``torch.equal``) its rows of the single-process init with the same seed,
    buffers (rotary ``inv_freq``) too, and the RNG ends in the same state — for the harness's Llama (untied and
    tied embeddings) and config-only GPT-2 (transformers' ``Conv1D`` draws in its constructor) and Qwen2 (biases);
    the sharded model's first loss equals the single-process model's;
-2. the start-up peak per rank (``experiments.meter.StartupPeak``) is this rank's shards + buffers + the largest
+2. the start-up peak per rank (``experiments.memory.meter.StartupPeak``) is this rank's shards + buffers + the largest
    parameter at full size, derived from the shapes, and below the old path's (whole
    model built, then sharded);
 3. ``mode=train`` records it: ``memory.startup_peak_bytes`` and ``dist.startup_peak_max_bytes`` (torchrun, 2 ranks);
@@ -73,8 +73,8 @@ def _expected_peak(ref: torch.nn.Module, world: int) -> dict[str, int]:
 
 
 def _case(ctx, cfg) -> dict:
-    from experiments import distributed
-    from experiments.meter import StartupPeak
+    from experiments.dist import parallel as distributed
+    from experiments.memory.meter import StartupPeak
     from experiments.models import build_model
 
     torch.manual_seed(SEED)
@@ -116,7 +116,8 @@ class _DrawsFromATensor(torch.nn.Module):
 
 
 def _refusals(ctx) -> list[str]:
-    from experiments import distributed, meta_init
+    from experiments.dist import parallel as distributed
+    from experiments.dist import meta_init
 
     def on_meta(make):
         with torch.device("meta"):
@@ -136,7 +137,7 @@ def _refusals(ctx) -> list[str]:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from helpers import join_gloo
 
     join_gloo(rank, world, port)

@@ -233,7 +233,7 @@ def _basis_distance(a: torch.Tensor | None, b: torch.Tensor | None) -> float:  #
 def _fsdp2_case(ctx, overrides: dict, data, snaps) -> list[dict]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.loop import train_step
     from helpers import tiny_llama
 
@@ -282,7 +282,7 @@ def _reference_errors(overrides: dict, snaps) -> list[dict]:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
     from helpers import join_gloo, seeded_token_batches
 
     join_gloo(rank, world, port)

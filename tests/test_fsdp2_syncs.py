@@ -38,7 +38,7 @@ def _step(model, method, ids, nan: bool):
 def _case(ctx, overrides: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from experiments import distributed
+    from experiments.dist import parallel as distributed
     from experiments.dispatch_counter import DispatchCounter
     from helpers import tiny_llama
 
@@ -64,7 +64,7 @@ def _case(ctx, overrides: dict) -> dict:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments.distributed import DistContext
+    from experiments.dist.parallel import DistContext
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,4 +1,4 @@
-"""The GPU allowance lines (``experiments.gpu_allowance``) and the dry run's modeled verdict: reserved bytes
+"""The GPU allowance lines (``experiments.memory.gpu_allowance``) and the dry run's modeled verdict: reserved bytes
 replayed through the caching allocator plus the lines outside it, worked out by hand. Exact integers throughout."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config import to_run_config
-from experiments.gpu_allowance import GpuTarget, allowance_for, modeled_verdicts
+from experiments.memory.gpu_allowance import GpuTarget, allowance_for, modeled_verdicts
 from experiments.run import main_with_config
 
 MiB, GIB = 2**20, 2**30
@@ -119,7 +119,7 @@ def test_fsdp2_dry_run_allowance_counts_nccl_and_the_largest_unit():
     input, ``reduce_dtype=fp32``). NCCL: 32 channels of Simple + LL128 + LL buffers."""
     from experiments import methods
     from experiments.dryrun import trace_steps
-    from experiments.gpu_allowance import allowance_of_trace
+    from experiments.memory.gpu_allowance import allowance_of_trace
 
     micro = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
              "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "dryrun.steps=1"]

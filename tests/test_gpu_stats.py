@@ -1,4 +1,4 @@
-"""``experiments.gpu_stats`` against a stub NVML and stub CUDA device properties (no GPU needed): the NVML handle
+"""``experiments.memory.gpu_stats`` against a stub NVML and stub CUDA device properties (no GPU needed): the NVML handle
 is the GPU the CUDA ordinal runs on even when ``CUDA_VISIBLE_DEVICES`` masks devices, and ``PcieSampler``
 integrates the PCIe counters over a step instead of reading one sample after it."""
 
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from experiments import gpu_stats
+from experiments.memory import gpu_stats
 
 # four physical GPUs as NVML sees them (NVML index i), and their PCI bus ids / UUIDs
 GPUS = [{"bus": (0, 0x18 + 0x20 * i, 0), "uuid": f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd"} for i in range(4)]

@@ -134,7 +134,7 @@ def test_driver_skips_a_nonfinite_step_on_the_device_where_the_optimizer_can(imp
     """``OptimizerDriver`` (the baselines' torch.optim step): torch's fused AdamW takes ``found_inf`` and skips on
     the device (no host sync); one that cannot (foreach) reads the flag once. Either way a NaN gradient leaves the
     weights, moments and step counter as they were, the norm is NaN, and a finite step afterwards updates."""
-    from hmt_core.driver import OptimizerDriver
+    from baselines.driver import OptimizerDriver
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(8, 4))

@@ -13,7 +13,7 @@ from helpers import tiny_llama
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 from hmt_core import hmt, int8_weights
 from hmt_core.int8_weights import Int8Linear, dequantize, quantize
 from hmt_core.precision import stochastic_round_int
@@ -350,7 +350,7 @@ def test_optimizer_writes_int8_rows_with_one_fused_kernel(monkeypatch):
 
 # ------------------------------------------------------------------------------------- model level: meter, memory
 def _forward_activations(model: nn.Module, policy: str) -> int:
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
     from hmt_core.activations import apply_policy
     from hmt_core.activations.policy import PRESETS
 
@@ -372,7 +372,7 @@ def test_meter_counts_codes_and_scales_as_params_and_forward_saves_what_bf16_sav
     per block), the non-projected BF16 weights, 2 bytes per phantom — and what forward leaves for backward (the
     ``activations`` category) is exactly the BF16 model's, with and without full activation checkpointing: no
     dequantized weight is kept. ``count_params`` counts an INT8 weight's logical elements, like the BF16 model."""
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
     from experiments.models import count_params
 
     bf16, int8 = tiny_llama(dtype=torch.bfloat16), tiny_llama(dtype=torch.bfloat16)
@@ -446,11 +446,11 @@ def _train(weight_dtype: str, steps: int, *, root=None, every: int = 0, kill_aft
     logged (an exception abandons every object); ``resume``: fresh objects restored from that checkpoint directory
     (``drop_generator``: without the stochastic-rounding generator's state, a negative control)."""
     from experiments import methods
-    from experiments.checkpointing import Checkpointer, ResumePoint
+    from experiments.checkpoint.manager import Checkpointer, ResumePoint
     from experiments.config import ModelConfig, TrainConfig
-    from experiments.data import build_corpus
+    from experiments.data.corpus import build_corpus
     from experiments.loop import run_training
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
     from experiments.models import build_model
 
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from experiments.update_memory import update_temp_bytes
+from experiments.memory.update_temporaries import update_temp_bytes
 from hmt_core import kernels, precision
 from hmt_core.activations import codecs as C
 from hmt_core.kernels import ops, quant

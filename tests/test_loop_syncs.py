@@ -62,7 +62,7 @@ def _decoder(model: nn.Module) -> nn.Module:
 
 
 # (method config, host syncs of the step): 0 where torch's fused AdamW takes found_inf on the device (its step
-# counted too), 1 where the driver reads the grad norm once to decide (hmt_core.driver.OptimizerDriver.step; the
+# counted too), 1 where the driver reads the grad norm once to decide (baselines.driver.OptimizerDriver.step; the
 # reference package's own step uncounted)
 FUSED = ("adamw", "qlora")
 CASES = {
@@ -175,7 +175,7 @@ def _host_reference(events, max_bad: int) -> dict:
 
 
 def test_step_tally_equals_the_host_bookkeeping():
-    from experiments.checkpointing import LoopState
+    from experiments.checkpoint.manager import LoopState
     from experiments.step_tally import StepTally
 
     rng = random.Random(3)
@@ -205,7 +205,7 @@ def test_step_tally_equals_the_host_bookkeeping():
 
 
 def test_step_tally_resumes_from_a_loop_state():
-    from experiments.checkpointing import LoopState
+    from experiments.checkpoint.manager import LoopState
     from experiments.step_tally import StepTally
 
     state = LoopState(next_step=7, last_loss=2.5, loss_ema=3.0, skipped_steps=2, bad_in_row=1)
@@ -219,11 +219,11 @@ def test_step_tally_resumes_from_a_loop_state():
 # ---------------------------------------------------------------------------------------------- run_training
 def test_run_training_syncs_only_on_read_steps(tmp_path):
     from experiments import methods
-    from experiments.checkpointing import Checkpointer
+    from experiments.checkpoint.manager import Checkpointer
     from experiments.config import TrainConfig
-    from experiments.data import build_corpus
+    from experiments.data.corpus import build_corpus
     from experiments.loop import run_training
-    from experiments.meter import MemoryMeter
+    from experiments.memory.meter import MemoryMeter
     from experiments.models import build_model
     from test_faults import MICRO_MODEL
 
@@ -263,7 +263,7 @@ def test_run_training_syncs_only_on_read_steps(tmp_path):
 
 
 def test_a_bad_streak_between_reads_fails_the_run_at_the_next_read(tmp_path):
-    from experiments.checkpointing import TooManyBadSteps
+    from experiments.checkpoint.manager import TooManyBadSteps
     from test_faults import _train
 
     err, _, rows = _train(tmp_path, {"name": "adamw"}, steps=8, nan_loss={1, 2, 3}, max_bad_steps=3, log_every=5)
@@ -276,8 +276,9 @@ def test_a_bad_streak_between_reads_fails_the_run_at_the_next_read(tmp_path):
 def _dist_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from experiments import distributed, methods
-    from experiments.distributed import DistContext
+    from experiments import methods
+    from experiments.dist import parallel as distributed
+    from experiments.dist.parallel import DistContext
     from helpers import join_gloo, seeded_token_batches
 
     join_gloo(rank, world, port)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 
 
 def _step(model, opt, meter, ids):

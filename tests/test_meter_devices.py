@@ -7,7 +7,7 @@ import math
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from experiments.meter import CATEGORIES, MemoryMeter
+from experiments.memory.meter import CATEGORIES, MemoryMeter
 
 W, X, H, B, U = (64, 32), (16, 64), (16, 32), (32, 8), (16, 8)  # weight, input, hidden, basis, update shapes
 

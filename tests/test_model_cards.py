@@ -22,8 +22,8 @@ from experiments.config import register_configs, to_run_config
 from experiments.dryrun import trace_steps
 from experiments.model_cards import card_config, card_dir, card_names, card_params, docs_block, render_cards
 from experiments.models import architecture_name, build_model, load_hf_config, with_config_name
-from experiments.plan_capacity import load_results, readme_block, render_table
-from experiments.plan_costs import layer_variants
+from experiments.planner.capacity import load_results, readme_block, render_table
+from experiments.planner.costs import layer_variants
 from experiments.run import main_with_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,9 +151,9 @@ def test_docs_page_tables_are_what_the_cards_and_committed_capacity_results_rend
 def test_capacity_search_resumes_keeping_the_cells_already_measured(tmp_path, monkeypatch):
     """A rerun of ``--capacity`` searches only the (method, GPU size) cells missing from its JSON; a file written
     under another GPU allowance is not reused."""
-    from experiments import plan_capacity
-    from experiments.gpu_allowance import reserve_bytes, reserve_label
-    from experiments.plan_costs import GIB
+    from experiments.planner import capacity as plan_capacity
+    from experiments.memory.gpu_allowance import reserve_bytes, reserve_label
+    from experiments.planner.costs import GIB
 
     run = compose_run("model=qwen2.5-0.5b", f"results_dir={tmp_path}", "dryrun.gpu_sizes_gib=[16,24]")
     cell = {"fits": True, "tokens": 2048, "batch_size": 1, "seq_len": 2048, "exact": True}

@@ -24,7 +24,7 @@ from experiments.config import to_run_config
 from experiments.replan import apply_overrides, next_plan
 from experiments.results import read_metrics, read_recorded_config, read_status
 from experiments.run import main_with_config
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 
 GIB = 2**30
 # adamw on a 2-layer model, fp32 (no autocast) so that a different micro-batch split only reorders fp32 sums;

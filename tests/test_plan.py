@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments import plan as planner
-from experiments.plan_capacity import BEGIN, END, bracket, largest_batch, load_results, readme_block, render_table
-from experiments.plan_costs import GIB, derive, trace_sample
-from experiments.plan_milp import KEEP, Action, Option, Problem, Segment, predict, solve
+from experiments.planner import plan as planner
+from experiments.planner.capacity import BEGIN, END, bracket, largest_batch, load_results, readme_block, render_table
+from experiments.planner.costs import GIB, derive, trace_sample
+from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, predict, solve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,8 +178,8 @@ def test_costs_from_two_layers_predict_a_four_layer_model(planned):
     1% of the peak: byte counts are exact integers on both sides, so a model that is right in depth is right to
     the byte; the slack is for a layer's events interleaving differently at other depths (a phase's peak is a
     maximum over events), which here stays below 0.5%."""
-    from experiments.plan_costs import policy_for
-    from experiments.plan_model import build_problem, weight_stats
+    from experiments.planner.costs import policy_for
+    from experiments.planner.model import build_problem, weight_stats
 
     root, _ = planned
     run = planner.run_config([*MODEL, f"results_dir={root / 'results'}"])
@@ -231,7 +231,7 @@ def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optim
     model by the measured error (forward/backward per sequence: still optimistic below the missed batch) and solves
     again, so the answer is the largest verified micro-batch — the same as the capacity procedure's: its leanest
     choice one sequence further, traced at full size, is over (``next_batch``: exact)."""
-    from experiments.plan_capacity import next_batch
+    from experiments.planner.capacity import next_batch
 
     root, verified = planned
     _biased_cache(root / "results" / "plan_costs", tmp_path / "results" / "plan_costs", 0.01)

@@ -15,10 +15,10 @@ import json
 
 import pytest
 
-from experiments import plan as planner
-from experiments import plan_cache
-from experiments.plan_costs import PHASES, Space, layer_variants, sample_plan, sample_run, trace_sample
-from experiments.plan_model import region_flops, weight_stats
+from experiments.planner import plan as planner
+from experiments.planner import cache as plan_cache
+from experiments.planner.costs import PHASES, Space, layer_variants, sample_plan, sample_run, trace_sample
+from experiments.planner.model import region_flops, weight_stats
 
 FILES = plan_cache.committed_files()
 # Re-traced per committed file: the reference at one layer and the first micro-batch, and one optimizer sample
@@ -69,7 +69,7 @@ def test_committed_cost_table_is_current(path):
                 assert traced[field] == stored[field], (
                     f"{path.name} is stale: {name} L1 b{r.train.batch_size} {field} traced {traced[field]:,} B, "
                     f"table {stored[field]:,} B; regenerate it: {_regenerate(data)} (and bump "
-                    "experiments.plan_cache.METER_VERSION)")
+                    "experiments.planner.cache.METER_VERSION)")
 
 
 def test_group_key_has_no_package_versions_nor_model_name(monkeypatch):
@@ -95,7 +95,7 @@ def test_group_key_has_no_package_versions_nor_model_name(monkeypatch):
 def test_each_trace_is_cached_as_it_is_measured(tmp_path, monkeypatch):
     """A planner killed after its third trace keeps those three in the user's cache (written atomically after
     each trace), and the next run traces only the rest."""
-    import experiments.plan_costs as costs
+    import experiments.planner.costs as costs
 
     run = planner.run_config(["model=tiny", "model.num_layers=2", "train.seq_len=32", "train.fused_ce=false"])
     space = Space(modes=("A",), state_dtypes=("bf16",), weight_dtypes=("bf16",), dense_8bit=(False,),

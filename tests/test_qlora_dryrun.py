@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from baselines import nf4
 from experiments import methods
 from experiments.dryrun import trace_steps
-from experiments.meter import MemoryMeter
-from hmt_core.driver import iter_state_tensors
+from experiments.memory.meter import MemoryMeter
+from hmt_core.state_bytes import iter_state_tensors
 
 
 def _quant_tensors(param) -> list[tuple[str, tuple, torch.dtype]]:

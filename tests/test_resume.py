@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from experiments.results import read_metrics
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from experiments.checkpointing import config_differences
+from experiments.checkpoint.manager import config_differences
 from experiments.config import register_configs, to_plain_dict, to_run_config
 from experiments.run import default_run_id, run_id_of
 

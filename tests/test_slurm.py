@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import sweep
+from experiments.sweeps import sweep
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "slurm" / "local_slurm.sh"
@@ -166,7 +166,7 @@ def test_hand_submitted_array_sbatch_runs_the_sweep_by_task_id(slurm_env: dict, 
                           f"  - [method=adamw, seed=4, model.path={_broken_model(tmp_path)}]\n")
     results = f"results_dir={tmp_path / 'results'}"
     jobs = [sweep.merge_overrides(job, [results]) for job in sweep.load_sweep(sweep_file)]
-    spec = subprocess.run([sys.executable, "-m", "experiments.sweep", "array", str(sweep_file), results], cwd=REPO,
+    spec = subprocess.run([sys.executable, "-m", "experiments.sweeps.sweep", "array", str(sweep_file), results], cwd=REPO,
                           env=slurm_env, capture_output=True, text=True, check=True).stdout.strip()
     assert spec == "0-1"
 
@@ -180,7 +180,7 @@ def test_hand_submitted_array_sbatch_runs_the_sweep_by_task_id(slurm_env: dict, 
     assert _wait_until_settled(jobs) == ["completed", "failed"]
     logs = sorted(tmp_path.glob("slurm-*_*.out"))
     assert len(logs) == 2 and "seed=3" in logs[0].read_text() and "seed=4" in logs[1].read_text()
-    again = subprocess.run([sys.executable, "-m", "experiments.sweep", "array", str(sweep_file), results], cwd=REPO,
+    again = subprocess.run([sys.executable, "-m", "experiments.sweeps.sweep", "array", str(sweep_file), results], cwd=REPO,
                            env=slurm_env, capture_output=True, text=True, check=True).stdout.strip()
     assert again == "1", "only the failed run is left to resubmit"
 

@@ -18,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from baselines import galore
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 from hmt_core import hmt
-from hmt_core.driver import iter_state_tensors
+from hmt_core.state_bytes import iter_state_tensors
 from hmt_core.rank_budget import (GALORE_DEFAULT_RANK, LayerBudget, RankBudget, StateBudget, allocate, budget_bytes,
                                   galore_state_bytes, greedy_allocate, layer_state_bytes, parse_state_budget)
 
@@ -393,7 +393,7 @@ def test_runner_reports_the_budget(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ resume
 def test_resume_from_a_checkpoint_keeps_the_allocation(tmp_path):
-    """Stop after step 3 (refreshes at 0 and 2), checkpoint through hmt_core.checkpoint, resume in a fresh
+    """Stop after step 3 (refreshes at 0 and 2), checkpoint through experiments.checkpoint.store, resume in a fresh
     model + method: the refreshes at 4 and 6 allocate exactly as in the uninterrupted run (the curves of the layers
     still to refresh are part of the state), and every parameter is bit-identical."""
     kw = dict(tau=0.999, update_interval=2, rank_candidates=(8, 16, 32, 64), state_budget="0.2")

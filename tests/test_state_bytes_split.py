@@ -1,4 +1,4 @@
-"""``optim/state_bytes`` split by device (``hmt_core.driver.state_bytes_summary``): the training device's
+"""``optim/state_bytes`` split by device (``hmt_core.state_bytes.state_bytes_summary``): the training device's
 bytes vs host copies such as HMT's parked bases (``method.offload_bases=true``)."""
 
 import torch
@@ -6,7 +6,7 @@ import torch
 from experiments import methods
 from experiments.loop import train_step
 from hmt_core.basis_cache import basis_bytes
-from hmt_core.driver import state_bytes_summary
+from hmt_core.state_bytes import state_bytes_summary
 
 
 def test_state_bytes_summary_splits_by_the_training_device():

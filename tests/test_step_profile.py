@@ -43,9 +43,9 @@ def test_a_profiled_row_has_every_figure(adamw_row):
 
 
 def test_the_loop_batch_is_host_side(adamw_row):
-    """The batch is drawn on the host (``experiments/data.py``): listed apart, never a host sync."""
+    """The batch is drawn on the host (``experiments/data/corpus.py``): listed apart, never a host sync."""
     assert adamw_row["host_side_sync_sites"], adamw_row
-    assert not any(site.startswith("experiments/data.py") for site in adamw_row["sync_sites"]), adamw_row
+    assert not any(site.startswith("experiments/data/corpus.py") for site in adamw_row["sync_sites"]), adamw_row
 
 
 def test_a_schedule_without_room_for_the_counted_steps_is_refused():

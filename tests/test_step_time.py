@@ -12,10 +12,10 @@ import io
 
 import pytest
 
-import experiments.plan_model as plan_model
+import experiments.planner.model as plan_model
 from experiments import step_time
 from experiments.errors import UserError
-from experiments.plan import run_config
+from experiments.planner.plan import run_config
 
 
 def _run(*overrides: str):

@@ -1,4 +1,4 @@
-"""Sweep files, run identity, skip-completed and the ``experiments.sweep`` CLI, without Slurm.
+"""Sweep files, run identity, skip-completed and the ``experiments.sweeps.sweep`` CLI, without Slurm.
 
 The multirun test drives the real Hydra config, sweeper (``hydra/sweeper=hmt``) and results store through
 ``tests/standin_run.py`` (no training), with ``cluster=local``; the Slurm path is in ``test_slurm.py``.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import sweep
+from experiments.sweeps import sweep
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN = REPO / "tests" / "standin_run.py"

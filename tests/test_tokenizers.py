@@ -16,7 +16,7 @@ from test_architectures import compose_run, config_dir
 from test_runner import MICRO
 
 from experiments.config import ModelConfig
-from experiments.data import build_corpus, load_local_corpus, load_model_tokenizer, split_documents
+from experiments.data.corpus import build_corpus, load_local_corpus, load_model_tokenizer, split_documents
 from experiments.errors import UserError
 from experiments.models import build_model
 from experiments.train import model_tokenizer

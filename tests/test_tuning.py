@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import sweep, tuning
+from experiments.sweeps import sweep
+from experiments.sweeps import tuning
 from experiments.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent

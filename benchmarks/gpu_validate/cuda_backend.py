@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_validate.orchestrate import RunFailed, RunResult
-from experiments.gpu_stats import first_visible_gpu_handle
+from experiments.memory.gpu_stats import first_visible_gpu_handle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"

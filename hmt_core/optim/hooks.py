@@ -41,7 +41,7 @@ appeared keep their update. A gradient that is not finite is never used for a ba
 host, only when a refresh is due (the SVD and the rank choice synchronize anyway). The step counters are corrected
 when the host next reads values (``LowRankOptimizer.reconcile``; docs/host_syncs.md).
 
-Multi-process (``experiments.distributed``): ``reduce_grad`` (set by the harness, None otherwise) averages a
+Multi-process (``experiments.dist.parallel``): ``reduce_grad`` (set by the harness, None otherwise) averages a
 gradient across ranks in place before it is used — each micro-batch's gradient of a Mode A weight, the accumulated
 gradient of every other parameter on the last micro-batch — so refreshes, norms and updates see the global
 gradient, identically on every rank. The reducer may defer (bucketed asynchronous all-reduces, like DDP's
@@ -77,7 +77,7 @@ from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, g
 
 
 class GradReducer(Protocol):
-    """Averages gradients across ranks in place (set by ``experiments.distributed``; None single-process). It may
+    """Averages gradients across ranks in place (set by ``experiments.dist.parallel``; None single-process). It may
     defer (bucket, communicate asynchronously): ``done`` runs once the tensor holds the mean, in the order the
     tensors were handed over, at the latest in ``flush``."""
 

@@ -164,7 +164,7 @@ class ShardedEngine(PerLayerEngine):
         super().__init__(opt, max_grad_norm=max_grad_norm)
         mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
-        self.refresh_mode = "gather"  # dist.refresh (set by experiments.distributed): "gather" | "sketch"
+        self.refresh_mode = "gather"  # dist.refresh (set by experiments.dist.parallel): "gather" | "sketch"
         if self.group is not None:
             opt.agree_rank = rank_from_root(self.group)
 

@@ -11,7 +11,7 @@ failures in the run's own ``status``.
 * Multi-process runs (``nodes`` × ``tasks_per_node`` > 1, ``dist=ddp|fsdp2``): Slurm starts every task (srun, one
   per GPU) with the same job; before the runner starts, each exports torch.distributed's environment
   (``MASTER_ADDR`` = the first node, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) from Slurm's with
-  ``submitit.helpers.TorchDistributedEnvironment``, so the runner's torchrun path (``experiments.distributed``)
+  ``submitit.helpers.TorchDistributedEnvironment``, so the runner's torchrun path (``experiments.dist.parallel``)
   takes over; rank 0 alone writes results. ``check_run`` refuses, before anything is submitted, a task count
   that the run's ``dist`` cannot use (``dist=none`` with more than one task, a global batch not divisible by
   it, more tasks per node than GPUs).
@@ -42,9 +42,9 @@ class HMTSlurmLauncher(SlurmLauncher):
     # ---- before submitting (every job of the sweep, composed) ----------------------------------------------
     def check_run(self, cfg: DictConfig) -> None:
         """One-line ``UserError`` when the run cannot use ``nodes`` × ``tasks_per_node`` processes."""
-        from experiments.dist_checks import check_combination
+        from experiments.dist.checks import check_combination
         from experiments.errors import UserError
-        from experiments.sweep import validated_run_config
+        from experiments.sweeps.sweep import validated_run_config
 
         run = validated_run_config(cfg)
         nodes, per_node = int(self.params.get("nodes") or 1), int(self.params.get("tasks_per_node") or 1)
@@ -89,7 +89,7 @@ class HMTSlurmLauncher(SlurmLauncher):
 
     def _record_failure(self, overrides: List[str], message: str) -> None:
         from experiments.config import to_plain_dict
-        from experiments.sweep import mark_failed, run_ref_from_config, validated_run_config
+        from experiments.sweeps.sweep import mark_failed, run_ref_from_config, validated_run_config
 
         try:
             assert self.hydra_context is not None and self.config is not None

@@ -26,8 +26,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.errors import one_line_errors
-from experiments.tuning import is_search_run
-from experiments.sweep import checked, run_lookup, run_ref_from_config, split_completed, sweep_jobs, sweep_label
+from experiments.sweeps.tuning import is_search_run
+from experiments.sweeps.sweep import checked, run_lookup, run_ref_from_config, split_completed, sweep_jobs, sweep_label
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments import meta_init
+from experiments.dist import meta_init
 from experiments.config import ModelConfig
-from experiments.dist_comm import MIB, CommCounter, GradAverager, StepBytes, row_sparse_names
-from experiments.dist_checks import check_launch, resolve_backend
+from experiments.dist.comm import MIB, CommCounter, GradAverager, StepBytes, row_sparse_names
+from experiments.dist.checks import check_launch, resolve_backend
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
 from hmt_core.int8_weights import is_phantom
@@ -42,10 +42,10 @@ class DistContext:
     backend: str
     device: torch.device
     lowrank_comm: bool = False  # dist.lowrank_comm: per-layer hmt reduces Ĝ between refreshes
-    comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist_comm), installed by setup
+    comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist.comm), installed by setup
     mesh: object | None = None  # fsdp2's DeviceMesh (None: fully_shard builds the default one)
     refresh: str = "gather"  # dist.refresh: fsdp2 + hmt basis refresh, "gather" | "sketch" (hmt_core.optim.sharded)
-    bucket_mb: float = 25.0  # dist.bucket_mb: ddp + per-layer hmt's gradient buckets (experiments.dist_comm)
+    bucket_mb: float = 25.0  # dist.bucket_mb: ddp + per-layer hmt's gradient buckets (experiments.dist.comm)
 
     def __post_init__(self) -> None:
         self.step_bytes = StepBytes(self.comm) if self.comm is not None else None
@@ -59,7 +59,7 @@ class DistContext:
         return self.counted_as("control")
 
     def counted_as(self, scope: str):
-        """Collectives inside are counted under ``scope`` (``experiments.dist_comm``), not as training traffic."""
+        """Collectives inside are counted under ``scope`` (``experiments.dist.comm``), not as training traffic."""
         return self.comm.scope(scope) if self.comm is not None else contextlib.nullcontext()
 
     def barrier(self) -> None:
@@ -210,7 +210,7 @@ def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.B
     """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head), with the
     weights computed in their own dtype and the gradients reduce-scattered in fp32 (``reduce_dtype``: a bf16 model's
     unit gradients are copied into an fp32 reduce-scatter input, summed and averaged in fp32, then cast back). A model
-    built on meta (``build``: its recorded RNG draws, ``experiments.meta_init``) then gets its shards on
+    built on meta (``build``: its recorded RNG draws, ``experiments.dist.meta_init``) then gets its shards on
     ``ctx.device`` (``to_empty``) filled with the single-process values, torchtitan's order."""
     if ctx is None or ctx.mode != "fsdp2":
         return model
@@ -371,12 +371,12 @@ def broadcast_module(model: nn.Module) -> None:
 
 
 def checkpointer_class(ctx: DistContext | None, single):
-    """``single`` (``experiments.checkpointing.Checkpointer``) or, under torchrun, the DCP one."""
+    """``single`` (``experiments.checkpoint.manager.Checkpointer``) or, under torchrun, the DCP one."""
     if ctx is None:
         return single
     import functools
 
-    from experiments.dist_checkpoint import DistCheckpointer
+    from experiments.checkpoint.dcp import DistCheckpointer
 
     return functools.partial(DistCheckpointer, ctx=ctx)
 

@@ -1,4 +1,4 @@
-"""Feedback of the planner's verification traces into its cost model (``experiments.plan``, ``verify=true``).
+"""Feedback of the planner's verification traces into its cost model (``experiments.planner.plan``, ``verify=true``).
 
 A full-size dry run of a plan that measures more than the integer program predicted corrects the costs the
 program is built from, and the program is solved again: the corrected model is the measured one at the traced
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments.plan_costs import GIB
-from experiments.plan_milp import Problem, Segment, Solution
+from experiments.planner.costs import GIB
+from experiments.planner.milp import Problem, Segment, Solution
 
 
 class Corrections:

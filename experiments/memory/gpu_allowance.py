@@ -5,7 +5,7 @@ per item, each with its bytes and the source it comes from (the sources and the 
 Two kinds of line:
 
 - *replayed* lines are allocations torch makes through the caching allocator (cuBLAS/cuBLASLt workspaces): they
-  are fed to ``experiments.allocator_model.replay`` as a prelude on their stream, so they land in the predicted
+  are fed to ``experiments.memory.allocator_model.replay`` as a prelude on their stream, so they land in the predicted
   ``max_memory_reserved`` with the allocator's rounding;
 - the other lines are memory outside the replayed pool: the CUDA context (driver state and lazily loaded
   kernels), NCCL's communication buffers, and the cached pools of side streams (FSDP2's all-gather and
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch.distributed.fsdp import FSDPModule
 
-from experiments.allocator_model import AllocEvent, replay
+from experiments.memory.allocator_model import AllocEvent, replay
 from experiments.config import GPU_ARCHS, RunConfig
 
 MiB = 2**20
@@ -95,7 +95,7 @@ class GpuAllowance:
         return sum(line.bytes for line in self.lines if line.replayed)
 
     def prelude(self) -> tuple[tuple[int, int], ...]:
-        """The replayed lines as ``experiments.allocator_model.replay``'s prelude: ``(bytes, stream)``."""
+        """The replayed lines as ``experiments.memory.allocator_model.replay``'s prelude: ``(bytes, stream)``."""
         return tuple((line.bytes, line.stream) for line in self.lines if line.replayed)
 
     def to_dict(self) -> dict:
@@ -130,7 +130,7 @@ def allowance_for(target: GpuTarget) -> GpuAllowance:
             bytes=2 * target.fsdp_unit_bytes + (target.fsdp_unit_bytes if target.fsdp_unit_reduce_bytes is None
                                                 else target.fsdp_unit_reduce_bytes),
             source="torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: all-gather output (current + "
-                   "prefetched unit) and reduce-scatter input (reduce_dtype=fp32, experiments.distributed."
+                   "prefetched unit) and reduce-scatter input (reduce_dtype=fp32, experiments.dist.parallel."
                    "shard_model) allocated on their own streams"))
     if target.basis_cache_device_bytes:
         lines.append(AllowanceLine(
@@ -153,7 +153,7 @@ def fsdp_unit_bytes(model) -> int:
 
 def fsdp_unit_reduce_bytes(model) -> int:
     """The largest ``fully_shard`` unit's reduce-scatter input: its unsharded parameters' elements in fp32 (the
-    ``reduce_dtype`` of ``experiments.distributed.shard_model``). 0 for a model without units."""
+    ``reduce_dtype`` of ``experiments.dist.parallel.shard_model``). 0 for a model without units."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     best = 0
     for unit in units:

@@ -15,7 +15,7 @@ memory budget; here the optimizer setting and the micro-batch size are decision 
                 S_{p,j} + P_{p,j}·b + Σ_o M_{p,o} y_o + Σ_{c,a} (s_{p,c,a} x_{c,a} + q_{p,c,a} w_{c,a})
                   + s_{p,ℓ} ℓ + q_{p,ℓ} w_ℓ  ≤  t  (+ Big-M·(1 − u_j), + Big-M·(1 − n) for the probe),   t ≤ B
               with S, P the reference's static and per-sequence bytes, M the option's, s and q the choice's
-              static and per-sequence deltas — all measured (``experiments.plan_costs``); t is the predicted peak
+              static and per-sequence deltas — all measured (``experiments.planner.costs``); t is the predicted peak
   rules       x_{attn_qkv,recompute} ≤ x_{attn_core,recompute}; x_{c,keep} ≥ ℓ for c inside the layers;
               b + (B_max − cap_o)·y_o ≤ B_max for an option verified over the budget at cap_o + 1 sequences
   objective   lexicographic, one MILP per tier, each tier's optimum kept as a constraint for the next:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from experiments.meter import MemoryMeter
+from experiments.memory.meter import MemoryMeter
 from hmt_core.kernels import ops
 from hmt_core.projection import Basis
 

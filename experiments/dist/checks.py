@@ -1,6 +1,6 @@
 """What a multi-process launch must agree on, checked before anything runs: ``dist``, torchrun's environment, the
 world size, the method and its options (one ``UserError`` line each, raised on every rank alike). Used by
-``experiments.distributed.setup``, the per-rank dry run and the Slurm launcher (before it submits)."""
+``experiments.dist.parallel.setup``, the per-rank dry run and the Slurm launcher (before it submits)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def check_launch(run, device: torch.device) -> None:
 
 
 # methods whose optimizer steps FSDP2's DTensor shards as is: torch AdamW, and galore-torch/apollo-torch through
-# DTensor's operator dispatch (``experiments.dtensor_state``); hmt has its own sharded engine
+# DTensor's operator dispatch (``experiments.dist.dtensor_state``); hmt has its own sharded engine
 FSDP2_METHODS = ("adamw", "galore", "apollo")
 
 

@@ -12,7 +12,7 @@ EOS). So a model sees documents framed as its tokenizer frames text at inference
 Split: by document, deterministically (a document goes to validation when the SHA-256 of its id falls in the
 first ``val_fraction`` of the hash range), decided per document while streaming, so it never depends on file
 order. Local documents longer than ``data.chunk_chars`` are first cut into pieces at paragraph boundaries
-(``experiments.local_corpus``); if hashing leaves a side empty, one piece is moved to it.
+(``experiments.data.local_corpus``); if hashing leaves a side empty, one piece is moved to it.
 
 Token files: one flat array per split, ``uint16`` when the vocabulary has at most 65,536 tokens else ``int32``,
 written in batches of documents to ``<cache_dir>/tokens-<key>-<split>.bin`` (temp file + rename) and opened with
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from experiments.errors import UserError
-from experiments.local_corpus import corpus_files, iter_documents
+from experiments.data.local_corpus import corpus_files, iter_documents
 
 EOS = "<|endoftext|>"
 TOKENIZER_SAMPLE_CHARS = 100_000_000  # the trained BPE sees at most the first ~100 MB of training text
@@ -67,7 +67,7 @@ def load_builtin_corpus() -> list[Document]:
 
 
 def load_local_corpus(path: str, text_field: str, chunk_chars: int = 0) -> list[Document]:
-    """The local corpus at ``path`` as a list (``experiments.local_corpus.iter_documents`` streams it), documents
+    """The local corpus at ``path`` as a list (``experiments.data.local_corpus.iter_documents`` streams it), documents
     longer than ``chunk_chars`` characters cut into pieces at paragraph boundaries (0: never cut)."""
     return [Document(doc_id, text) for doc_id, text in iter_documents(path, text_field, chunk_chars)]
 
@@ -319,7 +319,7 @@ def build_corpus(*, path: str | None, text_field: str, val_fraction: float, voca
                  tokenizer_sample_chars: int = TOKENIZER_SAMPLE_CHARS) -> Corpus:
     """``tokenizer_path``: a model directory whose tokenizer to use instead of training a
     BPE of ``vocab_size`` on the training split's first ``tokenizer_sample_chars`` characters. ``chunk_chars``:
-    local documents longer than this are cut into pieces (``experiments.local_corpus.split_long_text``); the
+    local documents longer than this are cut into pieces (``experiments.data.local_corpus.split_long_text``); the
     built-in corpus keeps its addresses whole. The corpus is read three times at most, one document at a time:
     to fingerprint and split it, to train the tokenizer, and to encode it (the last two only on a cache miss)."""
     if path and (min_year is not None or max_year is not None):

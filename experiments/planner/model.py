@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from experiments.plan_costs import (
+from experiments.planner.costs import (
     GIB,
     PHASES,
     Derived,
@@ -43,7 +43,7 @@ from experiments.plan_costs import (
     option_cost,
     valid_actions,
 )
-from experiments.plan_milp import KEEP, Action, Option, Problem, Segment
+from experiments.planner.milp import KEEP, Action, Option, Problem, Segment
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS
 
 LOSSY_ACTIONS = ("int8", "fp8", "int4_outlier", "int8_outlier")
@@ -190,7 +190,7 @@ def action_time(component: str, action: str, d: Derived, flops: dict, cal: dict)
 
 def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops: dict, cal: dict,
                   budget_gib: float, llama: bool, seq_scale: float = 1.0) -> Problem:
-    """The MILP of ``experiments.plan_milp`` from measured costs. ``seq_scale``: per-sequence bytes and times
+    """The MILP of ``experiments.planner.milp`` from measured costs. ``seq_scale``: per-sequence bytes and times
     scaled for a sequence ``seq_scale`` times the measured one (capacity's sequence-length search)."""
     options = []
     for choice in all_options(space):

@@ -8,12 +8,14 @@ whole ``Method`` built on it from a baseline's ``prepare``/``build`` functions (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+
+from hmt_core.state_bytes import iter_state_tensors, state_bytes_summary
 
 
 OPTIMIZER_IMPLS = ("fused", "foreach", "single")
@@ -38,51 +40,6 @@ def clip_foreach(params: list[torch.Tensor]) -> bool:
     there), per-tensor elsewhere (torch refuses ``foreach=True`` on CPU tensors, fake ones included, so a dry run
     traces the per-tensor path; both allocate one 0-d norm per gradient and scale the gradients in place)."""
     return bool(params) and all(p.is_cuda for p in params)
-
-
-def iter_state_tensors(state: Any) -> Iterator[torch.Tensor]:
-    """All tensors inside a (nested) optimizer-state structure."""
-    if isinstance(state, torch.Tensor):
-        yield state
-    elif isinstance(state, dict):
-        for value in state.values():
-            yield from iter_state_tensors(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from iter_state_tensors(value)
-    else:  # objects such as galore-torch's projectors keep tensors as attributes
-        attrs = getattr(state, "__dict__", None)
-        if attrs:
-            yield from iter_state_tensors(attrs)
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this process holds for ``t``: a DTensor's local shard (its ``numel`` is the global one)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def same_device(device: torch.device, target: torch.device) -> bool:
-    """``device`` is ``target``, or of its type when ``target`` names no index ("cuda" matches "cuda:0")."""
-    return device.type == target.type and target.index in (None, device.index)
-
-
-def state_bytes_summary(tensors: Iterable[torch.Tensor], device: torch.device | None) -> dict[str, int]:
-    """A method's optimizer-state keys, bytes this process holds (``local_bytes``): ``optim/state_device_bytes``
-    on the training ``device``, ``optim/state_host_bytes`` on every other device (the host: HMT's parked bases,
-    ``method.offload_bases=true``), and ``optim/state_bytes``, the device figure (what must fit on the
-    accelerator). ``device=None``, or a CPU run, where host and device are one memory: all of it is device."""
-    on_device = host = 0
-    for t in tensors:
-        n = local_bytes(t)
-        if device is None or same_device(t.device, device):  # a DTensor's device is its local shard's
-            on_device += n
-        else:
-            host += n
-    return {"optim/state_bytes": on_device, "optim/state_device_bytes": on_device, "optim/state_host_bytes": host}
 
 
 def _plain_tensors_replicated(params: list[torch.Tensor]):

@@ -4,7 +4,7 @@ Every tensor produced by an ATen op while the meter is active is registered by i
 storage and are counted once); a weakref finalizer on the storage marks its release. The meter therefore
 measures what is really alive, on any device, with real tensors (source ``tracker``) or shape-only fake tensors
 under ``FakeTensorMode`` (source ``fake``). On CUDA the allocator's own peaks are recorded beside it
-(``experiments.gpu_stats``).
+(``experiments.memory.gpu_stats``).
 
 Categories (``CATEGORIES``):
 - ``params``/``other``: tensors registered with ``track`` before the step (weights, buffers, input batches);
@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hmt_core.driver import iter_state_tensors, same_device
+from hmt_core.state_bytes import iter_state_tensors, same_device
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
 PHASES = ("forward", "backward", "optimizer")
@@ -179,7 +179,7 @@ class MemoryMeter(TorchDispatchMode):
         self.host_device_bytes = 0
         self._grad_hooks: list = []
         # every allocation and free in order: (tick, +bytes / -bytes, storage serial, device), for
-        # experiments.allocator_model's replay of the CUDA caching allocator
+        # experiments.memory.allocator_model's replay of the CUDA caching allocator
         self.events: list[tuple[int, int, int, str]] = []
 
     # ---- registration -------------------------------------------------------------------------------

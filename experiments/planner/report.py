@@ -1,4 +1,4 @@
-"""The planner's record, where its plans go, and its printed table: ``experiments.plan`` writes
+"""The planner's record, where its plans go, and its printed table: ``experiments.planner.plan`` writes
 ``<results_dir>/plans/<name>.yaml`` (the run configuration, a Hydra ``_global_`` config of the group ``plans``) and
 ``<name>.json`` (schema ``hmt-plan/1``: the choice, predicted and verified peaks, every verification iteration, the
 costs' key and the calibration) and renders the record as the Markdown table it prints."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from experiments.errors import UserError
 
-from experiments.gpu_allowance import reserve_bytes, reserve_label, step_bytes
-from experiments.plan_costs import GIB, PHASES, STEP_PHASES
+from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.planner.costs import GIB, PHASES, STEP_PHASES
 
 SCHEMA = "hmt-plan/1"
 
@@ -20,7 +20,7 @@ def model_label(run) -> str:
     return Path(run.model.path).name if run.model.path else run.model.name
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRACKED = (REPO / "experiments", REPO / "results" / "plan")
 
 

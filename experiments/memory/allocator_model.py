@@ -45,7 +45,7 @@ K_LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segment for large requests below kMin
 K_MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
 K_ROUND_LARGE = 2 * MiB  # kRoundLarge: rounding of larger segments
 
-# (tick, +bytes for an allocation / -bytes for a free, storage key, device): experiments.meter's event log
+# (tick, +bytes for an allocation / -bytes for a free, storage key, device): experiments.memory.meter's event log
 AllocEvent = tuple[int, int, int, str]
 
 

@@ -2,7 +2,7 @@
 
 A checkpoint is ``<root>/step-NNNNNNNN/`` holding DCP's files (``.metadata`` and one ``__<rank>_0.distcp`` per
 writing rank) plus ``manifest.json`` (the step, the run's config, each file's size and SHA-256), so
-``hmt_core.checkpoint.verify``/``find_latest_good`` and ``experiments.checkpointing.find_resume`` (config check,
+``experiments.checkpoint.store.verify``/``find_latest_good`` and ``experiments.checkpoint.manager.find_resume`` (config check,
 damaged-checkpoint fallback) work unchanged. Atomicity: every rank writes into ``<root>/.tmp-step-NNNNNNNN``
 (``dcp.save`` is collective and returns once ``.metadata`` is written); rank 0 then hashes the files, writes the
 manifest and renames the directory to ``step-...``; a job killed before that leaves only a temp directory, which
@@ -16,7 +16,7 @@ What is saved (one state dict, each entry through DCP):
   optimizer state with their projector objects), one serialized entry: it is identical on every rank (each rank
   computes the same update from the all-reduced gradient), so DCP writes it once; under FSDP2 galore-torch's and
   apollo-torch's state holds DTensors (also inside projector objects), gathered to full values first
-  (``experiments.dtensor_state``) and put back on the reading run's mesh;
+  (``experiments.dist.dtensor_state``) and put back on the reading run's mesh;
 - ``hmt_rows`` (FSDP2 + hmt only, ``hmt_core.optim.sharded_state``): the moments that are row shards of a
   parameter (right-sided and dense ones) as ``Shard(0)`` DTensors of their global shape, each rank writing its rows;
   ``method`` then holds placeholders in their place. Restoring reads ``method`` first, builds this rank's empty
@@ -53,10 +53,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from experiments import dtensor_state
-from experiments.checkpointing import Checkpointer, LoopState, Preempted, ResumePoint
+from experiments.dist import dtensor_state
+from experiments.checkpoint.manager import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 from hmt_core.optim import sharded, sharded_state
 
 

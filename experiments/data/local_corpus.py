@@ -9,7 +9,7 @@ Large documents are cut into pieces so that a corpus of one file (a book) or of 
 validation split: a document longer than ``chunk_chars`` characters is cut at paragraph boundaries (blank
 lines; a paragraph longer than the limit at line ends, then hard) and the paragraphs are packed greedily into
 pieces of at most ``chunk_chars`` characters, each piece keeping the document's id plus ``#<k>``. The
-train/validation split then treats every piece as a document (``experiments.data``).
+train/validation split then treats every piece as a document (``experiments.data.corpus``).
 
 Bad input raises ``UserError`` naming the file (and line): an empty file, a binary or non-UTF-8 file, a JSONL
 line that is not JSON, a row without the text field or whose text is not a string.

@@ -14,7 +14,7 @@ A sweep file (``experiments/sweeps/<name>.yaml``) lists override sets for ``pyth
       lrs: [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2]
       seeds: [1, 2, 3]
 
-With ``tune`` (``experiments.tuning``) each run above is a row of the comparison, expanded into its learning-rate
+With ``tune`` (``experiments.sweeps.tuning``) each run above is a row of the comparison, expanded into its learning-rate
 search and, once every search has finished, its final seeded runs; expanding it reads finished runs' results,
 so callers pass how to find a run's folder (``lookup``).
 
@@ -36,9 +36,9 @@ import yaml
 from experiments.errors import UserError
 
 if TYPE_CHECKING:
-    from experiments.tuning import RunLookup, TuneSpec
+    from experiments.sweeps.tuning import RunLookup, TuneSpec
 
-SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
+SWEEPS_DIR = Path(__file__).resolve().parent  # the sweep files sit beside this module
 SWEEP_FILE_KEYS = ("description", "common", "grid", "runs", "tune")
 
 
@@ -130,7 +130,7 @@ def read_sweep_spec(sweep: str | Path) -> tuple[list[list[str]], TuneSpec | None
     if not isinstance(spec, dict):
         raise UserError(f"{path}: a sweep file is a mapping with grid/runs/common/description, "
                         f"not a {type(spec).__name__}")
-    from experiments.tuning import parse_tune  # tuning builds on this module's override helpers
+    from experiments.sweeps.tuning import parse_tune  # tuning builds on this module's override helpers
 
     try:
         return expand_sweep(spec), (parse_tune(spec["tune"]) if "tune" in spec else None)
@@ -174,7 +174,7 @@ def sweep_jobs(sweep: str | Path | None, overrides: Sequence[str], config_loader
         return rows
     if lookup is None:
         raise UserError("a tuned sweep's runs depend on finished runs; no way to find them was given")
-    from experiments.tuning import tuned_jobs
+    from experiments.sweeps.tuning import tuned_jobs
 
     try:
         return tuned_jobs(rows, tune, lookup)

@@ -37,7 +37,7 @@ from torch import nn
 
 from experiments.config import RUN_ID_IGNORED_TRAIN_KEYS, without_added_defaults
 from experiments.errors import UserError
-from hmt_core import checkpoint as ck
+from experiments.checkpoint import store as ck
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, the shell's convention for Ctrl-C

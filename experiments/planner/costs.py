@@ -1,6 +1,6 @@
 """Byte costs for the memory planner, measured by the dry-run meter on traced 1- and 2-layer models.
 
-Every byte the planner's integer program (``experiments.plan_milp``) counts comes from ``experiments.dryrun.
+Every byte the planner's integer program (``experiments.planner.milp``) counts comes from ``experiments.dryrun.
 trace_steps`` — the real training step on ``FakeTensorMode`` tensors under the project's meter — run on the
 model at its full width with 1 and 2 decoder layers (at the micro-batches of ``batch_segments``), never from a
 formula.
@@ -16,7 +16,7 @@ Differencing (each choice's bytes are its measured difference from a reference):
 The reference keeps everything with ``offload_cpu``, which on the CPU a dry run traces leaves each saved tensor
 where it is (``hmt_core.activations.apply``: ``packed = t`` on CPU) — byte-identical to ``keep`` — but makes the
 policy non-identity, so the policy counts what each component saves and the activation probe is traced too.
-Samples come from the committed cost table or the user's cache (``experiments.plan_cache``), keyed by what changes a
+Samples come from the committed cost table or the user's cache (``experiments.planner.cache``), keyed by what changes a
 trace; missing ones are traced and cached one by one.
 """
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.config import RunConfig
-from experiments.gpu_allowance import traced_step_bytes
+from experiments.memory.gpu_allowance import traced_step_bytes
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS, ActivationPolicy
 
 GIB = 2**30
@@ -247,10 +247,10 @@ def sample_run(run: RunConfig, with_layers, layers: int, batch: int, choice: Opt
 def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None = None, refresh: bool = False,
             table=None, log: Callable[[str], None] = print) -> dict:
     """All samples the planner needs for ``run`` (method=hmt; its other settings as given): from the committed cost
-    table and the user's cache (``experiments.plan_cache``), traced (and cached at once) where missing or with
-    ``refresh``; ``table``: an ``experiments.plan_cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
+    table and the user's cache (``experiments.planner.cache``), traced (and cached at once) where missing or with
+    ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
     raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
-    from experiments.plan_cache import Table, entry_key
+    from experiments.planner.cache import Table, entry_key
 
     table = table or Table(run, run.model.name, cache_dir)
     if refresh:  # measured again from scratch

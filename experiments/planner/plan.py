@@ -1,0 +1,397 @@
+"""``python -m experiments.plan model=7b train.seq_len=2048 budget_gib=16`` — will it fit? A memory-budget planner.
+
+Chooses, for ``method=hmt`` on any model the runner takes (phases, ``model.path=`` configs, any override of
+``experiments.run``), the optimizer setting (Mode A with an optimizer-state budget ``method.state_budget``, within
+which HMT's own allocator picks per-layer ranks, or Mode B = APOLLO-Mini; state dtype, projected LM head,
+bitsandbytes 8-bit dense state, INT8 projected weights), the action of each activation component (keep / recompute
+/ int8 …, or full layer recomputation) and the micro-batch size that maximize tokens per micro-batch, then
+retained gradient energy, then step time, under ``budget_gib`` less the GPU allowance
+(``experiments.memory.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
+``dryrun.reserve=flat``, ``dryrun.cuda_context_gib``):
+
+1. costs: dry-run traces of 1- and 2-layer models at full width (``experiments.planner.costs``), read from the
+   committed cost table or the user's cache (``experiments.planner.cache``) and traced only where missing; FLOPs and
+   a calibrated time model (``experiments.planner.model``);
+2. an integer program solved with ``scipy.optimize.milp`` (``experiments.planner.milp``; after Adacc, Chen et al.
+   2025) — the answer is the cost model's prediction;
+3. with ``verify=true``: the plan, written as a Hydra config, is run AS IS as a real ``mode=dryrun`` of the full
+   model; if its peak (the dry run's verdict peak; with ``dryrun.reserve=modeled`` the caching allocator's
+   predicted reserved bytes, ``experiments.memory.gpu_allowance.step_bytes``) exceeds the budget, the cost model is
+   corrected by what was measured (``Corrections``) and the MILP solved again (at most ``max_iters`` times).
+
+Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` another folder; never the tracked
+``experiments/conf/plan/`` or ``results/plan/``); the printed commands say which one trains and which one only
+traces. Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``, ``batch_size`` (a fixed
+micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``, ``max_iters``,
+``calibration``, ``refresh_costs`` and the choice space ``modes, state_budgets, state_dtypes, weight_dtypes,
+dense_8bit, project_head, actions, layer_recompute, max_batch_size`` (``experiments.planner.costs.Space``);
+``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
+committed cost table). Design and measurements: ``docs/planner.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from experiments.errors import UserError, one_line_errors
+from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.planner.correct import Corrections
+from experiments.planner.costs import GIB, Space, derive, measure, target_layers
+from experiments.planner.milp import min_peak, solve
+from experiments.planner.model import build_problem, calibrate, param_bytes, region_flops, weight_stats
+from experiments.planner.report import model_label, plan_record, plans_dir, render_plan, run_command
+from experiments.step_time import CONFIRM_S
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
+SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
+              "layer_recompute", "max_batch_size")
+KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
+        "calibration": str, "refresh_costs": bool, "capacity": bool, "calibrate": bool, "table": bool,
+        "methods": list, "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
+FLAGS = ("--capacity", "--calibrate", "--table")
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """Planner keys (``key=value``, values in YAML) and the ``experiments.run`` overrides."""
+    planner, overrides = {}, []
+    for token in argv:
+        if token in FLAGS:
+            planner[token[2:]] = True
+            continue
+        if token.startswith("-"):
+            raise UserError(f"unknown flag {token!r}; flags: {', '.join(FLAGS)} (everything else is key=value)")
+        key, sep, value = token.partition("=")
+        if sep and key in KEYS:
+            parsed = yaml.safe_load(value) if value else None
+            if not isinstance(parsed, KEYS[key]) or (KEYS[key] is not bool and isinstance(parsed, bool)):
+                raise UserError(f"{key}={value!r}: expected {_type_name(KEYS[key])}")
+            planner[key] = parsed
+        else:
+            overrides.append(token)
+    return planner, overrides
+
+
+def _type_name(t) -> str:
+    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
+
+
+def compose(overrides: Sequence[str], plan_dir: Path | None = None):
+    """``experiments/conf/run.yaml`` composed with ``overrides`` (and ``plan_dir`` on the search path)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import experiments.run  # noqa: F401  (registers the structured configs)
+    from experiments.sweeps.sweep import checked
+
+    extra = [f"hydra.searchpath=[file://{Path(plan_dir).resolve()}]"] if plan_dir is not None else []
+
+    def make():
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return hydra_compose(config_name="run", overrides=[*extra, *overrides])
+
+    return checked("experiments.planner.plan", make)
+
+
+def run_config(overrides: Sequence[str]):
+    from experiments.sweeps.sweep import checked, validated_run_config
+
+    cfg = compose(overrides)
+    return checked("experiments.planner.plan", lambda: validated_run_config(cfg))
+
+
+def space_from(planner: dict) -> Space:
+    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in planner.items() if k in SPACE_KEYS}
+    try:
+        return Space(**values)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"planner choice space: {e}") from None
+
+
+def plan_name(run, budget_gib: float, batch_size: int | None = None) -> str:
+    return f"{model_label(run)}-s{run.train.seq_len}-{budget_gib:g}gib" + (f"-b{batch_size}" if batch_size else "")
+
+
+def _plain(obj):
+    return json.loads(json.dumps(obj, default=list))
+
+
+def plan_nodes(run, solution, space: Space) -> dict:
+    """The run configuration of a solution as the top-level nodes a ``_global_`` plan config sets."""
+    import dataclasses
+
+    from experiments.config import to_plain_dict
+    from experiments.planner.costs import policy_for
+
+    choice = solution.option.payload
+    method = dataclasses.replace(run.method, **choice.method_changes(run.method))
+    policy = policy_for(run.activation, bool(solution.actions), **solution.actions,
+                        layer_recompute=solution.layer_recompute)
+    train = dataclasses.replace(run.train, batch_size=solution.batch)
+    plain = to_plain_dict(dataclasses.replace(run, method=method, activation=policy, train=train))
+    nodes = {k: _plain(plain[k]) for k in PLAN_NODES}
+    nodes["activation"] = {"preset": "none", **_plain(policy.to_dict())}
+    return nodes
+
+
+def write_plan_yaml(path: Path, nodes: dict, header: list[str]) -> None:
+    from experiments.results import atomic_write_text
+
+    text = "# @package _global_\n" + "".join(f"# {line}\n" for line in header)
+    atomic_write_text(path, text + yaml.safe_dump(nodes, sort_keys=False))
+
+
+def verify_plan(name: str, folder: Path, results: Path) -> dict:
+    """A real ``mode=dryrun`` of the plan config ``folder/<name>.yaml`` as written (in this process); its summary."""
+    from experiments.run import main_with_config
+
+    cfg = compose([f"+{folder.name}={name}", "mode=dryrun", f"results_dir={results}", "run_id=verify", "force=true"],
+                  folder.parent)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main_with_config(cfg)
+
+
+def load_calibration(planner: dict, run) -> dict:
+    path = planner.get("calibration")
+    if path is None:
+        from experiments.models import TORCH_DTYPES
+
+        return {**calibrate("cpu", TORCH_DTYPES[run.model.dtype]), "source": "measured now (cpu)"}
+    try:
+        return {**json.loads(Path(path).read_text()), "source": str(path)}
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"calibration={path}: cannot read a calibration file ({e})") from None
+
+
+@dataclass
+class Prepared:
+    """Everything measured once per (model, settings): weights, traced costs, FLOPs, calibration."""
+
+    run: object
+    space: Space
+    layers: int
+    stats: dict
+    llama: bool
+    record: dict
+    costs: object
+    flops: dict
+    cal: dict
+    weights_gib: float
+    lowest: str  # the weight dtype with the fewest bytes
+
+    @property
+    def verify_dir(self) -> Path:
+        return Path(self.run.results_dir).expanduser() / "plan_verify"
+
+    @property
+    def floor_gib(self) -> float:
+        return self.weights_gib + reserve_bytes(self.run) / GIB
+
+
+def prepare(run, planner: dict, *, log=print) -> Prepared:
+    from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
+
+    space = space_from(planner)
+    layers = target_layers(run)
+    refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
+    table = Table(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
+                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
+    if refresh:
+        table.clear()
+    wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
+    hit = table.get(wkey)
+    stats = hit["value"] if hit else json.loads(json.dumps(weight_stats(run, space.weight_dtypes)))
+    lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
+    budget = planner.get("budget_gib")
+    weights = param_bytes(stats, layers, lowest) / GIB
+    ctx = reserve_bytes(run) / GIB
+    if budget is not None and budget < weights + ctx:  # before any trace
+        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
+                        f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
+                        f"{weights + ctx:.2f} GiB")
+    table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
+    llama = stats["L1"]["llama"]
+    record = measure(run, space, llama=llama, table=table, log=log)
+    flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
+    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
+                    load_calibration(planner, run), weights, lowest)
+
+
+class NoPlan(UserError):
+    """No choice fits the budget at one sequence of ``train.seq_len`` tokens (predicted)."""
+
+
+def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | None = None, name: str | None = None,
+              record_dir: Path | None = None, log=print) -> dict:
+    """Solve and write the plan config; with ``verify=true`` trace it at full size and, on a miss, correct the cost
+    model by what was measured and solve again (``corrected``). Returns the plan record (also written as
+    ``<record_dir>/<name>.json``, by default next to the plan). ``seq_len``: plan for other sequences than the
+    measured ones (costs scaled per token)."""
+    import dataclasses
+
+    run = prep.run
+    if seq_len is not None:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, seq_len=seq_len))
+    ctx = reserve_bytes(run) / GIB
+    if budget < prep.floor_gib:
+        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
+                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
+                        f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
+    name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
+    from experiments.config import RUN_ID
+
+    if not RUN_ID.fullmatch(name):
+        raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
+    folder = plans_dir(run.results_dir, planner.get("plan_dir"))
+    verify_dir = (record_dir or prep.verify_dir) / name
+    record_dir = record_dir or folder
+    plan_path = folder / f"{name}.yaml"
+    step_budget = budget - ctx
+    fix = Corrections()
+    iterations, summary = [], None
+    scale = run.train.seq_len / prep.record["seq_len"]
+    for _ in range(int(planner.get("max_iters", 8))):
+        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget - fix.slack,
+                                       llama=prep.llama, seq_scale=scale))
+        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
+            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
+        sol = solve(prob)
+        if sol is None:
+            need = min_peak(prob) + ctx + fix.slack
+            raise NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len="
+                         f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
+                                                   else "") +
+                         f": the leanest choice needs {need:.2f} GiB at one sequence ("
+                         f"{'corrected by the verification traces' if iterations else 'predicted'}, "
+                         f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
+        predicted = max(v for v in sol.predicted.values() if v is not None)
+        header = [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
+                  (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
+                   f"predicted peak {predicted:.2f} GiB"),
+                  f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
+        write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space), header)
+        step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
+                "predicted_peak_gib": predicted, **fix.record()}
+        iterations.append(step)
+        if not planner.get("verify", False):
+            break
+        log(f"verify: dry run of {plan_path.name} at full size (batch {sol.batch}, seq {run.train.seq_len}) ...")
+        t0 = time.perf_counter()
+        summary = verify_plan(name, folder, verify_dir)
+        verified = step_bytes(summary["dryrun"], run)
+        step.update(verified_peak_gib=verified / GIB, verify_s=round(time.perf_counter() - t0, 1))
+        log(f"verify: predicted {predicted:.3f} GiB, measured {verified / GIB:.3f} GiB "
+            f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
+        if verified <= step_budget * GIB:
+            break
+        fix.learn(summary, sol, verified)
+        log(f"verify: cost model corrected by the measured errors; solving again ({fix.record()})")
+    else:
+        raise UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
+                        f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "
+                        f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
+    out = plan_record(run, sol, summary, command=planner.get("_argv", []), name=name, plan_path=plan_path,
+                      plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
+                      record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
+                      elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
+    from experiments.results import atomic_write_text
+
+    record_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
+    return out
+
+
+def train_note(prep: Prepared, sol, run) -> str:
+    """How long one optimizer step of the plan takes on the calibrated device (time model: FLOPs of forward +
+    backward ≈ 3 × forward, at the calibrated matmul rate), and the confirmation a long CPU run asks for."""
+    per_seq = prep.flops.get("layer", 0.0) * prep.layers + prep.flops.get("lm_head", 0.0)
+    if not per_seq:
+        return ""
+    seconds = 3 * per_seq * sol.batch * run.train.grad_accum * (run.train.seq_len / prep.record["seq_len"]) \
+        / prep.cal["flops_per_s"] + sol.time
+    return (f"about {seconds:,.0f} s per optimizer step on {prep.cal.get('device', '?')} (time model)"
+            + ("; on a CPU the run asks first (train.confirm=true: no question)"
+               if seconds > CONFIRM_S and prep.cal.get("device") == "cpu" else ""))
+
+
+def make_plan(run, planner: dict, *, log=print) -> dict:
+    """Measure, solve, write, verify: ``prepare`` then ``plan_with`` at ``budget_gib``."""
+    return plan_with(prepare(run, planner, log=log), planner, float(planner["budget_gib"]), log=log)
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+    t0 = time.perf_counter() - (process_age_s() if argv is None else 0.0)  # a command: its imports included
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body():
+        planner, overrides = parse_args(argv)
+        planner.update(_argv=argv, _overrides=overrides, _t0=t0)
+        run = run_config([o for o in overrides if not o.startswith("mode=")])
+        if planner.get("calibrate"):
+            return write_calibration(run)
+        if run.method.name != "hmt":
+            raise UserError(f"method={run.method.name}: the planner plans method=hmt (--capacity compares the "
+                            "baselines)")
+        from experiments.run import preflight
+
+        preflight(run)
+        if planner.get("capacity"):
+            from experiments.planner.capacity import capacity
+
+            return capacity(run, planner, overrides)
+        if planner.get("table"):
+            planner.pop("budget_gib", None)
+            rec = prepare(run, planner).record
+            print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
+            return rec
+        if "budget_gib" not in planner:
+            raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
+        plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
+        rec = make_plan(run, planner)
+        print(render_plan(rec))
+        return rec
+
+    return one_line_errors(body, FileNotFoundError)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0 where unknown)."""
+    import os
+
+    try:
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def write_calibration(run) -> dict:
+    from experiments.models import TORCH_DTYPES
+    from experiments.results import atomic_write_text
+    from experiments.run import resolve_device
+
+    device = resolve_device(run.device)
+    cal = calibrate(device.type, TORCH_DTYPES[run.model.dtype])
+    slug = "".join(ch if ch.isalnum() else "-" for ch in cal["device"].lower()).strip("-")
+    path = Path(run.results_dir).expanduser() / "plans" / f"calibration-{slug}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(cal, indent=1, sort_keys=True))
+    print(f"calibration on {cal['device']}: {cal['flops_per_s'] / 1e12:.3f} TFLOP/s, "
+          f"{cal['bytes_per_s'] / 1e9:.1f} GB/s copy; written to {path} (use calibration={path})")
+    return cal
+
+
+if __name__ == "__main__":
+    main()
