@@ -32,6 +32,9 @@ MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4D4D4D", "#8C8C8C", "#B3B3B3", "#6BAED6", "#C6DBEF", "#E5E5E5")))
 
 
+LEGEND_ROW_IN = 0.2  # inches per legend line (x-small type, with the spacing between entries)
+
+
 def method_colors(methods) -> dict[str, str]:
     others = sorted({m for m in methods if m not in FIXED_COLORS}, key=method_sort_key)
     spare = {m: SPARE_COLORS[i % len(SPARE_COLORS)] for i, m in enumerate(others)}
@@ -76,7 +79,9 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     models = _models(data)
     styles = setting_styles(runs, colors)
-    fig, axes = _subplots(len(models), width=7.5, height=4.6)
+    lines = max(sum(len(textwrap.wrap(setting_label(*key), 34)) or 1 for key, _ in groups(
+        data[data["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside the panel
+    fig, axes = _subplots(len(models), width=7.5, height=max(4.6, LEGEND_ROW_IN * (lines + 2) + 1.0))
     for ax, model in zip(axes, models):
         for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
             style = styles[(method, variant)]
@@ -131,7 +136,9 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     models = _models(runs)
     styles = setting_styles(runs, colors)
-    fig, grid = plt.subplots(len(models), len(panels), figsize=(5.2 * len(panels) + 3.4, 3.9 * len(models)),
+    most = max(len(groups(runs[runs["model"] == m], ("method", "variant"))) for m in models)
+    row_height = max(3.9, LEGEND_ROW_IN * (most + 1) + 1.0)  # room for a legend of every setting beside the row
+    fig, grid = plt.subplots(len(models), len(panels), figsize=(5.2 * len(panels) + 3.4, row_height * len(models)),
                              squeeze=False, layout="constrained")
     for axes, model in zip(grid, models):
         settings = groups(runs[runs["model"] == model], ("method", "variant"))
@@ -219,7 +226,9 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     models = _models(runs)
     counts = [len(groups(runs[runs["model"] == model], ("method", "mode", "variant"))) for model in models]
-    fig, grid = plt.subplots(1, len(models), figsize=(0.5 * sum(counts) + 1.6 * len(models) + 1.6, 5.2),
+    longest = max(len(setting_label(m, v)) for m, v in zip(runs["method"].astype(str), runs["variant"]))
+    tick_room = 0.45 + 0.08 * min(longest, 26) + 0.16 * (longest // 26)  # rotated, wrapped at 26 characters
+    fig, grid = plt.subplots(1, len(models), figsize=(0.5 * sum(counts) + 1.6 * len(models) + 1.6, 3.8 + tick_room),
                              squeeze=False, layout="constrained", gridspec_kw={"width_ratios": counts})
     for ax, model in zip(grid[0], models):
         keys = ("method", "mode", "variant")
@@ -285,7 +294,7 @@ def rank_figures(results: Results, colors: dict) -> dict[str, Figure]:
         ax.set_xticks(range(len(all_ranks)), [str(r) for r in all_ranks])
         ax.set(xlabel="rank (dimensions)", ylabel="share of basis refreshes (all layers)",
                title="Rank distribution over training")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         figures["rank_distribution"] = fig
     return figures
 
@@ -299,7 +308,7 @@ def _grouped_bars(ax, frame: pd.DataFrame, category: str, value: str, colors: di
         ax.bar(np.arange(len(categories)) + (i - (len(methods) - 1) / 2) * width, means.values / scale, width,
                color=colors[method], label=method, edgecolor="black", lw=0.4)
     ax.set_xticks(range(len(categories)), [str(c) for c in categories])
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -325,7 +334,7 @@ def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
     runs = results.completed()
     panels = [(c, label) for c, label in (("host_device_bytes", "host↔device traffic (GiB)"),
                                           ("checkpoint_bytes", "checkpoint size (GiB)"))
-              if c in runs and runs[c].notna().any()]
+              if c in runs and (pd.to_numeric(runs[c], errors="coerce").fillna(0) != 0).any()]  # all 0: nothing to draw
     if not panels:
         return {}
     fig, axes = _subplots(len(panels))
