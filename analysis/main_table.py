@@ -121,7 +121,7 @@ def lr_phrase(runs: pd.DataFrame, search: Results | None) -> str:
         else set()
     tuned = len(settings & searched)
     if not settings or not tuned:
-        return "at the learning rate each run was configured with (no learning-rate search)"
+        return "at the learning rate each run was configured with, untuned"
     if tuned == len(settings):
         return "at the learning rate a search chose for each (see the learning-rate search table)"
     return (f"at the learning rate a search chose for {tuned} of the {len(settings)} settings, the rest at a rate "
