@@ -218,6 +218,12 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
     return {"pareto_tokens_per_s_vs_peak_memory": fig}
 
 
+def _tick(method: str, mode: str, variant: str) -> str:
+    """A bar's label: the method, then its setting and mode, wrapped to the bar's width."""
+    return "\n".join([method] + textwrap.wrap(variant + ("" if mode == "train" else f" ({mode})"), 10,
+                                               break_long_words=False))
+
+
 def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
     runs = _variant_column(results.completed())
     columns = [f"peak_{c}_bytes" for c in CATEGORIES]
@@ -226,13 +232,15 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     models = _models(runs)
     counts = [len(groups(runs[runs["model"] == model], ("method", "mode", "variant"))) for model in models]
-    longest = max(len(setting_label(m, v)) for m, v in zip(runs["method"].astype(str), runs["variant"]))
-    tick_room = 0.45 + 0.08 * min(longest, 26) + 0.16 * (longest // 26)  # rotated, wrapped at 26 characters
-    fig, grid = plt.subplots(1, len(models), figsize=(0.5 * sum(counts) + 1.6 * len(models) + 1.6, 3.8 + tick_room),
+    lines = max(len(_tick(m, mode, v).splitlines()) for m, mode, v in zip(runs["method"].astype(str),
+                                                                          runs["mode"].astype(str), runs["variant"]))
+    # horizontal, wrapped tick labels (rotated ones moved the layout by float rounding between processes)
+    fig, grid = plt.subplots(1, len(models), figsize=(0.9 * sum(counts) + 1.4 * len(models) + 1.6,
+                                                      4.8 + 0.17 * lines),
                              squeeze=False, layout="constrained", gridspec_kw={"width_ratios": counts})
     for ax, model in zip(grid[0], models):
         keys = ("method", "mode", "variant")
-        bars = [(textwrap.fill(setting_label(method, variant) + ("" if mode == "train" else f" ({mode})"), 26), g)
+        bars = [(_tick(method, mode, variant), g)
                 for (method, mode, variant), g in groups(runs[runs["model"] == model], keys)]
         bottom = np.zeros(len(bars))
         for category, column in zip(CATEGORIES, columns):
@@ -240,8 +248,7 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
             ax.bar(range(len(bars)), heights, bottom=bottom, color=CATEGORY_COLORS[category], edgecolor="black",
                    lw=0.4, label=category)
             bottom += heights
-        ax.set_xticks(range(len(bars)), [label for label, _ in bars], rotation=40, ha="right",
-                      fontsize="small")
+        ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize="small")
         for tick, (_, g) in zip(ax.get_xticklabels(), bars):
             tick.set_color(colors[g["method"].iloc[0]])
         ax.set(title=f"model {model}", ylabel="memory at peak step (GiB)", xlabel="method: setting")
