@@ -1,10 +1,11 @@
 """The paper's main tables: one row per method, model and setting of the completed training runs, pretraining and
 fine-tuning in separate sections (``task``, ``analysis.load``), mean over the seeds of a setting.
 
-* ``main``: seeds, tuned learning rate (``method.lr``), validation loss mean ± sample std over seeds (nats/token),
-  perplexity exp(mean validation loss), optimizer state (MiB, ``method_summary['optim/state_bytes']``), peak memory
-  (GiB, ``summary.memory.peak_bytes``), tokens/s and step time as ratios to the plain AdamW row of the same model
-  (``tables._reference_adamw``; "—" when the results hold none).
+* ``main``: seeds, learning rate (``method.lr``; the title says whether a search chose it, ``lr_phrase``),
+  validation loss mean ± sample std over seeds (nats/token), perplexity exp(mean validation loss), optimizer
+  state (MiB, ``method_summary['optim/state_bytes']``), peak memory (GiB, ``summary.memory.peak_bytes``),
+  tokens/s and step time as ratios to the plain AdamW row of the same model (``tables._reference_adamw``; "—"
+  when the results hold none).
 * ``main_systems``: the same rows' average memory, tokens/s, step time, host memory (``cpu_rss_peak_bytes``),
   host↔device bytes, checkpoint size, projection rank over training (``rank_summary``) and the activation
   compression's worst relative error (``activation_error``).
@@ -121,7 +122,7 @@ def lr_phrase(runs: pd.DataFrame, search: Results | None) -> str:
         else set()
     tuned = len(settings & searched)
     if not settings or not tuned:
-        return "at the learning rate each run was configured with, untuned"
+        return "at each run's configured learning rate, with no learning-rate search beside these results"
     if tuned == len(settings):
         return "at the learning rate a search chose for each (see the learning-rate search table)"
     return (f"at the learning rate a search chose for {tuned} of the {len(settings)} settings, the rest at a rate "

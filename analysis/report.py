@@ -5,8 +5,9 @@ Regenerates everything from the run directories at any depth under ``<results di
 * ``<out>/data/{runs,metrics,ranks,rank_hist,activations}.parquet``: the results compacted (``analysis.load``)
 * ``<out>/tables/main.*`` and ``main_systems.*`` (``analysis.main_table``): per method x model x setting (a
   "Setting" column when one method and model ran with several settings), pretraining and fine-tuning apart:
-  seeds, tuned learning rate, validation loss ± std, perplexity, optimizer state, peak memory, speed as ratios to
-  AdamW; then average memory, host memory and traffic, checkpoint size, rank over training, activation error
+  seeds, learning rate (tuned or not: the title says), validation loss ± std, perplexity, optimizer state, peak
+  memory, speed as ratios to AdamW; then average memory, host memory and traffic, checkpoint size, rank over
+  training, activation error
 * ``<out>/tables/<name>.md`` and ``.tex``: memory by category and by training phase; host-device bytes,
   checkpoint sizes; activation compression error; every run with its state; ``flattening`` (the relative change
   of the validation loss over the last quarter of training)
@@ -32,7 +33,8 @@ Regenerates everything from the run directories at any depth under ``<results di
 Output is deterministic: the same results give byte-identical tables.
 
 A damaged run (truncated summary.json, unreadable config.yaml, bad metrics.jsonl) is left out with a
-``warning:`` on stderr, one line per cause with a count (``analysis.diagnostics``); ``index.md`` lists each. Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
+``warning:`` on stderr, one line per cause with a count (``analysis.diagnostics``); ``index.md`` lists each.
+Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
 file or a folder other than a previous report, an unwritable destination, a README without the table markers —
 a ``--memory-results`` folder without a completed dry run, ``--compile-latex`` without pdflatex on PATH — is one
 line ``error: ...`` and exit 2, before anything is written. The report is built in a temporary folder

@@ -98,7 +98,7 @@ def _results(lrs: dict[str, float]) -> Results:
 
 def test_main_table_title_says_whether_the_rates_were_tuned() -> None:
     final = _results({"adamw": 1e-3, "hmt": 1e-2})
-    assert "configured with, untuned" in main_table.main_table(final).title
+    assert "configured learning rate, with no learning-rate search" in main_table.main_table(final).title
     assert "a search chose for each" in main_table.main_table(final, search=_results({"adamw": 3e-3,
                                                                                        "hmt": 3e-3})).title
     assert "for 1 of the 2 settings" in main_table.main_table(final, search=_results({"hmt": 3e-3})).title
