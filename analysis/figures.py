@@ -1,8 +1,8 @@
 """The report's figures (matplotlib, Agg), each saved as PNG and PDF.
 
-Every figure labels its axes with units and has a legend; a method has one colour in every figure
-(``method_colors``). Runs of one method and model with different settings (their ``variant``,
-``analysis.settings``) are drawn separately: loss curves by line style, points and bars labelled with the variant.
+Every figure labels its axes with units and has a legend, outside the data; a method has one colour in every
+figure (``method_colors``) and each of its other settings (their ``variant``, ``analysis.settings``, by its short
+name, ``analysis.labels``) a colour, marker and line style of its own (``analysis.styles``).
 Each ``*_figure`` function returns ``{name: Figure}`` (empty when the results hold no data for it, e.g. no run
 recorded rank histories), so the report can say what it skipped.
 """
@@ -22,13 +22,17 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.load import CATEGORIES, Results  # noqa: E402
-from analysis.tables import GIB, groups, method_sort_key, model_sort_key, variant_sort_key  # noqa: E402
+from analysis.styles import setting_label, setting_styles  # noqa: E402
+from analysis.tables import GIB, groups, method_sort_key, model_sort_key  # noqa: E402
 
 # Okabe-Ito colour-blind-safe palette: fixed colours for the paper's methods, the rest for any other method.
 FIXED_COLORS = {"adamw": "#0072B2", "qlora": "#E69F00", "galore": "#009E73", "apollo": "#CC79A7", "hmt": "#D55E00"}
 SPARE_COLORS = ("#56B4E9", "#F0E442", "#000000", "#999999", "#8C564B", "#17BECF")
 MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4D4D4D", "#8C8C8C", "#B3B3B3", "#6BAED6", "#C6DBEF", "#E5E5E5")))
+
+
+LEGEND_ROW_IN = 0.2  # inches per legend line (x-small type, with the spacing between entries)
 
 
 def method_colors(methods) -> dict[str, str]:
@@ -48,9 +52,6 @@ def _methods(frame: pd.DataFrame) -> list[str]:
 def _subplots(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False, layout="constrained")
     return fig, list(axes[0])
-
-
-VARIANT_LINESTYLES = ("-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 
 
 def _variant_column(frame: pd.DataFrame) -> pd.DataFrame:
@@ -77,22 +78,24 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
     if data.empty:
         return {}
     models = _models(data)
-    fig, axes = _subplots(len(models), width=5.5, height=4.2)
+    styles = setting_styles(runs, colors)
+    lines = max(sum(len(textwrap.wrap(setting_label(*key), 34)) or 1 for key, _ in groups(
+        data[data["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside the panel
+    fig, axes = _subplots(len(models), width=7.5, height=max(4.6, LEGEND_ROW_IN * (lines + 2) + 1.0))
     for ax, model in zip(axes, models):
         for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
-            variants = sorted(data[(data["model"] == model) & (data["method"] == method)]["variant"].unique(),
-                              key=variant_sort_key)
-            style = VARIANT_LINESTYLES[variants.index(variant) % len(VARIANT_LINESTYLES)]
-            label = textwrap.fill(f"{method} ({variant})" if variant else method, 70)
+            style = styles[(method, variant)]
+            label = textwrap.fill(setting_label(method, variant), 34)
             train = seed_band(rows, "loss/train")
-            ax.plot(train.index, train["mean"], color=colors[method], lw=0.9, ls=style, alpha=0.35)
+            ax.plot(train.index, train["mean"], color=style.color, lw=0.8, ls=style.linestyle, alpha=0.3)
             val = seed_band(rows, "loss/val") if "loss/val" in rows else pd.DataFrame()
             if len(val):
-                ax.plot(val.index, val["mean"], color=colors[method], lw=1.6, ls=style, marker="o", ms=3, label=label)
+                ax.plot(val.index, val["mean"], color=style.color, lw=1.6, ls=style.linestyle, marker=style.marker,
+                        ms=4, label=label)
                 band = val.dropna(subset=["std"])
                 if len(band):
                     ax.fill_between(band.index, band["mean"] - band["std"], band["mean"] + band["std"],
-                                    color=colors[method], alpha=0.18, lw=0)
+                                    color=style.color, alpha=0.15, lw=0)
         seeds = sorted({n for _, g in groups(data[data["model"] == model], ("method", "variant"))
                         for n in [g["run_id"].nunique()]})
         seeds_text = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
@@ -100,10 +103,11 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
                ylabel="loss (cross-entropy, nats/token)")
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
-        style = [Line2D([], [], color="black", lw=1.6, marker="o", ms=3, label="validation (mean ± 1 std band)"),
-                 Line2D([], [], color="black", lw=0.9, alpha=0.35, label="train (mean)")]
-        ax.legend(handles=handles + style, fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.16))
-    fig.suptitle("Loss curves (mean over seeds, ±1 std band)")
+        kinds = [Line2D([], [], color="black", lw=1.6, label="validation (mean, ±1 std band)"),
+                 Line2D([], [], color="black", lw=0.8, alpha=0.3, label="train (mean)")]
+        ax.legend(handles=handles + kinds, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0)
+    fig.suptitle("Loss curves (mean over seeds, ±1 std band over seeds)")
     return {"loss_curves": fig}
 
 
@@ -131,7 +135,10 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
     if runs.empty or not panels:
         return {}
     models = _models(runs)
-    fig, grid = plt.subplots(len(models), len(panels), figsize=(5.2 * len(panels) + 3.2, 3.9 * len(models)),
+    styles = setting_styles(runs, colors)
+    most = max(len(groups(runs[runs["model"] == m], ("method", "variant"))) for m in models)
+    row_height = max(3.9, LEGEND_ROW_IN * (most + 1) + 1.0)  # room for a legend of every setting beside the row
+    fig, grid = plt.subplots(len(models), len(panels), figsize=(5.2 * len(panels) + 3.4, row_height * len(models)),
                              squeeze=False, layout="constrained")
     for axes, model in zip(grid, models):
         settings = groups(runs[runs["model"] == model], ("method", "variant"))
@@ -144,13 +151,14 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
                 if not np.isfinite(mem):
                     continue
                 points.append((mem, loss))
-                ax.errorbar([mem], [loss], yerr=[std] if np.isfinite(std) else None, color=colors[method],
-                            marker="o", ms=6, mec="black", mew=0.5, capsize=3, ls="", zorder=3)
+                style = styles[(method, variant)]
+                ax.errorbar([mem], [loss], yerr=[std] if np.isfinite(std) else None, color=style.color,
+                            marker=style.marker, ms=6, mec="black", mew=0.5, capsize=3, ls="", zorder=3)
                 ax.annotate(str(number), (mem, loss), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
                 if column == panels[0][0]:
-                    handles.append(Line2D([], [], color=colors[method], marker="o", ls="",
-                                          label=textwrap.fill(f"{number}: {method}" + (f" ({variant})" if variant
-                                                              else "") + f", {g['seed'].nunique()} seed(s)", 60)))
+                    handles.append(Line2D([], [], color=style.color, marker=style.marker, ls="", mec="black",
+                                          mew=0.5, label=textwrap.fill(f"{number}: {setting_label(method, variant)}"
+                                                                       f", {g['seed'].nunique()} seed(s)", 40)))
             front = pareto_front_min(points)
             ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1.2, zorder=2)
             xs = [p[0] for p in points]
@@ -175,29 +183,45 @@ def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]
 
 
 def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
+    """Throughput vs peak memory, one panel per model: each method and setting a numbered point at its seed
+    means (the legend, outside the panels, names the numbers); the dotted line joins the points no other beats
+    with less memory and more throughput."""
     runs = _variant_column(results.completed())
     runs = runs[(runs["mode"] == "train")].dropna(subset=["peak_bytes", "tokens_per_s"])
     if runs.empty:
         return {}
-    markers = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(_models(runs))}
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), layout="constrained")
-    points: dict[str, list] = {}
-    for (method, model, variant), g in groups(runs, ("method", "model", "variant")):
-        mem, tps = g["peak_bytes"].astype(float).mean() / GIB, g["tokens_per_s"].astype(float).mean()
-        points.setdefault(model, []).append((mem, tps))
-        ax.scatter([mem], [tps], color=colors[method], marker=markers[model], s=60, edgecolor="black", lw=0.5, zorder=3)
-        if variant:
-            ax.annotate(variant, (mem, tps), textcoords="offset points", xytext=(4, 4), fontsize="xx-small")
-    for model, model_points in points.items():  # methods compete within a model size
-        front = _pareto_front(model_points)
+    styles = setting_styles(runs, colors)
+    models = _models(runs)
+    fig, axes = _subplots(len(models), width=5.0, height=4.4)
+    fig.set_size_inches(5.0 * len(models) + 3.4, 4.4)
+    handles = {}
+    for ax, model in zip(axes, models):
+        points = []
+        for number, ((method, variant), g) in enumerate(groups(runs[runs["model"] == model], ("method", "variant")),
+                                                        start=1):
+            mem, tps = g["peak_bytes"].astype(float).mean() / GIB, g["tokens_per_s"].astype(float).mean()
+            points.append((mem, tps))
+            style = styles[(method, variant)]
+            ax.scatter([mem], [tps], color=style.color, marker=style.marker, s=55, edgecolor="black", lw=0.5,
+                       zorder=3)
+            ax.annotate(str(number), (mem, tps), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
+            handles[(model, number)] = Line2D([], [], color=style.color, marker=style.marker, ls="", mec="black",
+                                              mew=0.5, label=f"{model} {number}: {setting_label(method, variant)}")
+        front = _pareto_front(points)
         ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1, zorder=2)
-    method_handles = [Line2D([], [], color=colors[m], marker="o", ls="", label=m) for m in _methods(runs)]
-    model_handles = [Line2D([], [], color="grey", marker=mk, ls="", label=f"model {m}") for m, mk in markers.items()]
-    front_handle = [Line2D([], [], color="grey", ls=":", label="Pareto front (per model)")]
-    ax.legend(handles=method_handles + model_handles + front_handle, fontsize="small", loc="best")
-    ax.set(xlabel="peak memory (GiB)", ylabel="throughput (tokens/s)", title="Throughput vs peak memory")
-    ax.grid(alpha=0.3)
+        ax.margins(0.12)
+        ax.set(xlabel="peak memory (GiB)", ylabel="throughput (tokens/s)", title=f"model {model}")
+        ax.grid(alpha=0.3)
+    front_handle = [Line2D([], [], color="grey", ls=":", label="Pareto front (less memory, more tokens/s)")]
+    fig.legend(handles=list(handles.values()) + front_handle, fontsize="x-small", loc="outside right upper")
+    fig.suptitle("Throughput vs peak memory (mean over seeds)")
     return {"pareto_tokens_per_s_vs_peak_memory": fig}
+
+
+def _tick(method: str, mode: str, variant: str) -> str:
+    """A bar's label: the method, then its setting and mode, wrapped to the bar's width."""
+    return "\n".join([method] + textwrap.wrap(variant + ("" if mode == "train" else f" ({mode})"), 10,
+                                               break_long_words=False))
 
 
 def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
@@ -207,10 +231,16 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
     if runs.empty:
         return {}
     models = _models(runs)
-    fig, axes = _subplots(len(models))
-    for ax, model in zip(axes, models):
+    counts = [len(groups(runs[runs["model"] == model], ("method", "mode", "variant"))) for model in models]
+    lines = max(len(_tick(m, mode, v).splitlines()) for m, mode, v in zip(runs["method"].astype(str),
+                                                                          runs["mode"].astype(str), runs["variant"]))
+    # horizontal, wrapped tick labels (rotated ones moved the layout by float rounding between processes)
+    fig, grid = plt.subplots(1, len(models), figsize=(0.9 * sum(counts) + 1.4 * len(models) + 1.6,
+                                                      4.8 + 0.17 * lines),
+                             squeeze=False, layout="constrained", gridspec_kw={"width_ratios": counts})
+    for ax, model in zip(grid[0], models):
         keys = ("method", "mode", "variant")
-        bars = [(f"{method}" + ("" if mode == "train" else f"\n({mode})") + (f"\n{variant}" if variant else ""), g)
+        bars = [(_tick(method, mode, variant), g)
                 for (method, mode, variant), g in groups(runs[runs["model"] == model], keys)]
         bottom = np.zeros(len(bars))
         for category, column in zip(CATEGORIES, columns):
@@ -218,11 +248,11 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
             ax.bar(range(len(bars)), heights, bottom=bottom, color=CATEGORY_COLORS[category], edgecolor="black",
                    lw=0.4, label=category)
             bottom += heights
-        ax.set_xticks(range(len(bars)), [label for label, _ in bars])
-        for tick, (label, _) in zip(ax.get_xticklabels(), bars):
-            tick.set_color(colors[label.split("\n")[0]])
-        ax.set(title=f"model {model}", ylabel="memory at peak step (GiB)", xlabel="method")
-    handles, labels = axes[0].get_legend_handles_labels()
+        ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize="small")
+        for tick, (_, g) in zip(ax.get_xticklabels(), bars):
+            tick.set_color(colors[g["method"].iloc[0]])
+        ax.set(title=f"model {model}", ylabel="memory at peak step (GiB)", xlabel="method: setting")
+    handles, labels = grid[0][0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], title="category", fontsize="small", loc="outside right center")
     fig.suptitle("Peak memory by category")
     return {"memory_by_category": fig}
@@ -271,7 +301,7 @@ def rank_figures(results: Results, colors: dict) -> dict[str, Figure]:
         ax.set_xticks(range(len(all_ranks)), [str(r) for r in all_ranks])
         ax.set(xlabel="rank (dimensions)", ylabel="share of basis refreshes (all layers)",
                title="Rank distribution over training")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         figures["rank_distribution"] = fig
     return figures
 
@@ -285,7 +315,7 @@ def _grouped_bars(ax, frame: pd.DataFrame, category: str, value: str, colors: di
         ax.bar(np.arange(len(categories)) + (i - (len(methods) - 1) / 2) * width, means.values / scale, width,
                color=colors[method], label=method, edgecolor="black", lw=0.4)
     ax.set_xticks(range(len(categories)), [str(c) for c in categories])
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -311,7 +341,7 @@ def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
     runs = results.completed()
     panels = [(c, label) for c, label in (("host_device_bytes", "host↔device traffic (GiB)"),
                                           ("checkpoint_bytes", "checkpoint size (GiB)"))
-              if c in runs and runs[c].notna().any()]
+              if c in runs and (pd.to_numeric(runs[c], errors="coerce").fillna(0) != 0).any()]  # all 0: nothing to draw
     if not panels:
         return {}
     fig, axes = _subplots(len(panels))

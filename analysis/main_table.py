@@ -1,10 +1,11 @@
 """The paper's main tables: one row per method, model and setting of the completed training runs, pretraining and
 fine-tuning in separate sections (``task``, ``analysis.load``), mean over the seeds of a setting.
 
-* ``main``: seeds, tuned learning rate (``method.lr``), validation loss mean ± sample std over seeds (nats/token),
-  perplexity exp(mean validation loss), optimizer state (MiB, ``method_summary['optim/state_bytes']``), peak memory
-  (GiB, ``summary.memory.peak_bytes``), tokens/s and step time as ratios to the plain AdamW row of the same model
-  (``tables._reference_adamw``; "—" when the results hold none).
+* ``main``: seeds, learning rate (``method.lr``; the title says whether a search chose it, ``lr_phrase``),
+  validation loss mean ± sample std over seeds (nats/token), perplexity exp(mean validation loss), optimizer
+  state (MiB, ``method_summary['optim/state_bytes']``), peak memory (GiB, ``summary.memory.peak_bytes``),
+  tokens/s and step time as ratios to the plain AdamW row of the same model (``tables._reference_adamw``; "—"
+  when the results hold none).
 * ``main_systems``: the same rows' average memory, tokens/s, step time, host memory (``cpu_rss_peak_bytes``),
   host↔device bytes, checkpoint size, projection rank over training (``rank_summary``) and the activation
   compression's worst relative error (``activation_error``).
@@ -112,7 +113,23 @@ def activation_error(results: Results, run_ids) -> float | None:
     return float(worst.mean()) if len(worst) else None
 
 
-def main_table(results: Results) -> Table:
+def lr_phrase(runs: pd.DataFrame, search: Results | None) -> str:
+    """What the LR column is: the rate a learning-rate search chose (``search``, the runs of
+    ``<results>-lr-search``) for every setting, for some (the others', e.g. ablations, fixed in their sweep), or
+    for none (the rate each run was configured with)."""
+    settings = set(runs["setting_sans_lr"]) if "setting_sans_lr" in runs else set()
+    searched = set(search.runs["setting_sans_lr"]) if search is not None and "setting_sans_lr" in search.runs \
+        else set()
+    tuned = len(settings & searched)
+    if not settings or not tuned:
+        return "at each run's configured learning rate, with no learning-rate search beside these results"
+    if tuned == len(settings):
+        return "at the learning rate a search chose for each (see the learning-rate search table)"
+    return (f"at the learning rate a search chose for {tuned} of the {len(settings)} settings, the rest at a rate "
+            "set in their sweep")
+
+
+def main_table(results: Results, search: Results | None = None) -> Table:
     runs = train_runs(results)
     with_variant, found = sectioned(runs)
     mem_places = decimals(runs["peak_bytes"], GIB)
@@ -132,7 +149,7 @@ def main_table(results: Results) -> Table:
         "Seeds", "LR", "Val loss (nats/token)", "Perplexity", "Optimizer state (MiB)", "Peak memory (GiB)",
         "Tokens/s (×AdamW)", "Step time (×AdamW)"])
     alone = "speed_alone" in runs and bool(runs["speed_alone"].fillna(False).any())
-    return Table("main", "Training runs per method, model and setting at the tuned learning rate (mean ± std over "
+    return Table("main", f"Training runs per method, model and setting {lr_phrase(runs, search)} (mean ± std over "
                  "seeds; speed as a ratio to plain AdamW on the same model"
                  + (", each setting timed alone" if alone else "") + ")", columns, rows, align, _sections(found))
 

@@ -5,17 +5,21 @@ Regenerates everything from the run directories at any depth under ``<results di
 * ``<out>/data/{runs,metrics,ranks,rank_hist,activations}.parquet``: the results compacted (``analysis.load``)
 * ``<out>/tables/main.*`` and ``main_systems.*`` (``analysis.main_table``): per method x model x setting (a
   "Setting" column when one method and model ran with several settings), pretraining and fine-tuning apart:
-  seeds, tuned learning rate, validation loss ± std, perplexity, optimizer state, peak memory, speed as ratios to
-  AdamW; then average memory, host memory and traffic, checkpoint size, rank over training, activation error
+  seeds, learning rate (tuned or not: the title says), validation loss ± std, perplexity, optimizer state, peak
+  memory, speed as ratios to AdamW; then average memory, host memory and traffic, checkpoint size, rank over
+  training, activation error
 * ``<out>/tables/<name>.md`` and ``.tex``: memory by category and by training phase; host-device bytes,
   checkpoint sizes; activation compression error; every run with its state; ``flattening`` (the relative change
   of the validation loss over the last quarter of training)
 * ``<out>/tables/memory_by_size.*``: with ``--memory-results DIR`` (repeatable), the traced peak memory (and
   optimizer state) of dry runs per method and setting x model size (``analysis.memory_by_size``)
-* ``<out>/tables/all_tables.tex``: a LaTeX document holding every table (``analysis.latex``); ``--compile-latex``
+* ``<out>/tables/all_tables.tex``: a LaTeX document holding every table but ``runs`` as numbered tables with
+  captions (``analysis.latex``); ``--compile-latex``
   compiles it with pdflatex into ``all_tables.pdf`` (a failure names the table: ``error: ...``, exit 1)
-* ``<out>/tables/versus_adamw.*``: every setting against AdamW on its model — loss difference, Welch's t-test
+* ``<out>/tables/versus_adamw.*``: every setting against AdamW on its model — loss difference, a paired t-test
   over seeds (``analysis.stats``), optimizer-state / peak-memory / tokens-per-second / step-time ratios
+* ``<out>/tables/settings.*``: each setting's short name (``analysis.labels``, what every table and figure shows)
+  with the Hydra overrides it stands for; the LaTeX document's appendix
 * ``<out>/tables/lr_search.*``: when ``<results dir>-lr-search`` exists (a tuned sweep, ``experiments.sweeps.tuning``),
   the validation loss at every learning rate searched, the rate chosen and whether the grid brackets it
 * ``<out>/figures/<name>.png`` and ``.pdf``: loss curves (seed mean ± std), validation loss vs optimizer state and
@@ -29,8 +33,9 @@ is ``docs/results.md``; the option keeps its name from when the table was in the
 ``--check-readme`` exits 1 if that block differs from what the results give (the committed-results check).
 Output is deterministic: the same results give byte-identical tables.
 
-A damaged run (truncated summary.json, unreadable config.yaml, bad metrics.jsonl) is left out with a one-line
-``warning:`` on stderr. Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
+A damaged run (truncated summary.json, unreadable config.yaml, bad metrics.jsonl) is left out with a
+``warning:`` on stderr, one line per cause with a count (``analysis.diagnostics``); ``index.md`` lists each.
+Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
 file or a folder other than a previous report, an unwritable destination, a page without the table markers —
 a ``--memory-results`` folder without a completed dry run, ``--compile-latex`` without pdflatex on PATH — is one
 line ``error: ...`` and exit 2, before anything is written. The report is built in a temporary folder
@@ -50,7 +55,8 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import figures as figs
-from analysis import latex, main_table, tables
+from analysis import labels, latex, main_table, tables
+from analysis.diagnostics import summarize_warnings
 from analysis.load import Results, load_results, write_parquet
 from analysis.memory_by_size import dryrun_rows, memory_by_size_table
 from analysis.timing import with_timing
@@ -63,9 +69,17 @@ README_END = "<!-- results-table:end -->"
 REPORT_ENTRIES = frozenset({"index.md", "data", "tables", "figures"})  # what a report folder holds
 
 
+def for_display(results: Results) -> Results:
+    """``results`` with each setting's label replaced by its short name (``analysis.labels``; the overrides kept
+    as ``variant_overrides``): what the tables and figures show."""
+    runs = labels.relabel(results.runs, "variant")
+    return dataclasses.replace(results, runs=labels.relabel(runs, "variant_sans_lr"))
+
+
 def readme_block(results: Results) -> str:
     """The main table and its systems companion, then (when the results hold AdamW and other methods on one model)
     the comparison with AdamW: loss difference against the seed spread, memory and speed ratios."""
+    results = for_display(results)
     block = tables.to_markdown(main_table.main_table(results))
     systems = main_table.systems_table(results)
     block += f"\n{systems.title}:\n\n" + tables.to_markdown(systems)
@@ -82,20 +96,32 @@ def replace_readme_block(text: str, block: str, path: Path | str = "README") -> 
     return text[: begin + len(README_BEGIN)] + "\n" + block + text[end:]
 
 
+APPENDIX_TABLES = ("settings",)  # in the LaTeX document's appendix, after the paper's tables
+NOT_IN_DOCUMENT = ("runs",)  # every run and its state: a diagnostic (tables/runs.md, index.md), not a paper table
+
+
+def _tables(results: Results, search: Results | None, memory: pd.DataFrame | None) -> list[tables.Table]:
+    made = [main_table.main_table(results, search=search), main_table.systems_table(results)]
+    made += [make(results) for make in (*tables.ALL_TABLES, main_table.flattening_table)]
+    made += [tables.lr_search_table(search)] if search is not None else []
+    made += [memory_by_size_table(memory)] if memory is not None else []
+    return made + [labels.settings_table(results.runs, memory)]
+
+
 def write_report(results: Results, out: Path, *, with_figures: bool = True, search: Results | None = None,
                  memory: pd.DataFrame | None = None) -> dict[str, list[str]]:
     """Writes parquet, tables (and ``tables/all_tables.tex``) and figures under ``out``, the learning-rate search's
     table when ``search``, the runs of ``<results dir>-lr-search``, is given, and the memory-by-size table when
-    ``memory`` (``analysis.memory_by_size.dryrun_rows``) is; returns {"written": [...], "skipped": [...]}."""
+    ``memory`` (``analysis.memory_by_size.dryrun_rows``) is; returns {"written": [...], "skipped": [...]}.
+    Tables and figures name settings by their short names (``for_display``); the parquet keeps the raw labels."""
     written, skipped = [], []
     written += [str(p.relative_to(out)) for p in write_parquet(results, out / "data")]
     (out / "tables").mkdir(parents=True, exist_ok=True)
-    made = [(make, results) for make in (*main_table.TABLES, *tables.ALL_TABLES, main_table.flattening_table)]
-    made += [(tables.lr_search_table, search)] if search is not None else []
-    made += [(memory_by_size_table, memory)] if memory is not None else []
-    in_document = []
-    for make, source in made:
-        table = make(source)
+    shown = for_display(results)
+    search = for_display(search) if search is not None else None
+    memory = labels.relabel(memory, "label", ("method",)) if memory is not None else None
+    in_document, appendix = [], []
+    for table in _tables(shown, search, memory):
         if not table.rows and table.name != "main":
             skipped.append(f"tables/{table.name} (no data)")
             continue
@@ -103,13 +129,14 @@ def write_report(results: Results, out: Path, *, with_figures: bool = True, sear
             path = out / "tables" / f"{table.name}{suffix}"
             path.write_text((f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
             written.append(str(path.relative_to(out)))
-        in_document.append((table.name, table.title))
+        if table.name not in NOT_IN_DOCUMENT:
+            (appendix if table.name in APPENDIX_TABLES else in_document).append((table.name, table.title))
     document = out / "tables" / f"{latex.DOCUMENT}.tex"
-    document.write_text(latex.all_tables_document(in_document))
+    document.write_text(latex.all_tables_document(in_document, appendix))
     written.append(str(document.relative_to(out)))
     colors = figs.method_colors(results.runs["method"].dropna().unique() if len(results.runs) else [])
     for make in figs.ALL_FIGURES if with_figures else ():
-        made = make(results, colors)
+        made = make(shown, colors)
         if not made:
             skipped.append(f"figures/{make.__name__.removesuffix('_figure').removesuffix('_figures')} (no data)")
         for name, fig in made.items():
@@ -188,13 +215,18 @@ def build_report(args: argparse.Namespace) -> int:
     if args.compile_latex and not latex.pdflatex_available():
         raise UserError("--compile-latex: pdflatex is not on PATH (install TeX Live with booktabs, e.g. apt-get "
                         "install texlive-latex-recommended); without --compile-latex the .tex files are still written")
-    warn = lambda warning: print(f"warning: {warning}", file=sys.stderr)  # noqa: E731
-    results = load_results(args.results_dir, warn=warn)
-    search_dir = Path(search_results_dir(str(args.results_dir)))
-    search = load_results(search_dir, warn=warn) if search_dir.is_dir() else None
-    memory = dryrun_rows(args.memory_results, warn) if args.memory_results else None
-    if args.timing is not None:
-        runs, matched = with_timing(results.runs, load_results(args.timing, warn=warn).runs)
+    found: list[str] = []  # every warning; printed once per cause before anything is computed
+    try:
+        results = load_results(args.results_dir, warn=found.append)
+        search_dir = Path(search_results_dir(str(args.results_dir)))
+        search = load_results(search_dir, warn=found.append) if search_dir.is_dir() else None
+        memory = dryrun_rows(args.memory_results, found.append) if args.memory_results else None
+        timing = load_results(args.timing, warn=found.append) if args.timing is not None else None
+    finally:
+        for line in summarize_warnings(found):
+            print(f"warning: {line}", file=sys.stderr)
+    if timing is not None:
+        runs, matched = with_timing(results.runs, timing.runs)
         if not matched:
             raise UserError(f"--timing {args.timing}: no run there has the speed setting of a run in "
                             f"{args.results_dir} (analysis.timing: same config but lr, steps, warm-up, evaluation)")

@@ -54,9 +54,9 @@ def model_sort_key(name: str) -> tuple:
 
 
 def variant_sort_key(label) -> tuple:
-    """The baseline setting ("" or "base", ``analysis.settings.compact_labels``) first, then the others in natural
-    order."""
-    return (str(label) not in ("", "base"), natural_key(str(label)))
+    """The baseline setting ("" or "base", ``analysis.settings.compact_labels``; "default" once
+    ``analysis.labels`` named it) first, then the others in natural order."""
+    return (str(label) not in ("", "base", "default"), natural_key(str(label)))
 
 
 def _missing(value) -> bool:
@@ -74,6 +74,11 @@ def cell(value) -> str:
 
 def fmt(value, spec: str, scale: float = 1.0) -> str:
     return DASH if _missing(value) else format(value / scale, spec)
+
+
+def fmt_p(p: float) -> str:
+    """A p-value with three decimals, "< 0.001" below that, "—" when there is none (NaN)."""
+    return DASH if _missing(p) else ("< 0.001" if p < 0.001 else format(p, ".3f"))
 
 
 def fmt_mean_std(values: pd.Series, spec: str) -> str:
@@ -125,8 +130,9 @@ def _reference_adamw(runs: pd.DataFrame) -> pd.DataFrame | None:
     """The AdamW runs a model's rows are compared with: its one AdamW setting (8-bit AdamW, when present, is a
     row like the others); None when there is none or several remain."""
     adamw = runs[runs["method"] == "adamw"]
-    if "variant" in adamw:
-        adamw = adamw[~adamw["variant"].fillna("").str.contains("eight_bit=true", regex=False)]
+    raw = "variant_overrides" if "variant_overrides" in adamw else "variant"  # the overrides, also once relabelled
+    if raw in adamw:
+        adamw = adamw[~adamw[raw].fillna("").str.contains("eight_bit=true", regex=False)]
     return adamw if len(adamw) and adamw["setting"].nunique() == 1 else None
 
 
@@ -145,10 +151,21 @@ def _state_bytes(mine: pd.DataFrame, theirs: pd.DataFrame) -> tuple:
     return None, None
 
 
+def by_seed(runs: pd.DataFrame, column: str = "val_loss") -> dict:
+    """``{seed: mean of column}`` over the runs (one run per seed in a setting; a repeat is averaged)."""
+    values = runs.assign(_v=pd.to_numeric(runs[column], errors="coerce")).dropna(subset=["_v"])
+    return {seed: float(g["_v"].mean()) for seed, g in values.groupby("seed", dropna=True)}
+
+
+VERSUS_TITLE = ("Against AdamW on the same model: validation-loss difference (mean over seeds) and a {test} (runs "
+                "with one seed share data order; p over the seeds both ran, a difference counts only when p < 0.05); "
+                "memory and speed as ratios of means")
+
+
 def versus_adamw_table(results: Results) -> Table:
     """Each setting against AdamW on the same model: validation-loss difference, whether it exceeds the seed
-    spread (``analysis.stats``: Welch's t-test, p < 0.05), and memory and speed as ratios measured in the same
-    results. Rows only for models with exactly one plain AdamW setting."""
+    spread (``analysis.stats``: paired t-test by seed, p < 0.05), and memory and speed as ratios measured in the
+    same results. Rows only for models with exactly one plain AdamW setting."""
     runs = results.completed()
     runs = runs[runs["mode"] == "train"]
     with_variant, found = _by_setting(runs, ("method", "model"))
@@ -158,21 +175,20 @@ def versus_adamw_table(results: Results) -> Table:
         ref = _reference_adamw(model_runs)
         if ref is None or g["setting"].iloc[0] == ref["setting"].iloc[0]:
             continue
-        mine, theirs = pd.to_numeric(g["val_loss"], errors="coerce"), pd.to_numeric(ref["val_loss"], errors="coerce")
-        delta = _mean(mine) - _mean(theirs) if _mean(mine) is not None and _mean(theirs) is not None else None
-        p = stats.welch_p(list(mine), list(theirs))
-        rows.append([*lead, str(g["seed"].nunique(dropna=False)), fmt_mean_std(g["val_loss"], ".3f"),
-                     fmt(delta, "+.3f"), fmt(None if math.isnan(p) else p, ".3f"),
-                     stats.verdict(list(mine), list(theirs)),
+        mine, theirs = by_seed(g), by_seed(ref)
+        delta = (sum(mine.values()) / len(mine) - sum(theirs.values()) / len(theirs)) if mine and theirs else None
+        p = stats.paired_p(mine, theirs)
+        rows.append([*lead, str(g["seed"].nunique(dropna=False)), str(len(stats.paired(mine, theirs))),
+                     fmt_mean_std(g["val_loss"], ".3f"), fmt(delta, "+.3f"),
+                     fmt_p(p), stats.verdict(mine, theirs),
                      _ratio(*_state_bytes(g, ref)),
                      _ratio(_mean(g["peak_bytes"]), _mean(ref["peak_bytes"])),
                      _ratio(_mean(g["tokens_per_s"]), _mean(ref["tokens_per_s"])),
                      _ratio(_mean(g["step_time_s"]), _mean(ref["step_time_s"]))])
     columns, align = _columns(["Method", "Model"], with_variant, [
-        "Seeds", "Val loss", "Δ vs AdamW", "p (Welch)", "Differs?", "Optimizer state ×AdamW", "Peak memory ×AdamW",
-        "Tokens/s ×AdamW", "Step time ×AdamW"])
-    return Table("versus_adamw", "Against AdamW on the same model (ratios of means; a difference counts only when "
-                 "Welch's t-test over seeds gives p < 0.05)", columns, rows, align)
+        "Seeds", "Pairs", "Val loss", "Δ vs AdamW", "p (paired t)", "Differs?", "Optimizer state ×AdamW",
+        "Peak memory ×AdamW", "Tokens/s ×AdamW", "Step time ×AdamW"])
+    return Table("versus_adamw", VERSUS_TITLE.format(test=stats.TEST_NAME), columns, rows, align)
 
 
 def lr_search_table(results: Results) -> Table:
@@ -287,10 +303,11 @@ def to_markdown(table: Table) -> str:
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
                  "<": r"\textless{}", ">": r"\textgreater{}", "|": r"\textbar{}",
+                 '"': r'\texttt{"}',  # OT1 roman has no straight double quote ("..." would print as closing quotes)
                  "±": r"$\pm$", "—": "---", "–": "--", "↔": r"$\leftrightarrow$", "×": r"$\times$",
                  "Δ": r"$\Delta$", "≤": r"$\leq$", "≥": r"$\geq$", "≈": r"$\approx$", "·": r"$\cdot$",
-                 "µ": r"$\mu$", "→": r"$\rightarrow$", "‖": r"$\|$", "\u00a0": "~", "…": r"\ldots{}",
-                 "²": r"\textsuperscript{2}"}
+                 "µ": r"$\mu$", "−": r"$-$", "→": r"$\rightarrow$", "‖": r"$\|$", "\u00a0": "~",
+                 "…": r"\ldots{}", "²": r"\textsuperscript{2}"}
 
 
 def latex_escape(text: str) -> str:
@@ -308,6 +325,16 @@ def latex_escape(text: str) -> str:
     return "".join(one(ch) for ch in text)
 
 
+NEGATIVE_NUMBER = re.compile(r"-(?=\d|\.\d)")  # a hyphen-minus that starts a number: a minus sign in LaTeX
+
+
+def latex_cell(text: str) -> str:
+    """``latex_escape``, with a leading "-" before a number typeset as a minus sign (``$-$``), not a hyphen."""
+    if NEGATIVE_NUMBER.match(text):
+        return "$-$" + latex_escape(text[1:])
+    return latex_escape(text)
+
+
 def to_latex(table: Table) -> str:
     """A booktabs ``tabular`` (``\\toprule``/``\\midrule``/``\\bottomrule``); each section opens with its title
     in italics across the columns, after a ``\\midrule``."""
@@ -316,7 +343,7 @@ def to_latex(table: Table) -> str:
     for i, (title, rows) in enumerate(_section_rows(table)):
         if title:
             body += ([r"\midrule"] if i else []) + [rf"\multicolumn{{{n}}}{{l}}{{\textit{{{latex_escape(title)}}}}} \\"]
-        body += [" & ".join(latex_escape(c) for c in row) + r" \\" for row in rows]
+        body += [" & ".join(latex_cell(c) for c in row) + r" \\" for row in rows]
         if not rows:
             body.append(rf"\multicolumn{{{n}}}{{c}}{{(no data)}} \\")
     return "\n".join([

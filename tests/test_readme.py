@@ -13,20 +13,17 @@ from benchmarks import dryrun_table
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_LINES = 250
-MINIMAL = ('activation=full_ckpt, method.basis=random, method.mode=B, method.rank=1, method.scale=128.0, '
-           'method.scaling=tensor, method.state_dtype=bf16, method.target_patterns=["attn","mlp","lm_head"], '
-           'train.max_grad_norm=0.0')
 # README row -> (the campaign's pretraining row (method, setting) or None, the dry-run table's row label)
 HEADLINE = {
-    "AdamW (BF16, torch's fused kernel)": (("adamw", "base"), "adamw (fused kernels, `method.impl=fused`)"),
-    "8-bit AdamW (bitsandbytes)": (("adamw", "method.eight_bit=true"), "adamw, 8-bit state (bitsandbytes AdamW8bit)"),
+    "AdamW (BF16, torch's fused kernel)": (("adamw", "default"), "adamw (fused kernels, `method.impl=fused`)"),
+    "8-bit AdamW (bitsandbytes)": (("adamw", "8-bit"), "adamw, 8-bit state (bitsandbytes AdamW8bit)"),
     "GaLore (galore-torch)": (("galore", ""), "galore (rank 128, not layer-wise)"),
-    "APOLLO (apollo-torch)": (("apollo", "method.variant=apollo"), "apollo (rank d/4, channel)"),
-    "APOLLO-Mini (apollo-torch)": (("apollo", "method.variant=mini"), "apollo mini (rank 1, tensor)"),
+    "APOLLO (apollo-torch)": (("apollo", "APOLLO"), "apollo (rank d/4, channel)"),
+    "APOLLO-Mini (apollo-torch)": (("apollo", "APOLLO-Mini"), "apollo mini (rank 1, tensor)"),
     "QLoRA (NF4 base, LoRA r 16; fine-tuning only)": (None, "qlora (NF4 base, LoRA r 16)"),
-    "HMT, defaults": (("hmt", "base"), "hmt (defaults)"),
+    "HMT, defaults": (("hmt", "default"), "hmt (defaults)"),
     "HMT, memory-minimal (Mode B rank 1 + lm_head, BF16 state, full checkpointing, no clipping)":
-        (("hmt", MINIMAL), "hmt memory-minimal (Mode B rank 1 + lm_head, bf16 state, full ckpt, no clip)"),
+        (("hmt", "memory-minimal"), "hmt memory-minimal (Mode B rank 1 + lm_head, bf16 state, full ckpt, no clip)"),
     "… + 8-bit embedding moments + INT8 weights": (None, "… + INT8 weights (`method.weight_dtype=int8`)"),
 }
 

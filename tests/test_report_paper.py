@@ -174,7 +174,8 @@ def test_flattening_is_the_relative_change_over_the_last_quarter(campaign: Path,
 def test_readme_block_has_both_sections_and_the_systems_table(results) -> None:
     block = report.readme_block(results)
     assert block.index("*Pretraining*") < block.index("*Fine-tuning*") < block.index("The same runs")
-    assert "| hmt | tiny | activation=hmt | 3 | 0.03 |" in block, block
+    assert "| hmt | tiny | INT8 activations | 3 | 0.03 |" in block, block  # activation=hmt by its short name
+    assert "activation=hmt" not in block, block
 
 
 def test_loss_curves_shade_mean_plus_minus_std_over_seeds(campaign: Path, results) -> None:
@@ -221,7 +222,7 @@ def test_loss_memory_figure_draws_the_front_per_model(campaign: Path, results) -
     assert [tuple(round(v, 9) for v in p) for p in drawn] == [tuple(round(v, 9) for v in p) for p in expected], \
         (drawn, expected)
     legend = [t.get_text() for t in panels[1].get_legend().get_texts()]
-    assert "6: hmt (activation=hmt), 3 seed(s)" in legend, legend
+    assert "6: hmt: activation=hmt, 3 seed(s)" in legend, legend  # raw labels: the report names them (labels)
 
 
 # ---- LaTeX -------------------------------------------------------------------------------------------------------
@@ -253,7 +254,8 @@ def test_every_report_table_is_booktabs_and_escaped(campaign: Path, tmp_path: Pa
             continue
         tex = path.read_text()
         assert tex.isascii(), (path.name, [c for c in tex if not c.isascii()])
-        columns = len(re.search(r"\\begin\{tabular\}\{([lrc]+)\}", tex).group(1))
+        spec = re.search(r"^\\begin\{tabular\}\{(.*)\}$", tex, flags=re.MULTILINE).group(1)
+        columns = len(re.findall(r"[lrc]|p\{[^}]*\}", re.sub(r">\{[^}]*\}", "", spec)))  # ">{\raggedright}p{..}"
         body = tex[tex.index("\\toprule"):tex.index("\\bottomrule")].splitlines()[1:]
         for line in body:
             if line in ("\\midrule",) or line.startswith("\\multicolumn"):
@@ -263,7 +265,9 @@ def test_every_report_table_is_booktabs_and_escaped(campaign: Path, tmp_path: Pa
         assert tex.count("\\toprule") == tex.count("\\bottomrule") == 1, path.name
     document = (out / "tables" / "all_tables.tex").read_text()
     assert "\\usepackage{booktabs}" in document
-    assert sorted(re.findall(r"\\input\{(\w+)\.tex\}", document)) == sorted(names - {"all_tables"})
+    # every table but the list of runs (a diagnostic: tables/runs.md, index.md), the settings' overrides last
+    inputs = re.findall(r"\\input\{(\w+)\.tex\}", document)
+    assert sorted(inputs) == sorted(names - {"all_tables", "runs"}) and inputs[-1] == "settings", inputs
 
 
 pdflatex = pytest.mark.skipif(not latex.pdflatex_available(), reason="pdflatex is not installed")
@@ -283,7 +287,10 @@ def test_compile_failure_names_the_table(campaign: Path, tmp_path: Path, monkeyp
     out = tmp_path / "report"
     assert report.main([str(campaign), "--out", str(out), "--no-figures", "--compile-latex"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: pdflatex failed on tables/main.tex: "), err
+    culprit = re.match(r"error: pdflatex failed on tables/(\w+)\.tex: ", err[0]) if len(err) == 1 else None
+    assert culprit, err
+    raw = (out / "tables" / f"{culprit.group(1)}.tex").read_text()  # the table named holds an unescaped special
+    assert any(not c.isascii() or c == "_" for c in raw), (err, raw)
     assert (out / "tables" / "all_tables.log").exists()
 
 

@@ -49,7 +49,7 @@ def test_speed_comes_from_the_timing_run_of_the_same_setting(tmp_path: Path) -> 
     out = tmp_path / "rep"
     assert report.main([str(campaign), "--timing", str(timing), "--out", str(out), "--no-figures"]) == 0
     main = (out / "tables" / "main.md").read_text()
-    hmt_rows = [line for line in main.splitlines() if line.startswith("| hmt | tiny |") and "base" in line]
+    hmt_rows = [line for line in main.splitlines() if line.startswith("| hmt | tiny |") and "| default |" in line]
     assert "timed alone" in main and hmt_rows, main
     assert "0.50×" in hmt_rows[0] and "2.00×" in hmt_rows[0], hmt_rows  # 1000/2000 tokens/s, 1.00/0.50 s
 
