@@ -93,11 +93,14 @@ class Corrections:
 
     def choose(self, prob: Problem) -> Solution | None:
         """The next choice to trace: the corrected model's optimum, or after a miss by the allocator's slack the
-        leanest choice at ``lean_batch`` (fewer sequences while even that is predicted over the budget)."""
+        leanest choice at ``lean_batch`` (fewer sequences while even that is predicted over the budget; never
+        another micro-batch than a fixed one, ``prob.fixed_batch``)."""
         self.traced_leanest = self.lean_batch is not None
         if self.lean_batch is None:
             return solve(prob)
-        for batch in range(min(self.lean_batch, prob.max_batch), self.fit, -1):
+        top = min(self.lean_batch, prob.max_batch, prob.fixed_batch or prob.max_batch)
+        bottom = self.fit if prob.fixed_batch is None else max(self.fit, prob.fixed_batch - 1)  # a user's fixed b
+        for batch in range(top, bottom, -1):
             sol = leanest(dataclasses.replace(prob, fixed_batch=batch))
             if sol is not None and max(v for v in sol.predicted.values() if v is not None) <= prob.budget:
                 return sol
