@@ -27,10 +27,10 @@ class Corrections:
     comes from fragmentation, differs between choices and between micro-batches without order (docs/planner.md), so
     a slack measured on one choice says nothing about another. A trace whose live peak fits but whose reserved bytes
     do not is answered as the capacity procedure (``experiments.plan_capacity``) answers it: the leanest choice
-    (least predicted peak) at that micro-batch is traced next; while the leanest choice misses, the micro-batch is
-    searched between the largest verified fit and the smallest miss (the next guess: the measured excess over the
-    leanest choice's predicted bytes per sequence, then bisection) — the plan is the largest micro-batch whose
-    leanest choice fits with one sequence more verified over."""
+    (least predicted peak) at that micro-batch is traced next (unless the choice that missed is it); while the
+    leanest choice misses, the micro-batch is searched between the largest verified fit and the smallest miss (the
+    next guess: the measured excess over the leanest choice's predicted bytes per sequence, then bisection) — the
+    plan is the largest micro-batch whose leanest choice fits with one sequence more verified over."""
 
     def __init__(self) -> None:
         self.caps: dict[str, int] = {}
@@ -41,6 +41,7 @@ class Corrections:
         self.fit = 0  # the largest b whose leanest choice was verified to fit
         self.over: int | None = None  # the smallest b whose leanest choice was verified over (slack)
         self.traced_leanest = False  # the last choice was the leanest at its micro-batch
+        self.pending: tuple[Solution, float] | None = None  # a slack miss (solution, GiB over) not yet the leanest's
 
     def fitted(self, sol: Solution) -> bool:
         """A verified fit: whether it is the answer (else ``lean_batch`` is the next micro-batch to trace)."""
@@ -57,13 +58,11 @@ class Corrections:
         GiB)."""
         live = summary["dryrun"]["verdict_peak_bytes"] / GIB
         if live <= budget:  # only the allocator's slack is over
-            if self.traced_leanest:  # the leanest choice missed: fewer sequences by the excess
-                self.over = sol.batch if self.over is None else min(self.over, sol.batch)
-                per_seq = max(v for v in sol.predicted.values() if v is not None) / sol.batch  # ≥ its slope
-                guess = sol.batch - math.ceil((verified / GIB - budget) / max(per_seq, 1e-9))
-                self.lean_batch = min(self.over - 1, max(self.fit + 1, guess))
-            else:
-                self.lean_batch = sol.batch
+            miss = (sol, verified / GIB - budget)
+            if self.traced_leanest:
+                self._leanest_missed(*miss)
+            else:  # the leanest choice at this b next (unless it is the one just traced: ``choose``)
+                self.lean_batch, self.pending = sol.batch, miss
         else:
             self.lean_batch = None
             self.caps[sol.option.name] = min(self.caps.get(sol.option.name, sol.batch), sol.batch - 1)
@@ -82,6 +81,13 @@ class Corrections:
             else:
                 self.static[p] = self.static.get(p, 0.0) + err
 
+    def _leanest_missed(self, sol: Solution, excess: float) -> None:
+        """The leanest choice at ``sol.batch`` is ``excess`` GiB over: fewer sequences by its bytes per sequence."""
+        self.over = sol.batch if self.over is None else min(self.over, sol.batch)
+        per_seq = max(v for v in sol.predicted.values() if v is not None) / sol.batch  # ≥ its slope
+        guess = sol.batch - math.ceil(excess / max(per_seq, 1e-9))
+        self.lean_batch = min(self.over - 1, max(self.fit + 1, guess))
+
     def apply(self, prob: Problem) -> Problem:
         base = tuple(Segment(s.start, {p: v + self.static.get(p, 0.0) for p, v in s.static.items()},
                              {p: v + self.per_seq.get(p, 0.0) for p, v in s.per_seq.items()}) for s in prob.base)
@@ -98,6 +104,13 @@ class Corrections:
         self.traced_leanest = self.lean_batch is not None
         if self.lean_batch is None:
             return solve(prob)
+        if self.pending is not None:  # the choice that missed by its slack may already be the leanest at its b
+            missed, excess = self.pending
+            self.pending = None
+            lean = leanest(dataclasses.replace(prob, fixed_batch=missed.batch))
+            if lean is not None and _same(lean, missed):
+                self._leanest_missed(missed, excess)
+                prob = dataclasses.replace(prob, max_batch=max(1, min(prob.max_batch, self.over - 1)))
         top = min(self.lean_batch, prob.max_batch, prob.fixed_batch or prob.max_batch)
         bottom = self.fit if prob.fixed_batch is None else max(self.fit, prob.fixed_batch - 1)  # a user's fixed b
         for batch in range(top, bottom, -1):
@@ -110,3 +123,8 @@ class Corrections:
         return {"lean_batch": self.lean_batch, "lean_fit": self.fit, "lean_over": self.over, "batch_caps": dict(self.caps),
                 "corrected_per_seq_gib": dict(self.per_seq), "corrected_static_gib": dict(self.static),
                 "corrected_option_gib": dict(self.option)}
+
+
+def _same(a: Solution, b: Solution) -> bool:
+    return (a.batch, a.option.name, a.actions, a.layer_recompute) == (b.batch, b.option.name, b.actions,
+                                                                      b.layer_recompute)

@@ -116,21 +116,24 @@ def test_a_miss_by_the_allocators_slack_alone_searches_the_leanest_choice():
     """A verification whose live peak fits but whose reserved bytes do not (the allocator's slack) takes nothing off
     the other choices' budget: the next trace is the leanest choice at the same micro-batch; when that misses too,
     the micro-batch is searched between the largest verified fit and the smallest miss — the capacity procedure's
-    answer (``plan_capacity.next_batch``). On ``_instance``: the optimum at budget 10 is 8 sequences at
-    2 + 8·1 = 10 GiB (already the leanest at 8); reserved 13 GiB there is 3 GiB over at ≤ 10/8 GiB per sequence,
-    so 5 sequences next; 5 fits with 8 over, so 6 (bisection); one sequence under a miss ends the search. A miss
-    of the live peak caps the traced option instead."""
+    answer (``plan_capacity.next_batch``). On ``_instance``: with b ≤ 2 the optimum (big option, all kept, 9 GiB)
+    is not the leanest at 2 (small, recompute + int8, 4 GiB), which is traced next. Unbounded, the optimum is 8
+    sequences at 2 + 8·1 = 10 GiB, already the leanest at 8 (so not traced twice); reserved 13 GiB there is 3 GiB
+    over at ≤ 10/8 GiB per sequence, so 5 sequences next; 5 fits with 8 over, so 6 (bisection); one sequence under
+    a miss ends the search. A miss of the live peak caps the traced option instead."""
     from experiments.plan_correct import Corrections
 
+    fix = Corrections()
+    first = fix.choose(fix.apply(_instance(10.0, 2)))  # b ≤ 2: the budget goes to the big option, all kept
+    assert (first.batch, first.option.name, first.actions) == (2, "big", {"a": KEEP, "c": KEEP}), first
+    fix.learn(_summary(first, 9.0), first, int(10.5 * GIB), 10.0)  # live 9 fits, reserved 10.5 does not
+    lean = fix.choose(fix.apply(_instance(10.0, 2)))
+    assert (lean.batch, lean.option.name) == (2, "small") and fix.traced_leanest, lean  # the leanest at b = 2
     fix = Corrections()
     first = fix.choose(fix.apply(_instance(10.0, 64)))
     assert (first.batch, first.option.name) == (8, "small"), first
     fix.learn(_summary(first, 10.0), first, 13 * GIB, 10.0)  # live 10 fits, reserved 13 does not
-    lean = fix.choose(fix.apply(_instance(10.0, 64)))
-    assert lean.batch == 8 and fix.traced_leanest, lean  # the leanest choice at the same micro-batch
-    assert max(v for v in lean.predicted.values() if v is not None) == pytest.approx(10.0), lean.predicted
-    fix.learn(_summary(lean, 10.0), lean, 13 * GIB, 10.0)
-    down = fix.choose(fix.apply(_instance(10.0, 64)))
+    down = fix.choose(fix.apply(_instance(10.0, 64)))  # 8 was already the leanest at 8: not traced again
     assert down.batch == 5 and fix.over == 8, (down, fix.record())
     assert not fix.fitted(down)  # 5 fits, 8 is over: 6 next
     up = fix.choose(fix.apply(_instance(10.0, 64)))
