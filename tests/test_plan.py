@@ -105,6 +105,47 @@ def test_milp_piecewise_reference_and_infeasible_budget():
     assert solve(dataclasses.replace(prob, budget=4.9)) is None
 
 
+def _summary(sol, live_gib: float) -> dict:
+    """A verification dry run's summary whose live phase peaks are the prediction's (``live_gib`` the verdict)."""
+    return {"dryrun": {"verdict_peak_bytes": int(live_gib * GIB)},
+            "memory": {"peak_by_phase_bytes": {p: int(v * GIB) for p, v in sol.predicted.items()
+                                               if v is not None and p != "probe"}}}
+
+
+def test_a_miss_by_the_allocators_slack_alone_searches_the_leanest_choice():
+    """A verification whose live peak fits but whose reserved bytes do not (the allocator's slack) takes nothing off
+    the other choices' budget: the next trace is the leanest choice at the same micro-batch; when that misses too,
+    the micro-batch is searched between the largest verified fit and the smallest miss — the capacity procedure's
+    answer (``plan_capacity.next_batch``). On ``_instance``: with b ≤ 2 the optimum (big option, all kept, 9 GiB)
+    is not the leanest at 2 (small, recompute + int8, 4 GiB), which is traced next. Unbounded, the optimum is 8
+    sequences at 2 + 8·1 = 10 GiB, already the leanest at 8 (so not traced twice); reserved 13 GiB there is 3 GiB
+    over at ≤ 10/8 GiB per sequence, so 5 sequences next; 5 fits with 8 over, so 6 (bisection); one sequence under
+    a miss ends the search. A miss of the live peak caps the traced option instead."""
+    from experiments.planner.correct import Corrections
+
+    fix = Corrections()
+    first = fix.choose(fix.apply(_instance(10.0, 2)))  # b ≤ 2: the budget goes to the big option, all kept
+    assert (first.batch, first.option.name, first.actions) == (2, "big", {"a": KEEP, "c": KEEP}), first
+    fix.learn(_summary(first, 9.0), first, int(10.5 * GIB), 10.0)  # live 9 fits, reserved 10.5 does not
+    lean = fix.choose(fix.apply(_instance(10.0, 2)))
+    assert (lean.batch, lean.option.name) == (2, "small") and fix.traced_leanest, lean  # the leanest at b = 2
+    fix = Corrections()
+    first = fix.choose(fix.apply(_instance(10.0, 64)))
+    assert (first.batch, first.option.name) == (8, "small"), first
+    fix.learn(_summary(first, 10.0), first, 13 * GIB, 10.0)  # live 10 fits, reserved 13 does not
+    down = fix.choose(fix.apply(_instance(10.0, 64)))  # 8 was already the leanest at 8: not traced again
+    assert down.batch == 5 and fix.over == 8, (down, fix.record())
+    assert not fix.fitted(down)  # 5 fits, 8 is over: 6 next
+    up = fix.choose(fix.apply(_instance(10.0, 64)))
+    assert up.batch == 6, (up, fix.record())
+    fix.learn(_summary(up, 8.0), up, int(10.1 * GIB), 10.0)  # over again: 5 fits, 6 over
+    assert fix.over == 6 and fix.choose(fix.apply(_instance(10.0, 64))) is None, fix.record()
+    live = Corrections()
+    sol = live.choose(live.apply(_instance(10.0, 64)))
+    live.learn(_summary(sol, 10.5), sol, int(10.5 * GIB), 10.0)  # the live peak itself is over
+    assert live.lean_batch is None and live.caps == {"small": 7}, live.record()
+
+
 # ---- a planned tiny model, verified -----------------------------------------------------------------------------------
 # A small choice space keeps the traces few (12): the reference, and full layer recomputation as the one activation
 # choice; the per-component choices are exercised by the MILP tests above and by docs/planner.md's 7B plan.
@@ -228,27 +269,30 @@ def _biased_cache(src: Path, dst: Path, gib: float) -> None:
 
 def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optimum(planned, tmp_path):
     """With costs 0.01 GiB optimistic (~7 sequences at this budget) the first solve misses; each miss corrects the
-    model by the measured error (forward/backward per sequence: still optimistic below the missed batch) and solves
-    again, so the answer is the largest verified micro-batch — the same as the capacity procedure's: its leanest
-    choice one sequence further, traced at full size, is over (``next_batch``: exact)."""
+    model by the measured error (forward/backward per sequence: still optimistic below the missed batch; a miss by
+    the allocator's slack alone: the leanest choice, stepped down) and solves again, so the answer is the largest
+    verified micro-batch — the same as the capacity procedure's: its leanest choice one sequence further, traced at
+    full size, is over (``next_batch``: exact). Like with like: both judge the allocator's predicted reserved bytes
+    (``dryrun.reserve=modeled``, the default) against the budget less the same GPU allowance."""
     from experiments.planner.capacity import next_batch
 
-    root, verified = planned
+    root, _ = planned
+    modeled = MODEL[:-2]  # the default dryrun.reserve=modeled (the fixture's cost cache does not depend on it)
+    budget = round(BUDGET + (426 + 362 + 66) / 1024, 3)  # the Hopper allowance on top (see the test above)
     _biased_cache(root / "results" / "plan_costs", tmp_path / "results" / "plan_costs", 0.01)
-    argv = [*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={tmp_path / 'results'}",
+    argv = [*modeled, *SPACE, f"budget_gib={budget}", f"results_dir={tmp_path / 'results'}",
             f"calibration={root / 'cal.json'}", "name=c", "verify=true", "max_iters=12"]
     rec = planner.main(argv)
     steps = rec["iterations"]
     assert rec["traces"] == 0 and len(steps) >= 2, steps  # biased table used; at least one miss
     assert steps[0]["batch_size"] > rec["choice"]["batch_size"], steps
     assert rec["verified"]["fits"], rec["verified"]
-    run = planner.run_config([*MODEL, f"results_dir={root / 'results'}"])
+    run = planner.run_config([*modeled, f"results_dir={root / 'results'}"])
     prep = planner.prepare(run, {**planner.parse_args(SPACE)[0], "calibration": str(root / "cal.json")})
-    b = verified["choice"]["batch_size"]
-    nxt = next_batch(prep, {"plan_dir": str(tmp_path / "cap" / "plans")}, run, BUDGET, b + 1, "cap",
+    b = rec["choice"]["batch_size"]
+    nxt = next_batch(prep, {"plan_dir": str(tmp_path / "cap" / "plans")}, run, budget, b + 1, "cap",
                      tmp_path / "cap", lambda _: None, max_traces=1)
-    assert nxt["exact"] and "batch_size" not in nxt, nxt  # b + 1 sequences do not fit, whatever the choice
-    assert rec["choice"]["batch_size"] == b, ([s["batch_size"] for s in steps], b)
+    assert nxt["exact"] and "batch_size" not in nxt, (nxt, [s["batch_size"] for s in steps])
 
 
 def test_plans_are_never_written_over_tracked_source(capsys, tmp_path):

@@ -46,7 +46,7 @@ from experiments.errors import UserError, one_line_errors
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, Space, derive, measure, target_layers
-from experiments.planner.milp import min_peak, solve
+from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem, calibrate, param_bytes, region_flops, weight_stats
 from experiments.planner.report import model_label, plan_record, plans_dir, render_plan, run_command
 from experiments.step_time import CONFIRM_S
@@ -259,29 +259,36 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     plan_path = folder / f"{name}.yaml"
     step_budget = budget - ctx
     fix = Corrections()
-    iterations, summary = [], None
+    iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
     scale = run.train.seq_len / prep.record["seq_len"]
-    for _ in range(int(planner.get("max_iters", 8))):
-        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget - fix.slack,
-                                       llama=prep.llama, seq_scale=scale))
-        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
-            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
-        sol = solve(prob)
-        if sol is None:
-            need = min_peak(prob) + ctx + fix.slack
-            raise NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len="
-                         f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
-                                                   else "") +
-                         f": the leanest choice needs {need:.2f} GiB at one sequence ("
-                         f"{'corrected by the verification traces' if iterations else 'predicted'}, "
-                         f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
+
+    def write(sol) -> float:
         predicted = max(v for v in sol.predicted.values() if v is not None)
         header = [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
                   (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
                    f"predicted peak {predicted:.2f} GiB"),
                   f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
         write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space), header)
+        return predicted
+
+    for _ in range(int(planner.get("max_iters", 8))):
+        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
+                                       llama=prep.llama, seq_scale=scale))
+        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
+            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
+        sol = fix.choose(prob)
+        if sol is None and best is not None:  # the leanest choice one sequence further was over: done
+            break
+        if sol is None:
+            need = min_peak(prob) + ctx
+            raise NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len="
+                         f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
+                                                   else "") +
+                         f": the leanest choice needs {need:.2f} GiB at one sequence ("
+                         f"{'corrected by the verification traces' if iterations else 'predicted'}, "
+                         f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
+        predicted = write(sol)
         step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
                 "predicted_peak_gib": predicted, **fix.record()}
         iterations.append(step)
@@ -295,13 +302,21 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         log(f"verify: predicted {predicted:.3f} GiB, measured {verified / GIB:.3f} GiB "
             f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
         if verified <= step_budget * GIB:
-            break
-        fix.learn(summary, sol, verified)
+            best = (sol, summary)
+            if fix.fitted(sol):
+                break
+            log(f"verify: fits; the leanest choice at {fix.lean_batch} sequences next (below {fix.over} over)")
+            continue
+        fix.learn(summary, sol, verified, step_budget)
         log(f"verify: cost model corrected by the measured errors; solving again ({fix.record()})")
     else:
-        raise UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
-                        f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "
-                        f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
+        if best is None:
+            raise UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
+                            f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "
+                            f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
+    if best is not None and best[0] is not sol:  # a later trace was over: the plan is the largest verified fit
+        sol, summary = best
+        write(sol)
     out = plan_record(run, sol, summary, command=planner.get("_argv", []), name=name, plan_path=plan_path,
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
