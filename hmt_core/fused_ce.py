@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hmt_core.int8_weights import Int8Linear, dequantize
+from hmt_core.precision import chunk_rows_for
 
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default
 
@@ -145,13 +146,14 @@ def vocab_block(n: int, v: int, chunk_tokens: int) -> int:
 
 def vocab_block_grads(hidden: Tensor, rows: Callable[[int, int], Tensor], weight: Tensor, bias: Tensor | None,
                       labels: Tensor, lse: Tensor, count: Tensor, grad_loss: Tensor, *, chunk_tokens: int,
-                      dtype: torch.dtype, scale: float, softcap: float | None,
-                      needs: tuple[bool, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients of (hidden (N, H), weight (V, H), bias (V,)) walking vocabulary blocks (module docstring);
-    ``rows(s, e)``: the weight's rows [s, e) in ``dtype`` ((Vb, H): a slice, or an INT8 block dequantized)."""
+                      dtype: torch.dtype, scale: float, softcap: float | None, needs: tuple[bool, ...],
+                      block: int = 0) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of (hidden (N, H), weight (V, H), bias (V,)) walking vocabulary blocks (module docstring) of
+    ``block`` ids (0: ``vocab_block``); ``rows(s, e)``: the weight's rows [s, e) in ``dtype`` ((Vb, H): a slice, or
+    an INT8 block dequantized)."""
     need_h, need_w, need_b = needs
     n, v = hidden.shape[0], weight.shape[0]
-    block = vocab_block(n, v, chunk_tokens)
+    block = block or vocab_block(n, v, chunk_tokens)
     row_scale = torch.where(labels != IGNORE_INDEX, grad_loss.float() / count, 0.0)  # (N,)
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
         h = hidden.to(dtype)
@@ -181,7 +183,9 @@ class Int8HeadCrossEntropy(torch.autograd.Function):
     """``LinearCrossEntropy`` for an INT8 head (``hmt_core.int8_weights``: ``method.embedding_dtype=int8``): forward
     walks vocabulary blocks too, dequantizing one (Vb, H) block at a time (never the whole (V, H) weight), and
     merges the blocks' log-sum-exps, lse = log Σ_blocks exp(lse_block) (Cut Cross-Entropy's forward); backward is
-    the same block walk as the BF16 head's, each block dequantized again."""
+    the same block walk as the BF16 head's, each block dequantized again. A block is also at most one row chunk of
+    the dequantized weight (``hmt_core.precision.chunk_rows_for``: 16 MiB on CUDA), so that block stays small too:
+    with N·Vb ≤ chunk_tokens·V alone, a 2048-token sequence would dequantize half a 128k vocabulary at once."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_tokens: int,
@@ -189,7 +193,7 @@ class Int8HeadCrossEntropy(torch.autograd.Function):
         # hidden: (N, H), weight: the phantom (V, H) (its gradient edge), labels: (N,) shifted -> loss: () fp32
         dtype = compute_dtype(hidden)
         n, v = hidden.shape[0], weight.shape[0]
-        block = vocab_block(n, v, chunk_tokens)
+        block = int8_block(hidden, v, chunk_tokens, dtype)
         valid = labels != IGNORE_INDEX
         lse = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
         target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -216,8 +220,14 @@ class Int8HeadCrossEntropy(torch.autograd.Function):
         layer = ctx.layer
         grads = vocab_block_grads(hidden, lambda s, e: int8_rows(layer, s, e, dtype), weight, bias, labels, lse,
                                   count, grad_loss, chunk_tokens=chunk_tokens, dtype=dtype, scale=scale,
-                                  softcap=softcap, needs=ctx.needs_input_grad[:3])
+                                  softcap=softcap, needs=ctx.needs_input_grad[:3],
+                                  block=int8_block(hidden, weight.shape[0], chunk_tokens, dtype))
         return (*grads, None, None, None, None, None)
+
+
+def int8_block(hidden: Tensor, v: int, chunk_tokens: int, dtype: torch.dtype) -> int:
+    """Vocabulary ids per block of an INT8 head: ``vocab_block``, and at most one row chunk of (V, H) ``dtype``."""
+    return min(vocab_block(hidden.shape[0], v, chunk_tokens), chunk_rows_for((v, hidden.shape[1]), dtype, like=hidden))
 
 
 def int8_rows(layer: nn.Module, s: int, e: int, dtype: torch.dtype) -> Tensor:  # -> (e − s, H) dtype

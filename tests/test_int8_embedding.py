@@ -190,3 +190,34 @@ def test_bad_settings_fail_with_a_clear_message():
 
     assert "method.embedding_dtype=int8 is not supported with sharded weights (dist=fsdp2)" in sharded_config_error(
         hmt.Config(embedding_dtype="int8"))
+
+
+def test_dry_run_traces_the_int8_embedding_and_head_and_equals_a_real_run():
+    """``mode=dryrun`` traces the memory-minimal step with the INT8 embedding and head (8-bit dense moments, the
+    fused loss's block dequantizations) and its figures equal a real CPU run's within 1% (the fake/real criterion of
+    tests/test_int8_weights.py); the meter's ``params`` drop by the vocabulary matrices' 2 B → 1 B + 4/256 B per
+    element against the same run with BF16 embedding and head, and ``optimizer`` holds the 8-bit moments."""
+    from test_int8_weights import _assert_fake_matches_real, _dry
+
+    minimal = ["model=tiny", "model.num_layers=1", "model.vocab_size=1024", "train.seq_len=32",
+               "train.batch_size=2", "method=hmt", "method.mode=B",
+               "method.basis=random", "method.scaling=tensor", "method.rank=1", "method.scale=128",
+               "method.target_patterns=[attn,mlp,lm_head]", "method.state_dtype=bf16", "method.dense_8bit=true",
+               "activation=full_ckpt", "train.max_grad_norm=0", "method.weight_dtype=int8"]
+    from test_dryrun_fidelity import _run
+
+    real, fake = _dry(*minimal, "method.embedding_dtype=int8")
+    _assert_fake_matches_real(real, fake)
+    _, bf16 = _dry(*minimal)
+    model = _run(*minimal).model
+    vd, vb = model.vocab_size * model.hidden_size, model.vocab_size * -(-model.hidden_size // 256)
+    int8_bytes = 2 * (vd + 4 * vb)  # embedding + head: codes + fp32 block scales
+    got = fake["method_summary"]["int8/weight_bytes"] - bf16["method_summary"]["int8/weight_bytes"]
+    assert got == int8_bytes, (got, int8_bytes)
+    cats, base = fake["report"].peak_by_category_bytes, bf16["report"].peak_by_category_bytes
+    # at the peak: 2·2·V·d BF16 bytes replaced by the codes and scales and two 2-byte phantoms
+    assert base["params"] - cats["params"] == 4 * vd - int8_bytes - 4, (base["params"], cats["params"])
+    # the embedding's 8-bit moments: 1 B per element and 4 B per block, each of m and v, in fake and real runs
+    moments = 2 * (vd + 4 * vb) // 2
+    for run in (real, fake):
+        assert run["method_summary"]["optim/state_bytes"] >= moments, (run["method_summary"], moments)
