@@ -30,12 +30,16 @@ hidden gradient accumulates over blocks in fp32 (N x H x 4 bytes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hmt_core.int8_weights import Int8Linear, dequantize
+from hmt_core.precision import chunk_rows_for
 
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss default
 
@@ -129,42 +133,122 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):  # grad_loss: () -> grads of (hidden, weight, bias), None for the rest
         hidden, weight, bias, labels, lse, count = ctx.saved_tensors
         chunk_tokens, dtype, scale, softcap = ctx.meta
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = vocab_block_grads(hidden, lambda s, e: weight[s:e].to(dtype), weight, bias, labels, lse, count,
+                                  grad_loss, chunk_tokens=chunk_tokens, dtype=dtype, scale=scale, softcap=softcap,
+                                  needs=ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None)
+
+
+def vocab_block(n: int, v: int, chunk_tokens: int) -> int:
+    """Vocabulary ids per block: N·Vb ≤ chunk_tokens·V logits (≥ 1 column)."""
+    return min(v, max(1, -(-chunk_tokens * v // n)))
+
+
+def vocab_block_grads(hidden: Tensor, rows: Callable[[int, int], Tensor], weight: Tensor, bias: Tensor | None,
+                      labels: Tensor, lse: Tensor, count: Tensor, grad_loss: Tensor, *, chunk_tokens: int,
+                      dtype: torch.dtype, scale: float, softcap: float | None, needs: tuple[bool, ...],
+                      block: int = 0) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of (hidden (N, H), weight (V, H), bias (V,)) walking vocabulary blocks (module docstring) of
+    ``block`` ids (0: ``vocab_block``); ``rows(s, e)``: the weight's rows [s, e) in ``dtype`` ((Vb, H): a slice, or
+    an INT8 block dequantized)."""
+    need_h, need_w, need_b = needs
+    n, v = hidden.shape[0], weight.shape[0]
+    block = block or vocab_block(n, v, chunk_tokens)
+    row_scale = torch.where(labels != IGNORE_INDEX, grad_loss.float() / count, 0.0)  # (N,)
+    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
+        h = hidden.to(dtype)
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.empty((v, hidden.shape[1]), dtype=dtype, device=hidden.device) if need_w else None
+        grad_b = torch.empty(v, dtype=dtype, device=hidden.device) if need_b else None
+        for s in range(0, v, block):
+            e = min(v, s + block)
+            w = rows(s, e)
+            z = head_logits(h, w, None if bias is None else bias[s:e], dtype=dtype, scale=scale, softcap=softcap)
+            d = block_grad_logits(z, labels, lse, row_scale, start=s, scale=scale, softcap=softcap)
+            del z
+            d = d.to(dtype)  # (N, Vb): the fp32 block is freed here (the plain path rounds δ to dtype too)
+            if need_h:
+                grad_h += d @ w  # (N, Vb) @ (Vb, H)
+            if need_w:
+                torch.mm(d.t(), h, out=grad_w[s:e])  # (Vb, N) @ (N, H): these rows are final
+            if need_b:
+                grad_b[s:e] = d.sum(dim=0)
+            del d, w
+    return (None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype))
+
+
+class Int8HeadCrossEntropy(torch.autograd.Function):
+    """``LinearCrossEntropy`` for an INT8 head (``hmt_core.int8_weights``: ``method.embedding_dtype=int8``): forward
+    walks vocabulary blocks too, dequantizing one (Vb, H) block at a time (never the whole (V, H) weight), and
+    merges the blocks' log-sum-exps, lse = log Σ_blocks exp(lse_block) (Cut Cross-Entropy's forward); backward is
+    the same block walk as the BF16 head's, each block dequantized again. A block is also at most one row chunk of
+    the dequantized weight (``hmt_core.precision.chunk_rows_for``: 16 MiB on CUDA), so that block stays small too:
+    with N·Vb ≤ chunk_tokens·V alone, a 2048-token sequence would dequantize half a 128k vocabulary at once."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_tokens: int,
+                scale: float, softcap: float | None, layer: nn.Module) -> Tensor:
+        # hidden: (N, H), weight: the phantom (V, H) (its gradient edge), labels: (N,) shifted -> loss: () fp32
+        dtype = compute_dtype(hidden)
         n, v = hidden.shape[0], weight.shape[0]
-        block = min(v, max(1, -(-chunk_tokens * v // n)))  # N·Vb ≤ chunk_tokens·V logits per block (≥ 1 column)
-        row_scale = torch.where(labels != IGNORE_INDEX, grad_loss.float() / count, 0.0)  # (N,)
+        block = int8_block(hidden, v, chunk_tokens, dtype)
+        valid = labels != IGNORE_INDEX
+        lse = torch.full((n,), -math.inf, dtype=torch.float32, device=hidden.device)
+        target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
             h = hidden.to(dtype)
-            grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-            grad_w = torch.empty((v, hidden.shape[1]), dtype=dtype, device=weight.device) if need_w else None
-            grad_b = torch.empty(v, dtype=dtype, device=weight.device) if need_b else None
             for s in range(0, v, block):
                 e = min(v, s + block)
-                w = weight[s:e].to(dtype)
-                z = head_logits(h, w, None if bias is None else bias[s:e], dtype=dtype, scale=scale, softcap=softcap)
-                d = block_grad_logits(z, labels, lse, row_scale, start=s, scale=scale, softcap=softcap)
+                z = head_logits(h, int8_rows(layer, s, e, dtype), None if bias is None else bias[s:e], dtype=dtype,
+                                scale=scale, softcap=softcap)  # (N, Vb) fp32
+                inside = (labels >= s) & (labels < e)
+                picked = z.gather(1, (labels - s).clamp(0, e - s - 1).unsqueeze(1)).squeeze(1)
+                target += torch.where(inside, picked, 0.0)
+                torch.logaddexp(lse, torch.logsumexp(z, dim=1), out=lse)
                 del z
-                d = d.to(dtype)  # (N, Vb): the fp32 block is freed here (the plain path rounds δ to dtype too)
-                if need_h:
-                    grad_h += d @ w  # (N, Vb) @ (Vb, H)
-                if need_w:
-                    torch.mm(d.t(), h, out=grad_w[s:e])  # (Vb, N) @ (N, H): these rows are final
-                if need_b:
-                    grad_b[s:e] = d.sum(dim=0)
-                del d, w
-        return (None if grad_h is None else grad_h.to(hidden.dtype),
-                None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+        count = valid.sum()
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, count)
+        ctx.meta, ctx.layer = (chunk_tokens, dtype, scale, softcap), layer
+        return torch.where(valid, lse - target, 0.0).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):  # grad_loss: () -> grads of (hidden, weight, bias), None for the rest
+        hidden, weight, bias, labels, lse, count = ctx.saved_tensors
+        chunk_tokens, dtype, scale, softcap = ctx.meta
+        layer = ctx.layer
+        grads = vocab_block_grads(hidden, lambda s, e: int8_rows(layer, s, e, dtype), weight, bias, labels, lse,
+                                  count, grad_loss, chunk_tokens=chunk_tokens, dtype=dtype, scale=scale,
+                                  softcap=softcap, needs=ctx.needs_input_grad[:3],
+                                  block=int8_block(hidden, weight.shape[0], chunk_tokens, dtype))
+        return (*grads, None, None, None, None, None)
+
+
+def int8_block(hidden: Tensor, v: int, chunk_tokens: int, dtype: torch.dtype) -> int:
+    """Vocabulary ids per block of an INT8 head: ``vocab_block``, and at most one row chunk of (V, H) ``dtype``."""
+    return min(vocab_block(hidden.shape[0], v, chunk_tokens), chunk_rows_for((v, hidden.shape[1]), dtype, like=hidden))
+
+
+def int8_rows(layer: nn.Module, s: int, e: int, dtype: torch.dtype) -> Tensor:  # -> (e − s, H) dtype
+    """Rows [s, e) of an ``Int8Linear`` head dequantized: q[s:e]·s[s:e], the same values as those rows of the
+    whole dequantized weight."""
+    return dequantize(layer.weight_codes[s:e], layer.weight_scales[s:e], layer.block, dtype, backend=layer.backend)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, *,
-                         chunk_tokens: int = 1024, scale: float = 1.0, softcap: float | None = None) -> Tensor:
+                         chunk_tokens: int = 1024, scale: float = 1.0, softcap: float | None = None,
+                         int8_head: nn.Module | None = None) -> Tensor:
     """hidden: (B, T, H), weight: (V, H), bias: (V,) | None, labels: (B, T) unshifted (``ignore_index`` = -100
     where no loss) -> the mean next-token cross-entropy (0-dim fp32) of φ(hidden Wᵀ + b), as
-    ``ForCausalLMLoss(lm_head(hidden), labels)``, in chunks of ``chunk_tokens`` tokens."""
+    ``ForCausalLMLoss(lm_head(hidden), labels)``, in chunks of ``chunk_tokens`` tokens. ``int8_head``: an
+    ``Int8Linear`` head whose phantom is ``weight`` (``Int8HeadCrossEntropy``)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     flat = hidden.reshape(-1, hidden.shape[-1])
+    if int8_head is not None:
+        return Int8HeadCrossEntropy.apply(flat, weight, bias, shift_labels(labels).reshape(-1), chunk_tokens, scale,
+                                          softcap, int8_head)
     return LinearCrossEntropy.apply(flat, weight, bias, shift_labels(labels).reshape(-1), chunk_tokens, scale,
                                     softcap)
 
@@ -173,7 +257,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
 class LMHead:
     """The output embedding of a causal LM and the final map φ its forward applies to the head's output."""
 
-    module: nn.Linear
+    module: nn.Linear  # or an Int8Linear (method.embedding_dtype=int8)
     scale: float
     softcap: float | None
 
@@ -193,7 +277,7 @@ def resolve_head(model: nn.Module) -> LMHead:
                          f"final logit map (scale, soft-cap) is known to the fused loss ({sorted(FINAL_LOGIT_MAPS)}); "
                          "set train.fused_ce=false to use the model's own loss")
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if type(head) not in (nn.Linear, Int8Linear) or getattr(head, "transposed", False):
         raise ValueError(f"train.fused_ce=true: the output embedding of {type(base).__name__} is "
                          f"{type(head).__name__}, not a plain nn.Linear (an adapter or quantization on lm_head?); "
                          "set train.fused_ce=false to use the model's own loss")
@@ -220,7 +304,8 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor | None = 
             raise RuntimeError(f"fused cross-entropy: the LM head's input {tuple(hidden.shape)} does not match the "
                                f"labels {tuple(labels.shape)} (hidden states sliced before the head?)")
         box["loss"] = linear_cross_entropy(hidden, module.weight, module.bias, labels, chunk_tokens=chunk_tokens,
-                                           scale=head.scale, softcap=head.softcap)
+                                           scale=head.scale, softcap=head.softcap,
+                                           int8_head=module if isinstance(module, Int8Linear) else None)
         empty = hidden[..., :0, :]
         return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
 
@@ -234,5 +319,5 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor | None = 
     return box["loss"]
 
 
-__all__ = ["FINAL_LOGIT_MAPS", "IGNORE_INDEX", "LMHead", "LinearCrossEntropy", "causal_lm_loss",
+__all__ = ["FINAL_LOGIT_MAPS", "IGNORE_INDEX", "Int8HeadCrossEntropy", "LMHead", "LinearCrossEntropy", "causal_lm_loss",
            "linear_cross_entropy", "resolve_head", "shift_labels"]

@@ -12,7 +12,10 @@ fp32 master copies, counted as optimizer state; ``stochastic_rounding``: BF16 wr
 generator saved in the state dict): ``hmt_core.precision``. ``weight_dtype="int8"`` (Q-GaLore, Zhang et al., 2024,
 §3.3): ``prepare`` stores every projected weight as INT8 codes with per-block scales, dequantized one layer at a
 time in forward and backward, and every update is requantized by stochastic rounding (``hmt_core.int8_weights``);
-the LM head (read directly by the fused cross-entropy) and the non-projected weights keep the model's dtype.
+the LM head and the non-projected weights keep the model's dtype. ``embedding_dtype="int8"`` stores the input
+embedding and the LM head the same way (``hmt_core.int8_weights.embedding``; the fused cross-entropy dequantizes the
+head one vocabulary block at a time); with ``dense_8bit`` the dense INT8 embedding's moments are 8-bit block-wise
+(``hmt_core.optim.moments8``) instead of bitsandbytes' (which cannot write INT8 codes).
 
 Row-sharded parameters (FSDP2 DTensors): ``attach`` builds slots on the local shards and runs per-layer Mode A through
 ``hmt_core.optim.sharded.ShardedEngine`` (its docstring gives the math and the collectives).
@@ -101,6 +104,9 @@ class Config:
     stochastic_rounding: bool = False  # BF16 weights written by stochastic rounding of the fp32 result
     random_rank: str = "captured"  # basis=random, dynamic rank: "captured" (by the bases) | "spectrum" (legacy)
     weight_dtype: str = "bf16"  # "bf16": projected weights keep the model's dtype | "int8" (hmt_core.int8_weights)
+    # "bf16": the input embedding and the LM head keep the model's dtype | "int8": both stored as INT8 codes + block
+    # scales and updated by stochastic rounding, whether projected or dense (hmt_core.int8_weights.embedding)
+    embedding_dtype: str = "bf16"
     # dynamic rank: cap on the projected optimizer state (hmt_core.rank_budget): "galore" (GaLore's state at its
     # default rank), a fraction of AdamW's state ("0.25"), bytes ("3GiB", "500MB", "123456"), or None
     state_budget: str | None = "galore"
@@ -127,6 +133,7 @@ class Config:
         choice("scaling", ("channel", "tensor"))
         choice("random_rank", ("captured", "spectrum"))
         choice("weight_dtype", ("bf16", "int8"))
+        choice("embedding_dtype", ("bf16", "int8"))
         object.__setattr__(self, "state_budget", normalize_state_budget(self.state_budget))
         if not self.lr > 0:
             raise ValueError(f"method.lr must be > 0, got {self.lr}")
@@ -161,9 +168,10 @@ class Config:
         if self.dense_8bit and (self.master_weights or self.stochastic_rounding):
             raise ValueError("method.dense_8bit=true (bitsandbytes AdamW8bit writes the weights itself) cannot be "
                              "combined with method.master_weights or method.stochastic_rounding")
-        if self.weight_dtype == "int8" and self.master_weights:
-            raise ValueError("method.weight_dtype=int8 writes its updates by stochastic rounding; "
-                             "method.master_weights=true (an fp32 copy of every weight) would defeat it")
+        for key in ("weight_dtype", "embedding_dtype"):
+            if getattr(self, key) == "int8" and self.master_weights:
+                raise ValueError(f"method.{key}=int8 writes its updates by stochastic rounding; "
+                                 "method.master_weights=true (an fp32 copy of every weight) would defeat it")
         if self.offload_bases and not self.per_layer:
             raise ValueError("method.offload_bases=true needs method.per_layer=true")
         if self.basis_cache_mib <= 0:
@@ -233,7 +241,10 @@ class HMTMethod:
         self.device: torch.device | None = None  # the training device (the model's at attach)
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers."""
+        """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers;
+        ``embedding_dtype="int8"``: the input embedding and the LM head become ``Int8Embedding`` / ``Int8Linear``."""
+        if self.config.embedding_dtype == "int8":
+            int8_weights.quantize_vocab(model, backend=self.config.kernels)
         if self.config.weight_dtype == "int8":
             int8_weights.quantize_linears(model, self._int8_targets(model), backend=self.config.kernels)
         return model

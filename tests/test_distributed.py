@@ -58,6 +58,9 @@ CASES = {
     "hmt-int8": {"name": "hmt", "rank": 8, "update_interval": 2, "weight_dtype": "int8"},
     "hmt-int8-not-per-layer": {"name": "hmt", "rank": 8, "update_interval": 2, "weight_dtype": "int8",
                                "per_layer": False},
+    # INT8 embedding and LM head (the embedding dense, its moments 8-bit; the head Mode B): the same argument
+    "hmt-int8-emb": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2, "weight_dtype": "int8",
+                     "embedding_dtype": "int8", "dense_8bit": True, "target_patterns": ["attn", "mlp", "lm_head"]},
 }
 
 
@@ -492,6 +495,8 @@ TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": 
     (TORCHRUN_2, ["dist=ddp", "dist.backend=nccl", "device=cpu"], ["dist.backend=nccl needs CUDA"]),
     (TORCHRUN_2, ["dist=fsdp2", "method=hmt", "method.weight_dtype=int8"],
      ["method.weight_dtype=int8 is not supported with sharded weights (dist=fsdp2)"]),
+    (TORCHRUN_2, ["dist=fsdp2", "method=hmt", "method.embedding_dtype=int8"],
+     ["method.embedding_dtype=int8 is not supported with sharded weights (dist=fsdp2)"]),
 ])
 def test_bad_launches_fail_with_one_line_before_anything_is_written(capsys, monkeypatch, results, env, overrides,
                                                                     fragments):

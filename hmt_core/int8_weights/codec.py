@@ -55,7 +55,7 @@ def block_absmax(w: Tensor, block: int) -> Tensor:  # w: (rows, cols) -> (rows, 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _scaled_op(op, a: Tensor, s: Tensor, block: int, out: Tensor) -> Tensor:
+def scaled_op(op, a: Tensor, s: Tensor, block: int, out: Tensor) -> Tensor:
     """out = op(a, s expanded over each block) for a, out: (rows, cols), s: (rows, nb); no expanded copy of s."""
     rows, cols = a.shape
     n, full = _split(cols, block)
@@ -78,7 +78,7 @@ def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows
     if not stochastic and not is_fake(absmax) and absmax.numel() and not bool(torch.isfinite(absmax).all()):
         raise ValueError("int8 weight quantization: the weight contains NaN or Inf")
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-    y = _scaled_op(torch.div, w, scale, block, torch.empty(w.shape, dtype=torch.float32, device=w.device))
+    y = scaled_op(torch.div, w, scale, block, torch.empty(w.shape, dtype=torch.float32, device=w.device))
     y = stochastic_round_int(y, generator, noise) if stochastic else y.round_()
     return y.clamp_(-QMAX, QMAX).to(torch.int8), scale  # |W/s| ≤ 127 up to one fp32 rounding of the division
 
@@ -88,7 +88,7 @@ def dequantize_torch(q: Tensor, scale: Tensor, block: int,  # q: (rows, cols) in
     """q·s computed in fp32 (the ops' common dtype: one rounding) and stored in ``dtype`` by round-to-nearest-even,
     written straight into the output (``out=``; no weight-sized temporary on CUDA, where the cast is fused)."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    return _scaled_op(torch.mul, q, scale, block, out)
+    return scaled_op(torch.mul, q, scale, block, out)
 
 
 @torch.library.custom_op("hmt::int8_weight_dequant", mutates_args=())

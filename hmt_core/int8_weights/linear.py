@@ -89,7 +89,35 @@ class Int8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class Int8Linear(nn.Linear):
+class Int8Storage:
+    """State-dict behaviour shared by the INT8 layers (``Int8Linear``, ``hmt_core.int8_weights.embedding``): they
+    hold ``weight`` (the phantom), ``weight_codes``, ``weight_scales``, ``block`` and ``dequantized(dtype)``."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """Codes, scales and bias, and as ``weight`` the dequantized weight in the model's dtype (not the phantom):
+        a Hugging Face export (``save_pretrained``) loads into a plain model with the trained values."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.dequantized(self.weight.dtype).detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Codes and scales are loaded as they are; a state without them (a plain model's) is quantized from its
+        ``weight`` (round-to-nearest). The phantom itself is never written."""
+        key = prefix + "weight"
+        state = {k: v for k, v in state_dict.items() if k != key}
+        if prefix + "weight_codes" not in state and key in state_dict:
+            codes, scales = quantize(state_dict[key].to(self.weight_codes.device), self.block)
+            state[prefix + "weight_codes"], state[prefix + "weight_scales"] = codes, scales
+        phantom = self._parameters["weight"]
+        self._parameters["weight"] = None  # skipped by the loader; the key keeps its place (parameter order)
+        try:
+            super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._parameters["weight"] = phantom
+
+
+class Int8Linear(Int8Storage, nn.Linear):
     """A Linear whose weight is INT8 codes + block scales (see the module docstring). ``transposed``: the weight
     is stored (in, out) as ``transformers``' ``Conv1D`` does. Construct with ``from_module``."""
 
@@ -126,30 +154,11 @@ class Int8Linear(nn.Linear):
         return F.linear(x, w.t() if self.transposed else w, bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.numel() == 0:  # the fused loss's (B, 0, H) slice (hmt_core.fused_ce): no dequantized copy, no gradient
+            device = x.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+            return x.new_zeros((*x.shape[:-1], self.out_features), dtype=dtype)
         return Int8LinearFunction.apply(x, self.weight, self.bias, self)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        """Codes, scales and bias, and as ``weight`` the dequantized weight in the model's dtype (not the phantom):
-        a Hugging Face export (``save_pretrained``) loads into a plain model with the trained values."""
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.dequantized(self.weight.dtype).detach()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        """Codes and scales are loaded as they are; a state without them (a plain model's) is quantized from its
-        ``weight`` (round-to-nearest). The phantom itself is never written."""
-        key = prefix + "weight"
-        state = {k: v for k, v in state_dict.items() if k != key}
-        if prefix + "weight_codes" not in state and key in state_dict:
-            codes, scales = quantize(state_dict[key].to(self.weight_codes.device), self.block)
-            state[prefix + "weight_codes"], state[prefix + "weight_scales"] = codes, scales
-        phantom = self._parameters["weight"]
-        self._parameters["weight"] = None  # skipped by the loader; the key keeps its place (parameter order)
-        try:
-            super()._load_from_state_dict(state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
-        finally:
-            self._parameters["weight"] = phantom
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
+from hmt_core.optim.moments8 import Moments8
 from hmt_core.optim.skip import DeviceSkip, reconcile
 from hmt_core.precision import QuantizedWeight, UpdateWriter, chunk_rows_for
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
@@ -117,11 +118,14 @@ class LowRankOptimizer:
                                         for s in slots if s.projected}, cfg)  # None: no state budget
         self.skip = DeviceSkip()  # the step-wide found_inf while updates run under ``skipping``
         self.dense8: dict[str, torch.optim.Optimizer] = {}
+        # dense_8bit for a dense INT8 weight (the embedding, method.embedding_dtype=int8): our own 8-bit moments,
+        # created at its first update (as bitsandbytes creates its state)
+        self.moments8: dict[str, Moments8] = {}
         if cfg.dense_8bit:
             import bitsandbytes as bnb  # optional dependency: only when asked for
 
             for s in slots:
-                if not s.projected:
+                if not s.projected and not isinstance(s.param, QuantizedWeight):
                     self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                                               eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -288,16 +292,29 @@ class LowRankOptimizer:
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
-        but only one chunk of fp32 gradient / moments / direction is alive instead of ~6 weight-sized ones."""
+        but only one chunk of fp32 gradient / moments / direction is alive instead of ~6 weight-sized ones. With
+        8-bit moments (``moments8``) each chunk's moments are read as fp32, stepped, and stored back."""
         c = self.cfg
-        self._begin_adam_step(s, grad)
+        eight = None
+        if c.dense_8bit and isinstance(s.param, QuantizedWeight):
+            if s.name not in self.moments8:
+                self.moments8[s.name] = Moments8(tuple(grad.shape), grad.device)
+            eight = self.moments8[s.name]
+        if eight is None:
+            self._begin_adam_step(s, grad)
+        else:
+            s.step, s.adam_t = s.step + 1, s.adam_t + 1
+            self.skip.count(s)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
-            old = self.skip.snapshot(s.m[a:b], s.v[a:b])
-            d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
-                                          beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
-                                          backend=self.kernels)
-            self.skip.restore(old, s.m[a:b], s.v[a:b])
+            m, v = (s.m[a:b], s.v[a:b]) if eight is None else eight.read(slice(a, b))
+            old = self.skip.snapshot(m, v) if eight is None else None
+            d, step_size = kops.adam_step(m, v, grad[a:b].float(), s.adam_t, lr=self.lr, beta1=c.beta1,
+                                          beta2=c.beta2, eps=c.eps, style=c.adam_style, backend=self.kernels)
+            if eight is None:
+                self.skip.restore(old, m, v)
+            else:
+                eight.write(slice(a, b), m, v, self.skip.flag)
             d = self.skip.zero(d)
             with self.writer.rows(s.param.data, s.master, slice(a, b), self._keep(s)) as w:
                 upd.apply_update_(w, d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
@@ -343,6 +360,7 @@ class LowRankOptimizer:
         """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (APOLLO scaling of ``grad``). ``reduce``
         (Mode B on a row shard, ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k
         and the tensor-scaling and limiter norms are summed over ranks; the update touches this rank's rows."""
+        c = self.cfg
         if coef is not None:
             grad = grad * coef
         if not s.projected:
@@ -353,7 +371,8 @@ class LowRankOptimizer:
                 self.dense8[s.name].step()
                 return
             rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad) if grad.dim() == 2 else grad.shape[0]
-            if rows < grad.shape[0]:  # a large dense weight (embedding, lm_head): row chunks, same arithmetic
+            if rows < grad.shape[0] or (c.dense_8bit and isinstance(s.param, QuantizedWeight)):
+                # a large dense weight (embedding, lm_head): row chunks, same arithmetic; 8-bit moments: always
                 self._dense_adam_rows(s, grad, rows)
                 return
             direction, step_size = self._adam(s, grad.float())
@@ -363,7 +382,6 @@ class LowRankOptimizer:
         if self.cfg.mode == "A":
             self.update_low_rank(s, low)
             return
-        c = self.cfg
         if reduce is not None and s.basis.left is not None:
             low = reduce(low.float())  # Pᵀ G = Σ_k P_kᵀ G_k, replicated
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
@@ -424,6 +442,8 @@ class LowRankOptimizer:
         for opt in self.dense8.values():
             for st in opt.state.values():
                 yield from (t for t in st.values() if isinstance(t, Tensor))
+        for eight in self.moments8.values():
+            yield from eight.tensors()
 
     def projected_state_bytes(self) -> int:
         """Bytes of the projected weights' state tensors (moments, limiter, basis): what ``state_budget`` bounds."""
@@ -451,7 +471,8 @@ class LowRankOptimizer:
         return {"slots": slots, "history": self.history.state_dict(), "refreshes": self.refreshes,
                 "fallbacks": self.fallbacks, "lr": self.lr, "precision": self.writer.state_dict(),
                 "budget": self.budget.state_dict() if self.budget is not None else None,
-                "dense8": {name: opt.state_dict() for name, opt in self.dense8.items()}}
+                "dense8": {name: opt.state_dict() for name, opt in self.dense8.items()},
+                "moments8": {name: eight.state_dict() for name, eight in self.moments8.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         by_name = {s.name: s for s in self.slots}
@@ -485,3 +506,7 @@ class LowRankOptimizer:
         self.writer.load_state_dict(state.get("precision"))
         for name, opt_state in state["dense8"].items():
             self.dense8[name].load_state_dict(opt_state)
+        for name, st in state.get("moments8", {}).items():  # 8-bit moments of a dense INT8 weight
+            s = by_name[name]
+            self.moments8[name] = Moments8(tuple(s.param.shape), s.param.device)
+            self.moments8[name].load_state_dict(st)

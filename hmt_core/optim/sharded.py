@@ -100,6 +100,7 @@ def sharded_config_error(cfg) -> str | None:
         return "method.sides=identity is not supported with sharded weights (dist=fsdp2): a test-only full-rank basis"
     fixed = (("per_layer", True, "the sharded engine is the per-layer one"),
              ("weight_dtype", "bf16", "INT8 weights are not FSDP2 parameters"),
+             ("embedding_dtype", "bf16", "INT8 embeddings are not FSDP2 parameters"),
              ("master_weights", False, "fp32 masters are not sharded"),
              ("stochastic_rounding", False, "not supported on shards"),
              ("offload_bases", False, "the basis cache is not sharded"),

@@ -1,0 +1,76 @@
+"""Loss cost of the INT8 embedding and LM head (``method.embedding_dtype=int8``): the default tiny model trained on
+the local corpus from the same seed, same batches, in the memory-minimal HMT setting (``benchmarks.embedding_memory``'s
+``BASE``: Mode B rank 1 with lm_head, BF16 state, 8-bit dense moments, INT8 projected weights, no clipping) with
+the BF16 and with the INT8 embedding and head.
+
+    python -m benchmarks.embedding_loss [--steps 200] [--out results/embedding_memory/loss_tiny.json]
+
+Writes the validation curve, the final train/val losses of both runs and how long it took; prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from experiments import methods
+from experiments.config import ModelConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+# the method keys of benchmarks.embedding_memory.BASE (activation checkpointing changes no number here)
+MINIMAL = {"name": "hmt", "mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128,
+           "target_patterns": ["attn", "mlp", "lm_head"], "state_dtype": "bf16", "dense_8bit": True,
+           "weight_dtype": "int8"}
+SETTINGS = {"bf16 embedding and head": {}, "int8 embedding and head": {"embedding_dtype": "int8"}}
+
+
+def train(extra: dict, steps: int) -> dict:
+    from experiments.data.corpus import build_corpus
+    from experiments.loop import run_training
+    from experiments.memory.meter import MemoryMeter
+    from experiments.models import build_model
+
+    cfg = TrainConfig(steps=steps, progress=False, max_grad_norm=0.0)
+    corpus = build_corpus(path=None, text_field="text", val_fraction=0.05, vocab_size=4096, seq_len=cfg.seq_len,
+                          batch_size=cfg.batch_size, seed=0, cache_dir="~/.cache/hmt")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(), vocab_size=corpus.vocab_size)
+    method = methods.make_method(methods.make_config({**MINIMAL, **extra}))
+    model = method.prepare(model)
+    model.train()
+    method.attach(model, max_grad_norm=None)
+    curve = []
+
+    def log(record: dict) -> None:
+        if "loss/val" in record:
+            curve.append({"step": record["step"] + 1, "val_loss": record["loss/val"]})
+
+    t0 = time.perf_counter()
+    res = run_training(model, method, corpus, cfg, torch.device("cpu"), log=log, meter=MemoryMeter())
+    return {"val_loss": res.val_loss, "train_loss": res.train_loss, "val_curve": curve,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "embedding_memory" / "loss_tiny.json")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    runs = {label: train(extra, args.steps) for label, extra in SETTINGS.items()}
+    out = {"steps": args.steps, "model": "tiny (ModelConfig defaults)", "method": MINIMAL, "seed": 0,
+           "threads": torch.get_num_threads(), "runs": runs}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    for label, r in runs.items():
+        print(f"{label:<26} train {r['train_loss']:.4f}  val {r['val_loss']:.4f}  ({r['wall_s']} s)")
+    print(f"took {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
