@@ -58,7 +58,8 @@ class SparseEmbeddingUpdate:
         self.state = RowAdamState(cfg, tuple(w.shape), dtype=opt.dense_state_dtype or (
             torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32), device=w.device)
         slot.m, slot.v = self.state.m, self.state.v  # counted and saved with the other slots' moments
-        self.pending: list[tuple[Tensor, Tensor]] = []  # micro-batches' (ids (N,), gradient rows (N, d))
+        self.pending: list[tuple[Tensor, Tensor]] = []  # lookups' (ids (N,), output gradient (N, d)) of the step
+        self._queued = False  # ``_end_of_backward`` is queued on the running backward
 
     @torch.no_grad()
     def before_read(self, ids: Tensor) -> None:
@@ -66,23 +67,36 @@ class SparseEmbeddingUpdate:
 
     @torch.no_grad()
     def on_grad(self, ids: Tensor, grad: Tensor) -> None:  # ids: (...); grad: (..., d)
+        """One lookup's output gradient: kept (and, multi-process, gathered) until the backward pass ends — a model
+        may look up the embedding more than once per backward, like ``AccumulateGrad`` sums several uses."""
         eng = self.engine
         if eng.nonfinite:
             return
         ids, grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
         if self.padding_idx is not None:  # nn.Embedding's padding row gets no gradient
             grad = torch.where((ids == self.padding_idx)[:, None], 0.0, grad)
-        reducer = eng.reduce_grad
-        if reducer is not None:
-            ids, grad = reducer.rows(ids, grad)  # every rank's, in rank order
+        if eng.reduce_grad is not None:
+            ids, grad = eng.reduce_grad.rows(ids, grad)  # every rank's, in rank order
         self.pending.append((ids, grad))
-        if eng.index != eng.count - 1:
+        if not self._queued and torch._C._current_graph_task_id() != -1:  # inside an autograd backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._queued = True
+        elif not self._queued:
+            self._end_of_backward()
+
+    @torch.no_grad()
+    def _end_of_backward(self) -> None:
+        """On the last micro-batch: the rows' gradient (segment sums of every lookup and micro-batch), its norm for
+        the global one, and the update (now, or in ``finish_step`` when clipping defers it)."""
+        self._queued = False
+        eng = self.engine
+        if eng.nonfinite or eng.index != eng.count - 1 or not self.pending:
             return
         ids, grad = (torch.cat(x) for x in zip(*self.pending)) if len(self.pending) > 1 else self.pending[0]
         self.pending = []
         ids_sorted, rows, sums = segment_rows(ids, grad)
-        if reducer is not None:
-            rows, sums = rows.div_(reducer.world_size), sums.div_(reducer.world_size)
+        if eng.reduce_grad is not None:
+            rows, sums = rows.div_(eng.reduce_grad.world_size), sums.div_(eng.reduce_grad.world_size)
         norm = torch.linalg.vector_norm(sums)
         eng.norms[self.slot.index] = norm
         if eng.clipping:

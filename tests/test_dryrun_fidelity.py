@@ -42,6 +42,10 @@ CASES = {  # every method family; Mode A/B x dynamic/fixed x per_layer on/off; e
     "hmt-A-svd-two_sided-interval2": ["method=hmt", "method.basis=svd", "method.sides=two_sided", "method.rank=8",
                                       "method.update_interval=2"],  # step 0 refreshes, step 1 does not
     "hmt-best-readme": ["method=hmt", *BEST_HMT, "method.update_interval=1"],
+    # the embedding's touched rows updated inside backward (no (V, d) gradient), moments in bf16 (no 8-bit rows)
+    "hmt-best-lazy-rows": ["method=hmt", *(o for o in BEST_HMT if "dense_8bit" not in o), "method.update_interval=1",
+                           "method.embedding_update=lazy_exact"],
+    "hmt-A-sparse-adam-rows-clip": ["method=hmt", "method.rank=8", "method.embedding_update=sparse_adam"],
     "galore": ["method=galore", "method.rank=8", "method.update_proj_gap=1"],
     "apollo": ["method=apollo", "method.update_proj_gap=1"],
     "apollo-mini": ["method=apollo", "method.variant=mini", "method.update_proj_gap=1"],
