@@ -328,6 +328,12 @@ class HMTMethod:
         if self.rows is not None:
             self.rows.discard()
 
+    def materialize_weights(self) -> None:
+        """The weights dense AdamW would hold now (``embedding_update=lazy_exact`` catches rows up when read; an
+        exported model must have every row current). A no-op for every other setting."""
+        if self.rows is not None:
+            self.rows.materialize()
+
     def set_lr_scale(self, scale: float) -> None:
         self.opt.set_lr(self.config.lr * scale)
 
