@@ -271,9 +271,6 @@ class HMTMethod:
         sharded = any(sh.is_sharded(p) for _, p in trainable)  # FSDP2: every parameter a row-sharded DTensor
         if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) for _, p in trainable)):
             raise ValueError(sh.sharded_config_error(c) or "sharded HMT needs every trainable parameter sharded")
-        if sharded and c.embedding_update != "dense":
-            raise ValueError(f"method.embedding_update={c.embedding_update} is not implemented on FSDP2 shards "
-                             "(dist=fsdp2); use dist=ddp or method.embedding_update=dense")
         slots = []
         for index, (name, p) in enumerate(trainable, 1):
             if int8_weights.is_phantom(p):  # the optimizer updates an INT8 weight through its handle

@@ -192,3 +192,12 @@ def test_embedding_update_refusals() -> None:
     model.head.weight = model.embed.weight  # tied: the gradient is dense
     with pytest.raises(ValueError, match="tied"):
         HMTMethod(Config(rank=4, embedding_update="lazy_exact")).attach(model, max_grad_norm=None)
+
+
+def test_fsdp2_refuses_the_row_sparse_embedding_in_one_line() -> None:
+    """dist=fsdp2 checks this before any process starts (``experiments.dist_checks.check_fsdp2_hmt``)."""
+    from hmt_core.optim.sharded import sharded_config_error
+
+    assert sharded_config_error(Config()) is None
+    why = sharded_config_error(Config(embedding_update="sparse_adam"))
+    assert why is not None and why.startswith("method.embedding_update=sparse_adam") and "\n" not in why, why
