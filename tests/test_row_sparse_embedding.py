@@ -40,9 +40,11 @@ def test_segment_rows_sums_duplicates_without_dense_buffer() -> None:
     assert torch.equal(sums[:3], dense[[2, 5, 9]]) and not sums[3:].any()
 
 
-@pytest.mark.parametrize("style,eps,wd", [("torch", 1e-8, 0.1), ("hf", 1e-8, 0.1), ("torch", 1e-3, 0.0),
-                                          ("hf", 1e-3, 0.05)])
-def test_lazy_exact_matches_dense_adamw_teacher_forced(style: str, eps: float, wd: float) -> None:
+# window 4096: 16-row chunks (RowAdamState._chunks), so a step's 20 tokens span two chunks and runs of equal ids cross
+# a chunk boundary
+@pytest.mark.parametrize("style,eps,wd,window", [("torch", 1e-8, 0.1, 4096), ("hf", 1e-8, 0.1, 256),
+                                                 ("torch", 1e-3, 0.0, 256), ("hf", 1e-3, 0.05, 4096)])
+def test_lazy_exact_matches_dense_adamw_teacher_forced(style: str, eps: float, wd: float, window: int) -> None:
     """Dense AdamW (every row moves every step; untouched rows with a zero gradient) against the lazy rule, step by
     step from the same state: the rows a step reads (caught up first) and, at the end, every row. Tolerance: the
     documented ε-bound of each catch-up (``catch_up_bound``, summed per row over its catch-ups: errors in the weight
@@ -50,7 +52,8 @@ def test_lazy_exact_matches_dense_adamw_teacher_forced(style: str, eps: float, w
     step it writes and its update to a few ulps, so 16 ulps of (|W| + |update|) per step bounds their difference."""
     torch.manual_seed(0)
     vocab, d, tokens, steps = 48, 8, 20, 14
-    cfg = RowAdamConfig(variant="lazy_exact", beta1=0.9, beta2=0.999, eps=eps, weight_decay=wd, style=style)
+    cfg = RowAdamConfig(variant="lazy_exact", beta1=0.9, beta2=0.999, eps=eps, weight_decay=wd, style=style,
+                        window=window)
     w0 = torch.randn(vocab, d)
     dense = nn.Parameter(w0.clone())
     ref = _reference(dense, eps=eps, wd=wd, style=style)

@@ -104,18 +104,25 @@ class RowAdamState:
         decay = torch.exp(end - self.log_decay[t0.clamp(max=max(t - 1, 0))])
         return decay, coef.sum(1), coef, a
 
+    def _chunks(self, n: int, d: int) -> list[tuple[int, int]]:  # (start, end) positions: bounded temporaries
+        rows = max(1, min(2**22 // max(d, 1), 2**16 // self.cfg.window))  # ≤ 16 MiB fp32 rows, ≤ 0.5 MiB tables
+        return [(a, min(a + rows, n)) for a in range(0, n, rows)]
+
     def catch_up_(self, weight: Tensor, ids: Tensor, t: int) -> None:  # weight: (V, d); ids: (N,) any order
-        """lazy_exact: rows ``ids`` brought to the state dense AdamW has after step t − 1 (no-op for current rows)."""
+        """lazy_exact: rows ``ids`` brought to the state dense AdamW has after step t − 1 (no-op for current rows;
+        a row repeated in a later chunk is current by then)."""
         if self.last is None or t <= 1:
             return
         ids = ids.reshape(-1)
+        for a, b in self._chunks(ids.numel(), weight.shape[1]):
+            self._catch_up_rows(weight, ids[a:b], t)
+
+    def _catch_up_rows(self, weight: Tensor, ids: Tensor, t: int) -> None:  # ids: (n,)
         t0 = self.last[ids]
         decay, s, _, a = self._coefficients(t0, t)
-        a1 = a[:, 0]
         k = (t - 1 - t0).clamp(min=0).double()
-        m, v, w = self.m[ids].float(), self.v[ids].float(), weight[ids].float()  # (N, d)
-        direction = m / (v.sqrt() + (self.cfg.eps / a1)[:, None].float())
-        w = decay[:, None].float() * w - s[:, None].float() * direction
+        m, v, w = self.m[ids].float(), self.v[ids].float(), weight[ids].float()  # (n, d)
+        w.mul_(decay[:, None].float()).sub_(s[:, None].float() * m / (v.sqrt() + (self.cfg.eps / a[:, :1]).float()))
         m.mul_((self.cfg.beta1 ** k)[:, None].float())
         v.mul_((self.cfg.beta2 ** k)[:, None].float())
         self.m.index_copy_(0, ids, m.to(self.m.dtype))
@@ -136,23 +143,31 @@ class RowAdamState:
     def step_rows_(self, weight: Tensor, ids: Tensor, rows: Tensor, t: int, lr: float,  # weight: (V, d)
                    skip: Tensor | None = None) -> None:  # ids: (N,) sorted; rows: (N, d) fp32 row totals
         """Step t on the touched rows (after ``catch_up_`` for lazy_exact): AdamW's arithmetic of the dense path
-        (``hmt_core.adam``) on the gathered rows; ``skip`` (() bool): where True, nothing changes."""
-        c = self.cfg
+        (``hmt_core.adam``) on the gathered rows, in chunks of positions; ``skip`` (() bool): where True, nothing
+        changes. A row whose run of equal ids began in an earlier chunk rewrites its (already updated) values."""
         self.record_step(t, lr)
         self.catch_up_(weight, ids, t)
+        pos = torch.arange(ids.numel(), device=ids.device)
+        first = torch.ones_like(ids, dtype=torch.bool)
+        first[1:] = ids[1:] != ids[:-1]
+        start = torch.cummax(torch.where(first, pos, 0), 0).values  # (N,) where each position's run of ids begins
+        for a, b in self._chunks(ids.numel(), weight.shape[1]):
+            keep = start[a:b] < a  # (n,) updated by an earlier chunk
+            self._step_chunk(weight, ids[a:b], rows[a:b], t, lr, keep if skip is None else keep | skip)
+
+    def _step_chunk(self, weight: Tensor, ids: Tensor, rows: Tensor, t: int, lr: float, keep: Tensor) -> None:
+        c = self.cfg  # ids: (n,); rows: (n, d) fp32; keep: (n,) or () bool, where True the values stay
         m, v, w = self.m[ids].float(), self.v[ids].float(), weight[ids].float()
-        m_old, v_old, w_old = (m.clone(), v.clone(), w.clone()) if skip is not None else (None, None, None)
+        m_old, v_old, w_old = m.clone(), v.clone(), w.clone()
         adam_moments_(m, v, rows, c.beta1, c.beta2, c.style)
         d, step_size = adam_step(m, v, t, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.style)
         apply_update_(w, d, step_size=step_size, lr=lr, weight_decay=c.weight_decay, style=c.style)
-        if skip is not None:
-            m, v, w = torch.where(skip, m_old, m), torch.where(skip, v_old, v), torch.where(skip, w_old, w)
-        self.m.index_copy_(0, ids, m.to(self.m.dtype))
-        self.v.index_copy_(0, ids, v.to(self.v.dtype))
-        weight.index_copy_(0, ids, w.to(weight.dtype))
+        kept = keep[:, None] if keep.dim() else keep
+        self.m.index_copy_(0, ids, torch.where(kept, m_old, m).to(self.m.dtype))
+        self.v.index_copy_(0, ids, torch.where(kept, v_old, v).to(self.v.dtype))
+        weight.index_copy_(0, ids, torch.where(kept, w_old, w).to(weight.dtype))
         if self.last is not None:
-            self.last.index_fill_(0, ids, t) if skip is None else self.last.index_copy_(
-                0, ids, torch.where(skip, self.last[ids], torch.full_like(ids, t)))
+            self.last.index_copy_(0, ids, torch.where(keep, self.last[ids], torch.full_like(ids, t)))
 
     def state_dict(self) -> dict[str, Tensor | None]:
         return {"m": self.m, "v": self.v, "last": self.last, "lr_table": self.lr_table, "log_decay": self.log_decay}
