@@ -156,10 +156,11 @@ def test_grad_agreement_equals_the_flat_cosine():
 def test_row_sparse_embedding_takes_the_embedding_gradient_out_of_the_peak():
     """Memory-minimal HMT (bf16 dense moments both ways): with ``method.embedding_update=lazy_exact`` the step's peak
     holds no (V, d) embedding gradient — the grads category at the peak drops by exactly V · d · 2 bytes (BF16), as
-    the 7B-scale dry runs show (docs/embedding_memory.md); the moments are the same bytes."""
+    the 7B-scale dry runs show (docs/embedding_memory.md); the moments are the same bytes. (The whole peak is not
+    compared here: at V · d = 32k elements the row update's step tables, (rows × 256) float64, outweigh the gradient
+    it saves; at 7B scale they are MiB against a GiB.)"""
     rows = [o for o in BEST_HMT if "dense_8bit" not in o]
     dense, lazy = (trace_steps(run, methods.make_method(run.method), fake=True)["report"] for run in (
         _run(*MICRO, "method=hmt", *rows), _run(*MICRO, "method=hmt", *rows, "method.embedding_update=lazy_exact")))
     drop = dense.peak_by_category_bytes["grads"] - lazy.peak_by_category_bytes["grads"]
     assert drop == 512 * 64 * 2, (dense.peak_by_category_bytes, lazy.peak_by_category_bytes)
-    assert lazy.peak_bytes < dense.peak_bytes, (lazy.peak_bytes, dense.peak_bytes)
