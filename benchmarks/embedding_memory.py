@@ -62,7 +62,8 @@ def dryrun_table(rows: list[dict]) -> str:
 
 
 def loss_table(rows: list[dict]) -> str:
-    lines = ["| method.embedding_update | steps | train loss | val loss | val loss − dense |", "|---|---:|---:|---:|---:|"]
+    lines = ["| method.embedding_update | steps | train loss | val loss | val loss − dense |",
+             "|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['embedding_update']} | {r['steps']} | {r['train_loss']:.4f} | {r['val_loss']:.4f} | "
                      f"{r.get('val_loss_minus_dense', 0.0):+.4f} |")

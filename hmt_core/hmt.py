@@ -337,7 +337,8 @@ class HMTMethod:
     def state_tensors(self) -> Iterator[torch.Tensor]:
         yield from self.opt.state_tensors()  # the embedding's row moments are its slot's m, v
         if self.rows is not None:
-            yield from (t for t in self.rows.state.tensors() if t is not self.rows.state.m and t is not self.rows.state.v)
+            moments = (self.rows.state.m, self.rows.state.v)
+            yield from (t for t in self.rows.state.tensors() if not any(t is x for x in moments))
 
     def metrics(self) -> dict[str, float]:
         self.opt.reconcile()  # the host reads values here anyway (a logging step)
