@@ -236,7 +236,7 @@ ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0
                       ("dryrun", "expandable_segments"): False, ("method", "impl"): "fused",
                       ("dryrun", "device"): "cpu", ("train", "on_oom"): "fail", ("train", "max_replans"): 3,
                       ("train", "memory_cap_gib"): None, ("model", "card"): None,
-                      ("method", "embedding_dtype"): "bf16"}
+                      ("method", "embedding_dtype"): "bf16", ("method", "embedding_update"): "dense"}
 
 
 def without_added_defaults(plain: dict) -> dict:

@@ -25,6 +25,7 @@ from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.replan import Attempt, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
+from hmt_core.hmt import HMTMethod
 
 
 def seed_everything(seed: int) -> None:
@@ -205,6 +206,8 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             resume=_resume_summary(resume_point), checkpoints=checkpointer.summary(), **dist_summary,
             **({"replans": attempt.replans} if attempt is not None else {}))
         if t.save_model and main:
+            if isinstance(method, HMTMethod):  # method.embedding_update=lazy_exact: every row brought up to date
+                method.materialize_weights()
             save_model(model, corpus.tokenizer, run_dir.path / "model")
         run_dir.finish(summary)
         if wandb_run is not None:

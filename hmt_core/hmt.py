@@ -55,6 +55,10 @@ from hmt_core.state_bytes import state_bytes_summary
 from hmt_core.optim import sharded as sh
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
+from hmt_core.optim.row_adam import VARIANTS as EMBEDDING_UPDATES
+from hmt_core.optim.row_adam import RowAdamConfig
+from hmt_core.sparse_embedding import SparseEmbeddingUpdate
+from hmt_core.sparse_embedding import install as install_sparse_embedding
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
 from hmt_core.projection import SIDES, SOURCES
 from hmt_core.rank import FALLBACKS
@@ -110,6 +114,9 @@ class Config:
     # dynamic rank: cap on the projected optimizer state (hmt_core.rank_budget): "galore" (GaLore's state at its
     # default rank), a fraction of AdamW's state ("0.25"), bytes ("3GiB", "500MB", "123456"), or None
     state_budget: str | None = "galore"
+    # the input embedding's update (hmt_core.sparse_embedding): "dense" (a (V, d) gradient, AdamW) | "lazy_exact"
+    # (the touched rows' gradient; dense AdamW caught up lazily per row) | "sparse_adam" (torch.optim.SparseAdam's rule)
+    embedding_update: str = "dense"
 
     def __post_init__(self) -> None:
         for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
@@ -134,6 +141,16 @@ class Config:
         choice("random_rank", ("captured", "spectrum"))
         choice("weight_dtype", ("bf16", "int8"))
         choice("embedding_dtype", ("bf16", "int8"))
+        choice("embedding_update", EMBEDDING_UPDATES)
+        if self.embedding_update != "dense":
+            clash = ("method.per_layer=false" if not self.per_layer
+                     else "method.embedding_dtype=int8" if self.embedding_dtype == "int8"
+                     else "method.dense_8bit=true" if self.dense_8bit
+                     else "method.master_weights=true" if self.master_weights
+                     else "method.stochastic_rounding=true" if self.stochastic_rounding else None)
+            if clash:
+                raise ValueError(f"method.embedding_update={self.embedding_update} updates the embedding's rows inside "
+                                 f"backward with its own moments; it cannot be combined with {clash}")
         object.__setattr__(self, "state_budget", normalize_state_budget(self.state_budget))
         if not self.lr > 0:
             raise ValueError(f"method.lr must be > 0, got {self.lr}")
@@ -239,6 +256,7 @@ class HMTMethod:
         self.max_grad_norm: float | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.device: torch.device | None = None  # the training device (the model's at attach)
+        self.rows: SparseEmbeddingUpdate | None = None  # method.embedding_update != dense
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers;
@@ -294,6 +312,11 @@ class HMTMethod:
             self.engine = sh.ShardedEngine(self.opt, max_grad_norm=max_grad_norm)
         else:
             self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm, cache=cache) if c.per_layer else None
+        self.rows = None
+        if c.embedding_update != "dense":
+            self.rows = install_sparse_embedding(model, self.opt, self.engine, RowAdamConfig(
+                variant=c.embedding_update, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
+                style=c.adam_style))
 
     def start_micro_batch(self, index: int, count: int) -> None:
         if self.engine is not None:
@@ -312,12 +335,23 @@ class HMTMethod:
             s.pending = None
         if self.engine is not None:
             self.engine.discard_step()
+        if self.rows is not None:
+            self.rows.discard()
+
+    def materialize_weights(self) -> None:
+        """The weights dense AdamW would hold now (``embedding_update=lazy_exact`` catches rows up when read; an
+        exported model must have every row current). A no-op for every other setting."""
+        if self.rows is not None:
+            self.rows.materialize()
 
     def set_lr_scale(self, scale: float) -> None:
         self.opt.set_lr(self.config.lr * scale)
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
-        return self.opt.state_tensors()
+        yield from self.opt.state_tensors()  # the embedding's row moments are its slot's m, v
+        if self.rows is not None:
+            moments = (self.rows.state.m, self.rows.state.v)
+            yield from (t for t in self.rows.state.tensors() if not any(t is x for x in moments))
 
     def metrics(self) -> dict[str, float]:
         self.opt.reconcile()  # the host reads values here anyway (a logging step)
@@ -355,12 +389,17 @@ class HMTMethod:
     def state_dict(self) -> dict[str, Any]:
         state = self.opt.state_dict()
         state["lagged_clip_coef"] = self.engine.lagged_coef if self.engine is not None else None
+        if self.rows is not None:
+            state["embedding_rows"] = {k: v for k, v in self.rows.state.state_dict().items() if k not in ("m", "v")}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.opt.load_state_dict(state)
         if self.engine is not None:
             self.engine.lagged_coef = state.get("lagged_clip_coef")
+        if self.rows is not None:  # the moments came back as the slot's m, v
+            self.rows.state.load_state_dict(state.get("embedding_rows", {}))
+            self.rows.state.m, self.rows.state.v = self.rows.slot.m, self.rows.slot.v
 
 
 def make(config: Config) -> HMTMethod:

@@ -32,6 +32,9 @@ CONFIGS = {  # (hmt.Config overrides, max_grad_norm, activation preset)
     "ordinary_step": ({"per_layer": False}, 1.0, None),
     "weight_decay": ({"weight_decay": 0.1}, 1.0, None),  # a skipped step keeps the weight through torch.where
     "two_sided": ({"sides": "two_sided"}, 1.0, None),
+    # the embedding's touched rows (hmt_core.sparse_embedding): sort + segment sums + index_copy_, no unique()
+    "rows_lazy_exact": ({"embedding_update": "lazy_exact", "weight_decay": 0.1}, 1.0, None),
+    "rows_sparse_adam_unclipped": ({"embedding_update": "sparse_adam"}, None, None),
 }
 
 
@@ -92,7 +95,7 @@ def test_a_step_has_no_host_sync(name):
 
 
 @pytest.mark.parametrize("name", ["mode_a_clipped", "mode_a_unclipped", "mode_b_rank1", "int8_weights",
-                                  "ordinary_step", "weight_decay"])
+                                  "ordinary_step", "weight_decay", "rows_sparse_adam_unclipped"])
 def test_a_nonfinite_gradient_skips_the_step_on_the_device_as_before(name):
     """The bad step (counted: no host sync) leaves every weight and state tensor as it was and returns NaN; once the
     host has read the flags (``metrics``, as on a logging step) the counters are those of before the step, and the
@@ -100,7 +103,8 @@ def test_a_nonfinite_gradient_skips_the_step_on_the_device_as_before(name):
     logits' gradient is NaN, so the first gradient to arrive is already non-finite (an update inside backward issued
     before a non-finite gradient appears keeps its update, as before). INT8 weights:
     the skipped step's stochastic requantization still drew its random bits, so the next step's codes and scales
-    round differently (everything else is equal; docs/host_syncs.md)."""
+    round differently (everything else is equal; docs/host_syncs.md). ``lazy_exact`` embedding rows are not in the
+    list: the bad step's forward still brings the rows it reads up to date (the same state, other tensors)."""
     overrides, max_grad_norm, _ = CONFIGS[name]
     data = batches(4)
     runs = []

@@ -194,6 +194,17 @@ class GradAverager:
     def projected(self, low: Tensor, done: Callable[[], None]) -> None:  # low: Ĝ = project(G_local), fp32
         self._add(low, done)
 
+    def rows(self, ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:  # ids: (N,); values: (N, d)
+        """Every rank's (ids, gradient rows) of a row-sparse embedding (``hmt_core.sparse_embedding``), concatenated
+        in rank order ((W·N,), (W·N, d)): the rows travel as rows. Buckets handed over before are completed first
+        (hook order). Every rank holds the same N tokens (the global batch split by rows)."""
+        self.flush()
+        out_ids = ids.new_empty((self.world_size * ids.numel(),))
+        out_values = values.new_empty((self.world_size * values.shape[0], values.shape[1]))
+        dist.all_gather_into_tensor(out_ids, ids.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(out_values, values.contiguous(), group=self.group)
+        return out_ids, out_values
+
     def flush(self) -> None:
         """Launch the partly filled bucket, then wait every bucket and run its callbacks, in order."""
         self._launch()

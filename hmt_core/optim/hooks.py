@@ -89,6 +89,10 @@ class GradReducer(Protocol):
 
     def flush(self) -> None: ...  # every tensor handed over is reduced and its ``done`` has run
 
+    world_size: int
+
+    def rows(self, ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]: ...  # (N,), (N, d): every rank's, gathered
+
 
 class PerLayerEngine:
     def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None,
@@ -102,6 +106,7 @@ class PerLayerEngine:
         self.norms: dict[int, Tensor] = {}  # slot index -> ‖G‖ (stacked in slot order, like clip_grad_norm_)
         self.deferred_low: list[Slot] = []
         self.deferred_dense: list[Slot] = []
+        self.deferred_rows: list[Callable[[Tensor | None], None]] = []  # row-sparse embedding updates (clipping)
         self.lagged_coef: Tensor | None = None
         self.nonfinite = False  # a refresh met a non-finite gradient (known on the host): the step is dropped
         self.found_inf: Tensor | None = None  # () bool on the device: a non-finite gradient was seen in this step
@@ -266,7 +271,7 @@ class PerLayerEngine:
             s.pending = None
         for s in self.deferred_dense:
             s.param.grad = s.pending = None
-        self.norms, self.deferred_low, self.deferred_dense = {}, [], []
+        self.norms, self.deferred_low, self.deferred_dense, self.deferred_rows = {}, [], [], []
         self.index, self.count, self.nonfinite, self.found_inf = 0, 1, False, None
 
     def _global_norm(self) -> Tensor:  # () fp32: ‖g‖ over every parameter (a sharded engine also over ranks)
@@ -293,7 +298,7 @@ class PerLayerEngine:
             self.lagged_coef = torch.where(found, 1.0 if self.lagged_coef is None else self.lagged_coef, coef)
         if self.cache is not None and self.order and not self.next_in_order:
             self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
-        self.norms, self.deferred_low, self.deferred_dense = {}, [], []
+        self.norms, self.deferred_low, self.deferred_dense, self.deferred_rows = {}, [], [], []
         self.index, self.count, self.found_inf = 0, 1, None
         return torch.where(found, float("nan"), total)
 
@@ -308,3 +313,5 @@ class PerLayerEngine:
         for s in self.deferred_dense:  # pending: a sharded engine's local gradient shard (else None)
             self.opt.update_full(s, s.param.grad if s.pending is None else s.pending, coef)
             s.param.grad = s.pending = None
+        for apply_rows in self.deferred_rows:  # hmt_core.sparse_embedding: the touched rows, clipped by ``coef``
+            apply_rows(coef)

@@ -104,7 +104,9 @@ def sharded_config_error(cfg) -> str | None:
              ("master_weights", False, "fp32 masters are not sharded"),
              ("stochastic_rounding", False, "not supported on shards"),
              ("offload_bases", False, "the basis cache is not sharded"),
-             ("dense_8bit", False, "bitsandbytes' AdamW8bit does not step DTensor shards"))
+             ("dense_8bit", False, "bitsandbytes' AdamW8bit does not step DTensor shards"),
+             ("embedding_update", "dense", "the row-sparse embedding update is not implemented on row shards; "
+                                           "use dist=ddp or method.embedding_update=dense"))
     for key, want, why in fixed:
         if getattr(cfg, key) != want:
             return f"method.{key}={getattr(cfg, key)} is not supported with sharded weights (dist=fsdp2): {why}"
