@@ -53,6 +53,18 @@ class Corrections:
             else:
                 self.static[p] = self.static.get(p, 0.0) + err
 
+    def learn_peak(self, measured_gib: float, predicted_gib: float, phases: tuple[str, ...]) -> float:
+        """A training attempt that ran out of memory (``train.on_oom=replan``, ``experiments.planner.oom``): only its
+        overall peak is known, and it is a lower bound (the attempt stopped there), so the error of the predicted
+        peak, where positive, is added to every phase as static bytes: the corrected model predicts at least the
+        measured peak for the failed choice, and any other choice moves by the same bytes. Returns the error."""
+        err = max(0.0, measured_gib - predicted_gib)
+        if err > 0:
+            err += 1e-6  # GiB: as in ``learn``
+            for p in phases:
+                self.static[p] = self.static.get(p, 0.0) + err
+        return err
+
     def apply(self, prob: Problem) -> Problem:
         base = tuple(Segment(s.start, {p: v + self.static.get(p, 0.0) for p, v in s.static.items()},
                              {p: v + self.per_seq.get(p, 0.0) for p, v in s.per_seq.items()}) for s in prob.base)
