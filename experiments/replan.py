@@ -155,10 +155,6 @@ def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
     return None
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3f} MiB"
-
-
 def _release(device: torch.device) -> None:
     """Free what the failed attempt held (its frames are gone once its exception is dropped)."""
     gc.collect()
@@ -179,8 +175,8 @@ def train_with_replans(run: RunConfig, device: torch.device,
             reason = (str(e).strip().splitlines() or ["out of memory"])[0]
         _release(device)
         peak, limit = attempt.peak_bytes, limit_bytes(run, device)
-        measured = (f"peak {_size(peak)}" if peak is not None else "peak unknown") + \
-                   (f" > {_size(limit)}" if limit is not None else "")
+        measured = (f"peak {oom.show_bytes(peak)}" if peak is not None else "peak unknown") + \
+                   (f" > {oom.show_bytes(limit)}" if limit is not None else "")
         where = (f"step {attempt.checkpoint_step} from {attempt.checkpoint}" if attempt.checkpoint
                  else "step 0 (no checkpoint yet; train.checkpoint_every=N keeps more)")
         in_force = apply_overrides(run, attempt.overrides)  # with the steps down a resumed checkpoint recorded

@@ -122,6 +122,11 @@ def step_budget_bytes(run: RunConfig, *, peak_bytes: int | None, limit_bytes: in
     return int(min(known) * (1 - MARGIN))
 
 
+def show_bytes(nbytes: float) -> str:
+    """Bytes in GiB, or in MiB below one GiB (a tiny model's plans differ in the third MiB decimal)."""
+    return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3f} MiB"
+
+
 def _peak(sol_or_predicted: dict[str, float | None]) -> float:
     return max(v for v in sol_or_predicted.values() if v is not None)
 
@@ -162,11 +167,11 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     err = fix.learn_peak((peak_bytes or 0) / GIB, before, PHASES)
     sol = _solve_dividing(fix.apply(prob), t.batch_size)
     if sol is None:
-        raise NoFit(f"the planner has no resumable plan under {budget / GIB:.4f} GiB (its model corrected by "
-                    f"+{err:.4f} GiB from the measured peak)")
+        raise NoFit(f"the planner has no resumable plan under {show_bytes(budget)} (its model corrected by "
+                    f"+{show_bytes(err * GIB)} from the measured peak)")
     overrides = _overrides(run, sol, actions, lr)
-    label = (f"planner: {_describe(run, sol, actions, lr)}; predicted peak {_peak(sol.predicted):.4f} GiB <= "
-             f"{budget / GIB:.4f} GiB (model +{err:.4f} GiB from the measured peak)")
+    label = (f"planner: {_describe(run, sol, actions, lr)}; predicted peak {show_bytes(_peak(sol.predicted) * GIB)}"
+             f" <= {show_bytes(budget)} (the model +{show_bytes(err * GIB)} from the measured peak)")
     return Answer(overrides=overrides, label=label, budget_bytes=budget,
                   predicted_bytes=math.ceil(_peak(sol.predicted) * GIB), correction_bytes=round(err * GIB),
                   traced=int(prep.record["traces"]))
