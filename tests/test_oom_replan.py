@@ -232,10 +232,12 @@ def test_planner_steps_down_twice_and_its_choices_are_used(capsys, planned) -> N
     assert read_status(run_dir) == "completed"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3], rows
-    # same sequences per step; the micro-batch split and recomputation only reorder fp32 sums (relative rounding
-    # ~1e-7 per add), which a few steps of projected Adam amplify far less than 1e-4
+    # same sequences per step; the micro-batch split reorders the sums into the model's bf16 gradients (2^-8
+    # relative rounding per element), which moves the loss by a few 1e-4 relative after two updates (measured 5.4e-4
+    # at step 2); 2e-3 is a few times that and still ~1/10 of one step's loss change (~0.05 of ~6), so a lost,
+    # repeated or reordered step fails
     for row, want in zip(rows, planned["losses"]):
-        assert math.isclose(row["loss/train"], want, rel_tol=1e-4), (row["step"], row["loss/train"], want)
+        assert math.isclose(row["loss/train"], want, rel_tol=2e-3), (row["step"], row["loss/train"], want)
 
 
 def test_planner_with_nothing_left_fails_in_one_line(tmp_path, capsys, planned) -> None:
