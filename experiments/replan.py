@@ -2,22 +2,24 @@
 
 On ``torch.OutOfMemoryError`` — from the CUDA allocator, or from the memory meter when live device bytes pass
 ``train.memory_cap_gib`` (``experiments.memory.meter.MemoryMeter.cap_bytes``) — the failed attempt has already written its
-metrics and keeps its checkpoints (``experiments.train``); ``train_with_replans`` then takes the next rung of
-``next_plan``, says in one line what changed, and runs again from the last checkpoint (the metrics rows of the
-steps after it are replaced by the new attempt's, so every step is logged once). After ``train.max_replans`` steps
-down, or when the ladder is exhausted, the run ends in one ``error:`` line.
+metrics and keeps its checkpoints (``experiments.train``); ``train_with_replans`` then asks the memory planner for
+the next plan (``experiments.planner.oom.next_plan``: the best plan whose predicted peak, in the planner's cost model
+corrected by the failed attempt's measured peak, fits under the failing bytes minus a margin, among the choices the
+checkpoint resumes with), says in one line what changed, and runs again from the last checkpoint (the metrics rows of
+the steps after it are replaced by the new attempt's, so every step is logged once). After ``train.max_replans``
+steps down, or when nothing leaner fits, the run ends in one ``error:`` line.
 
-The ladder follows the planner's own objective (``experiments.planner.plan``: tokens per micro-batch first, then gradient
-energy, then step time), so time is given up before the micro-batch:
+Where the planner cannot answer (a method other than ``hmt``, settings outside its choice space, costs that take too
+long to trace) the one line says so and the fixed ladder ``ladder_plan`` is taken instead, in the order of the
+planner's own objective (tokens per micro-batch first, then step time), so time is given up before the micro-batch:
 
 1. full layer recomputation (``activation.layer_recompute=true``, the other decoder-layer components ``keep``);
 2. the micro-batch cut to its largest proper divisor with ``train.grad_accum`` (and ``train.eval_batches``) raised
    by the same factor, so each step sees the same sequences and validation the same rows; repeated down to 1.
 
-Only rungs that leave the checkpointed state loadable are taken: Mode B, 8-bit or bf16 optimizer state and INT8
+Neither takes a step that leaves the checkpointed state unloadable: Mode B, 8-bit or bf16 optimizer state and INT8
 weights change the optimizer state's or the weights' format, which a checkpoint of the current plan cannot be
-loaded into. The MILP planner itself is not called: it plans ``method=hmt`` only, for a CUDA budget with its
-allowance, and traces and verifies dry runs for minutes, which a resumed run should not wait for.
+loaded into.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from experiments.config import RunConfig
+from experiments.planner import oom
 from hmt_core.activations.policy import LAYER_COMPONENTS
 
 GIB = 2**30
@@ -46,6 +49,7 @@ class Rung:
 
     overrides: dict[str, object]
     label: str
+    record: dict = field(default_factory=dict)  # the planner's numbers, or why the ladder was taken
 
     def text(self) -> str:
         return " ".join(f"{k}={_show(v)}" for k, v in self.overrides.items()) + f" ({self.label})"
@@ -55,8 +59,8 @@ def _show(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def next_plan(run: RunConfig) -> Rung | None:
-    """The next leaner plan for ``run`` (see the module docstring), or None when none is left."""
+def ladder_plan(run: RunConfig) -> Rung | None:
+    """The next rung of the fixed ladder for ``run`` (see the module docstring), or None when none is left."""
     policy = run.activation
     if not policy.layer_recompute:
         changes = {f"activation.{c}": "keep" for c in LAYER_COMPONENTS if getattr(policy, c) != "keep"}
@@ -71,6 +75,28 @@ def next_plan(run: RunConfig) -> Rung | None:
                     label=f"micro-batch {t.batch_size} -> {smaller}, {factor}x the micro-batches per step: "
                           f"{t.batch_size * t.grad_accum} sequences per step as before")
     return None
+
+
+def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None, device_type: str,
+              plan_s: float = oom.PLAN_S) -> tuple[Rung | None, str]:
+    """The planner's next plan for ``run`` (the configuration in force), else the ladder's rung where the planner
+    cannot answer; ``(None, why)`` when nothing leaner is left."""
+    try:
+        answer = oom.next_plan(run, peak_bytes=peak_bytes, limit_bytes=limit_bytes, device_type=device_type,
+                               plan_s=plan_s)
+    except oom.NoFit as e:
+        return None, str(e)
+    except oom.Unanswered as e:
+        rung = ladder_plan(run)
+        if rung is None:
+            return None, f"the planner cannot answer ({e}) and no ladder rung is left (layer recomputation on, " \
+                         "micro-batch 1)"
+        return dataclasses.replace(rung, label=f"ladder, as the planner cannot answer: {e}; {rung.label}",
+                                   record={"source": "ladder", "why": str(e)}), ""
+    return Rung(overrides=answer.overrides, label=answer.label,
+                record={"source": "planner", "budget_bytes": answer.budget_bytes,
+                        "predicted_bytes": answer.predicted_bytes, "correction_bytes": answer.correction_bytes,
+                        "traced": answer.traced}), ""
 
 
 def apply_overrides(run: RunConfig, overrides: dict[str, object]) -> RunConfig:
@@ -129,10 +155,6 @@ def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
     return None
 
 
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GIB:.3f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.3f} MiB"
-
-
 def _release(device: torch.device) -> None:
     """Free what the failed attempt held (its frames are gone once its exception is dropped)."""
     gc.collect()
@@ -153,20 +175,20 @@ def train_with_replans(run: RunConfig, device: torch.device,
             reason = (str(e).strip().splitlines() or ["out of memory"])[0]
         _release(device)
         peak, limit = attempt.peak_bytes, limit_bytes(run, device)
-        measured = (f"peak {_size(peak)}" if peak is not None else "peak unknown") + \
-                   (f" > {_size(limit)}" if limit is not None else "")
+        measured = (f"peak {oom.show_bytes(peak)}" if peak is not None else "peak unknown") + \
+                   (f" > {oom.show_bytes(limit)}" if limit is not None else "")
         where = (f"step {attempt.checkpoint_step} from {attempt.checkpoint}" if attempt.checkpoint
                  else "step 0 (no checkpoint yet; train.checkpoint_every=N keeps more)")
         in_force = apply_overrides(run, attempt.overrides)  # with the steps down a resumed checkpoint recorded
-        rung = next_plan(in_force) if len(attempt.replans) < run.train.max_replans else None
+        rung, why = (next_plan(in_force, peak_bytes=peak, limit_bytes=limit, device_type=device.type)
+                     if len(attempt.replans) < run.train.max_replans
+                     else (None, f"train.max_replans={run.train.max_replans} steps down taken"))
         if rung is None:
-            why = (f"train.max_replans={run.train.max_replans} steps down taken" if len(attempt.replans) >=
-                   run.train.max_replans else "no leaner plan left (layer recomputation on, micro-batch 1)")
             raise OutOfMemoryGiveUp(f"out of memory ({reason}; {measured}) and {why}; checkpoints kept, the "
                                     f"newest: {attempt.checkpoint or 'none'}")
         attempt.overrides = {**attempt.overrides, **rung.overrides}
         attempt.replans.append({"reason": reason, "peak_bytes": peak, "limit_bytes": limit,
-                                "overrides": dict(rung.overrides), "label": rung.label,
+                                "overrides": dict(rung.overrides), "label": rung.label, **rung.record,
                                 "resumed_step": attempt.checkpoint_step or 0})
         print(f"out of memory ({measured}): replan {len(attempt.replans)}/{run.train.max_replans}: {rung.text()}; "
               f"resuming at {where}", file=sys.stderr)

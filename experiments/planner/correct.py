@@ -26,7 +26,7 @@ class Corrections:
     The caching allocator's slack beyond the live peak (``dryrun.reserve=modeled``) is not a cost of any choice: it
     comes from fragmentation, differs between choices and between micro-batches without order (docs/planner.md), so
     a slack measured on one choice says nothing about another. A trace whose live peak fits but whose reserved bytes
-    do not is answered as the capacity procedure (``experiments.plan_capacity``) answers it: the leanest choice
+    do not is answered as the capacity procedure (``experiments.planner.capacity``) answers it: the leanest choice
     (least predicted peak) at that micro-batch is traced next (unless the choice that missed is it); while the
     leanest choice misses, the micro-batch is searched between the largest verified fit and the smallest miss (the
     next guess: the measured excess over the leanest choice's predicted bytes per sequence, then bisection) — the
@@ -87,6 +87,18 @@ class Corrections:
         per_seq = max(v for v in sol.predicted.values() if v is not None) / sol.batch  # ≥ its slope
         guess = sol.batch - math.ceil(excess / max(per_seq, 1e-9))
         self.lean_batch = min(self.over - 1, max(self.fit + 1, guess))
+
+    def learn_peak(self, measured_gib: float, predicted_gib: float, phases: tuple[str, ...]) -> float:
+        """A training attempt that ran out of memory (``train.on_oom=replan``, ``experiments.planner.oom``): only its
+        overall peak is known, and it is a lower bound (the attempt stopped there), so the error of the predicted
+        peak, where positive, is added to every phase as static bytes: the corrected model predicts at least the
+        measured peak for the failed choice, and any other choice moves by the same bytes. Returns the error."""
+        err = max(0.0, measured_gib - predicted_gib)
+        if err > 0:
+            err += 1e-6  # GiB: as in ``learn``
+            for p in phases:
+                self.static[p] = self.static.get(p, 0.0) + err
+        return err
 
     def apply(self, prob: Problem) -> Problem:
         base = tuple(Segment(s.start, {p: v + self.static.get(p, 0.0) for p, v in s.static.items()},

@@ -199,14 +199,16 @@ class Prepared:
         return self.weights_gib + reserve_bytes(self.run) / GIB
 
 
-def prepare(run, planner: dict, *, log=print) -> Prepared:
+def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
+    """``table_type``: the ``experiments.planner.cache.Table`` class to read and trace costs through (a subclass
+    may bound the time spent tracing: ``experiments.planner.oom``)."""
     from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
 
     space = space_from(planner)
     layers = target_layers(run)
     refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
-    table = Table(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
-                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
+    table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: committed
+                                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
     if refresh:
         table.clear()
     wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
