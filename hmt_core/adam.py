@@ -19,19 +19,34 @@ STYLES = ("torch", "hf")
 
 
 def adam_moments_(m: Tensor, v: Tensor, g: Tensor, beta1: float, beta2: float,  # m, v, g: (a, b) same shape
-                  style: str) -> tuple[Tensor, Tensor]:
-    """Update moments in place (fp32 math; bf16 state is rounded on store). Returns fp32 (m, v)."""
+                  style: str, factors: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Update moments in place (fp32 math; bf16 state is rounded on store). Returns fp32 (m, v).
+
+    ``factors`` ((3,) fp32 on the moments' device; ``moment_factors``): the step's (1−β₁, β₁, β₂) as device values
+    instead of Python floats — the same fp32 numbers, so the same bits — or (0, 1, 1) for a step skipped on the
+    device, which with ``g`` zeroed by the caller leaves m and v bit for bit (m + 0·(0 − m), v·1 + 0·0)."""
     m32 = m if m.dtype == torch.float32 else m.float()
     v32 = v if v.dtype == torch.float32 else v.float()
+    w1, b1, b2 = (1 - beta1, beta1, beta2) if factors is None else factors.unbind()
     if style == "torch":
-        m32.lerp_(g, 1 - beta1)
+        m32.lerp_(g, w1)
     else:
-        m32.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    v32.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        m32.mul_(b1).add_(g, alpha=1.0 - beta1)
+    v32.mul_(b2).addcmul_(g, g, value=1.0 - beta2)
     if m32 is not m:
         m.copy_(m32)
         v.copy_(v32)
     return m32, v32
+
+
+def moment_factors(beta1: float, beta2: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """((3,) fp32 ``factors`` of ``adam_moments_`` for a step that runs: (1−β₁, β₁, β₂); for a skipped one:
+    (0, 1, 1)), filled on ``device`` (no tensor from host data)."""
+    run, skip = torch.empty(3, device=device), torch.empty(3, device=device)
+    for t, values in ((run, (1 - beta1, beta1, beta2)), (skip, (0.0, 1.0, 1.0))):
+        for i, x in enumerate(values):
+            t[i].fill_(x)
+    return run, skip
 
 
 def adam_direction(m: Tensor, v: Tensor, t: int, *, lr: float, beta1: float, beta2: float,  # m, v: (a, b)

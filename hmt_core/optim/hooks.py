@@ -64,6 +64,7 @@ the projected norm for Mode A weights under low-rank communication.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -252,9 +253,10 @@ class PerLayerEngine:
     def _flag(self, norm: Tensor) -> Tensor:
         """The step's ``found_inf`` after seeing ``norm`` (() of a gradient, non-finite iff the gradient has a
         non-finite value or its norm overflows): a new () bool device tensor, no host synchronization. Updates
-        issued earlier keep the flag they were issued under."""
-        bad = ~torch.isfinite(norm)
-        self.found_inf = bad if self.found_inf is None else self.found_inf | bad
+        issued earlier keep the flag they were issued under. A norm is ≥ 0 or NaN, so ``not (norm < inf)`` is
+        ``not isfinite(norm)`` in two ops (``isfinite`` is four: abs, ne, eq, mul)."""
+        bad = torch.lt(norm, math.inf).logical_not_()
+        self.found_inf = bad if self.found_inf is None else bad.logical_or_(self.found_inf)
         return self.found_inf
 
     def _no_norm(self, value: float) -> Tensor | None:  # () on the weights' device: a step with nothing to measure
@@ -290,12 +292,13 @@ class PerLayerEngine:
         with self.opt.skipping(found):
             self._apply_deferred(coef)
         if coef is not None:  # a skipped step keeps the previous coefficient (None: 1, unclipped)
-            self.lagged_coef = torch.where(found, 1.0 if self.lagged_coef is None else self.lagged_coef, coef)
+            self.lagged_coef = (coef.masked_fill(found, 1.0) if self.lagged_coef is None
+                                else torch.where(found, self.lagged_coef, coef))
         if self.cache is not None and self.order and not self.next_in_order:
             self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
         self.norms, self.deferred_low, self.deferred_dense = {}, [], []
         self.index, self.count, self.found_inf = 0, 1, None
-        return torch.where(found, float("nan"), total)
+        return total.masked_fill(found, math.nan)
 
     def _apply_deferred(self, coef: Tensor | None) -> None:
         for i, s in enumerate(self.deferred_low):

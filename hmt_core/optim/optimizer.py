@@ -262,12 +262,12 @@ class LowRankOptimizer:
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
         c = self.cfg
         self._begin_adam_step(s, g)
-        old = self.skip.snapshot(s.m, s.v)
+        old, factors, g = self._skippable_moments(s.m, s.v, g, fusable=not for_scaling)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
-                                          eps=c.eps, style=c.adam_style, backend=self.kernels)
+                                          eps=c.eps, style=c.adam_style, backend=self.kernels, factors=factors)
         else:
-            m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style)
+            m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style, factors)
             d, step_size = upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                               style=c.adam_style)
         s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
@@ -276,7 +276,18 @@ class LowRankOptimizer:
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
         self.skip.restore(old, s.m, s.v)
-        return self.skip.zero(d), step_size
+        # APOLLO's N only makes a scaling, whose coefficient update_full zeroes on a skipped step
+        return (d if for_scaling else self.skip.zero(d)), step_size
+
+    def _skippable_moments(self, m: Tensor, v: Tensor, g: Tensor, *,  # m, v, g: (a, b)
+                           fusable: bool) -> tuple[tuple[Tensor, ...] | None, Tensor | None, Tensor]:
+        """How this update of (m, v) from ``g`` is skipped on the device (``hmt_core.optim.skip``): (snapshot of m, v
+        for the fused Triton Adam, or None; ``adam_moments_``'s factors, or None; ``g``, zeroed on a skipped step
+        when the factors are used)."""
+        if fusable and kops.adam_fuses(m, v, g, backend=self.kernels):
+            return self.skip.snapshot(m, v), None, g
+        factors = self.skip.moment_factors(self.cfg.beta1, self.cfg.beta2)
+        return None, factors, (g if factors is None else self.skip.zero(g))
 
     def _clock_index(self, s: Slot, device: torch.device) -> tuple[upd.ClockGroup, ...]:
         """``s.born``'s index tensors, built when ``born`` changes (a refresh, a retirement), else the cached ones."""
@@ -293,10 +304,10 @@ class LowRankOptimizer:
         self._begin_adam_step(s, grad)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
-            old = self.skip.snapshot(s.m[a:b], s.v[a:b])
-            d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], grad[a:b].float(), s.adam_t, lr=self.lr,
-                                          beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
-                                          backend=self.kernels)
+            old, factors, g = self._skippable_moments(s.m[a:b], s.v[a:b], grad[a:b].float(), fusable=True)
+            d, step_size = kops.adam_step(s.m[a:b], s.v[a:b], g, s.adam_t, lr=self.lr, beta1=c.beta1,
+                                          beta2=c.beta2, eps=c.eps, style=c.adam_style, backend=self.kernels,
+                                          factors=factors)
             self.skip.restore(old, s.m[a:b], s.v[a:b])
             d = self.skip.zero(d)
             with self.writer.rows(s.param.data, s.master, slice(a, b), self._keep(s)) as w:
