@@ -74,6 +74,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.kernels import ops as kops
 from hmt_core.basis_cache import BasisCache
+from hmt_core.optim import grouped
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
 
 
@@ -301,6 +302,12 @@ class PerLayerEngine:
         return total.masked_fill(found, math.nan)
 
     def _apply_deferred(self, coef: Tensor | None) -> None:
+        if self.cache is None:  # Adam over the slots in foreach ops (hmt_core.optim.grouped), then each write
+            grouped.update_low_rank_many(self.opt, self.deferred_low, [s.pending for s in self.deferred_low], coef)
+            for s in self.deferred_low:
+                s.pending = None
+            self._apply_deferred_dense(coef)
+            return
         for i, s in enumerate(self.deferred_low):
             if self.cache is not None:
                 self._fetch(s, self.deferred_low[i + 1] if i + 1 < len(self.deferred_low) else None)
@@ -308,6 +315,11 @@ class PerLayerEngine:
             s.pending = None
             if self.cache is not None:
                 s.basis = self.cache.park(s.name, s.basis)
-        for s in self.deferred_dense:  # pending: a sharded engine's local gradient shard (else None)
-            self.opt.update_full(s, s.param.grad if s.pending is None else s.pending, coef)
+        self._apply_deferred_dense(coef)
+
+    def _apply_deferred_dense(self, coef: Tensor | None) -> None:
+        # pending: a sharded engine's local gradient shard (else None)
+        grads = [s.param.grad if s.pending is None else s.pending for s in self.deferred_dense]
+        grouped.update_dense_many(self.opt, self.deferred_dense, grads, coef)
+        for s in self.deferred_dense:
             s.param.grad = s.pending = None

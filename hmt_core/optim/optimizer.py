@@ -246,9 +246,9 @@ class LowRankOptimizer:
             for group in opt.param_groups:
                 group["lr"] = lr
 
-    def _begin_adam_step(self, s: Slot, like: Tensor) -> None:  # like: the gradient the moments follow
+    def _begin_adam_step(self, s: Slot, like: Tensor, count: bool = True) -> None:  # like: the moments' gradient
         """Create the moments on first use (projected: ``state_dtype``; dense: ``dense_state_dtype``) and advance
-        the step counters."""
+        the step counters (``count`` False: the caller counts a skipped step, ``DeviceSkip.count_many``)."""
         if s.m is None:
             dtype = self.state_dtype if s.projected else (
                 self.dense_state_dtype or (torch.bfloat16 if s.param.dtype == torch.bfloat16 else torch.float32))
@@ -256,12 +256,17 @@ class LowRankOptimizer:
             s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
         s.step += 1
         s.adam_t += 1
-        self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
+        if count:
+            self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
 
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
-        c = self.cfg
         self._begin_adam_step(s, g)
+        return self._adam_moments(s, g, for_scaling)
+
+    def _adam_moments(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b)
+        """``_adam`` after ``_begin_adam_step``."""
+        c = self.cfg
         old, factors, g = self._skippable_moments(s.m, s.v, g, fusable=not for_scaling)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
@@ -326,7 +331,10 @@ class LowRankOptimizer:
         low = low.float()
         if coef is not None:
             low = low * coef
-        direction, step_size = self._adam(s, low)
+        self.write_low_rank(s, *self._adam(s, low))
+
+    def write_low_rank(self, s: Slot, direction: Tensor, step_size: float) -> None:  # direction: (out, r) | (r, in)
+        """W ← W − step_size·α·P D (Mode A's write of Adam's direction D)."""
         if s.basis is None:
             self._apply(s, direction, step_size)
             return

@@ -77,6 +77,16 @@ class DeviceSkip:
     def on_host(self) -> bool:  # for an update that cannot skip on the device (bitsandbytes): one host read
         return self.flag is not None and not is_fake(self.flag) and bool(self.flag)
 
+    def count_many(self, slots: list[Any]) -> None:  # ``count`` of each slot, one ``_foreach_add_`` for all
+        if self.flag is None:
+            return
+        live = [s.skipped for s in slots if s.skipped is not None]
+        if live:
+            torch._foreach_add_(live, self.flag)
+        for s in slots:
+            if s.skipped is None:
+                s.skipped = self.flag.to(torch.int32)
+
     def count(self, slot: Any) -> None:  # slot.skipped: () int32 on the device, updates skipped not yet reconciled
         if self.flag is not None:
             slot.skipped = self.flag.to(torch.int32) if slot.skipped is None else slot.skipped.add_(self.flag)
