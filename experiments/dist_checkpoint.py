@@ -95,13 +95,15 @@ class PreemptFlag:
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")  # collective
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self.agreed = False  # once True, it stays (no more all-reduces)
 
     def poll(self, value: bool) -> bool:
-        agreed = self._wait()
-        if not agreed:
+        if not self.agreed:
+            self.agreed = self._wait()
+        if not self.agreed:
             flag = torch.full((1,), float(value))  # CPU
             self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag
-        return agreed
+        return self.agreed
 
     def _wait(self) -> bool:
         if self._pending is None:
