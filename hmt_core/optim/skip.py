@@ -81,8 +81,8 @@ class DeviceSkip:
         if self.flag is None:
             return
         live = [s.skipped for s in slots if s.skipped is not None]
-        if live:
-            torch._foreach_add_(live, self.flag)
+        if live:  # a list of the flag, not the flag as a scalar: the latter is read on the host (.item()) on CPU
+            torch._foreach_add_(live, [self.flag] * len(live))
         for s in slots:
             if s.skipped is None:
                 s.skipped = self.flag.to(torch.int32)
