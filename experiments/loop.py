@@ -227,6 +227,8 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                                     mem=f"{run.peak_mib:.0f}MiB")
             if profiler is not None and hasattr(profiler, "step"):
                 profiler.step()
+    if checkpointer is not None:
+        checkpointer.stop_preempt_checks()
     if checkpointer is not None and checkpointer.every > 0:
         checkpointer.save(state)  # the final checkpoint
     return run.result(start, meter)

@@ -231,16 +231,19 @@ class UpdateWriter:
             old = None if keep is None else w.clone()
             yield w  # in place in the weight's own dtype: the update rounds to nearest as it is applied
             if old is not None:
-                w.copy_(torch.where(keep, old, w))
+                torch.where(keep, old, w, out=w)
             return
         before = target.clone() if self.probe is not None or (keep is not None and master is not None) else None
         yield target
         if keep is not None and master is not None:
-            target.copy_(torch.where(keep, before, target))
+            torch.where(keep, before, target, out=target)
         if self.stochastic and master is None:
             gen = None if is_fake(target) else self._generator(target.device)
             rounded = stochastic_round(target, gen)
-            w.copy_(rounded if keep is None else torch.where(keep, w, rounded))
+            if keep is None:
+                w.copy_(rounded)
+            else:
+                torch.where(keep, w, rounded, out=w)
         else:
             w.copy_(target)  # round-to-nearest
         if self.probe is not None:

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -84,11 +85,45 @@ def _unblob(buf: io.BytesIO, device: torch.device):
     return torch.load(buf, map_location=device, weights_only=False)
 
 
+class PreemptFlag:
+    """A host flag (a preemption signal arrived) that every rank agrees on without a host-device synchronization:
+    each ``poll`` waits for the MAX all-reduce that the previous ``poll`` started asynchronously and starts the next
+    one with this rank's flag. The flag is a CPU tensor on a gloo group of its own, so neither touches the device
+    (a flag on the NCCL group would need a copy and a read that wait for the step's kernels). Every rank polls once
+    per step at the same point, so every rank sees the same value at the same step, one step after the signal."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")  # collective
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self.agreed = False  # once True, it stays (no more all-reduces)
+
+    def poll(self, value: bool) -> bool:
+        if not self.agreed:
+            self.agreed = self._wait()
+        if not self.agreed:
+            flag = torch.full((1,), float(value))  # CPU
+            self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag
+        return self.agreed
+
+    def _wait(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.item())  # a CPU tensor: no device synchronization
+
+    def close(self) -> None:
+        """Wait for the outstanding all-reduce (its value no longer matters)."""
+        self._wait()
+
+
 class DistCheckpointer(Checkpointer):
     """``Checkpointer`` whose save/restore are collective DCP calls; preemption flags are agreed across ranks."""
 
     def __init__(self, root: Path, *, every: int, keep: int, model, method, meta: dict, ctx) -> None:
         self.ctx = ctx
+        self._flag: PreemptFlag | None = None  # made by the first ``preempt_requested``
         if not ctx.is_main:
             ctx.barrier()  # rank 0 creates the directory and probes it first
         super().__init__(root, every=every, keep=keep, model=model, method=method, meta=meta)
@@ -229,12 +264,21 @@ class DistCheckpointer(Checkpointer):
 
     # ---- preemption -----------------------------------------------------------------------------------------
     def preempt_requested(self) -> bool:
-        """True on every rank once any rank received a preemption signal (all checkpoint together)."""
-        if self.ctx.any_rank(self.signal_received is not None):
-            if self.signal_received is None:  # another rank got it: act as if this one had
-                self.signal_received = signal.SIGTERM
-            return True
-        return False
+        """True on every rank, at the same step, once any rank received a preemption signal (all checkpoint
+        together): ``PreemptFlag`` agrees on the flag one step after it was raised, with no device work and no
+        host wait for the device."""
+        if self._flag is None:
+            with self.ctx.counted_as("control"):
+                self._flag = PreemptFlag()  # collective: the first call is at the same step on every rank
+        with self.ctx.counted_as("control"):
+            agreed = self._flag.poll(self.signal_received is not None)
+        if agreed and self.signal_received is None:  # another rank got it: act as if this one had
+            self.signal_received = signal.SIGTERM
+        return agreed
+
+    def stop_preempt_checks(self) -> None:
+        if self._flag is not None:
+            self._flag.close()
 
     def preempt(self, state: LoopState) -> None:
         """Every rank writes the checkpoint (collective); rank 0 alone asks Slurm to requeue the job, so a job of

@@ -257,6 +257,9 @@ class Checkpointer:
         """Whether a preemption signal arrived (checked between steps)."""
         return self.signal_received is not None
 
+    def stop_preempt_checks(self) -> None:
+        """After the last step (``DistCheckpointer``: the outstanding flag all-reduce is waited for)."""
+
     def preempt(self, state: LoopState) -> None:
         """Called between steps once a signal arrived: checkpoint, ask Slurm to requeue, raise ``Preempted``."""
         name = signal.Signals(self.signal_received).name

@@ -20,6 +20,8 @@ does for its fallbacks); both write the product straight into the output.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
@@ -47,18 +49,22 @@ def block_absmax(w: Tensor, block: int) -> Tensor:  # w: (rows, cols) -> (rows, 
     n, full = _split(cols, block)
     parts = []
     if n:
-        v = w[:, :full].reshape(rows, n, block)
-        parts.append(torch.maximum(v.amax(dim=2), -v.amin(dim=2)).float())  # two reductions, no |w| temporary
+        v = w[:, :full].reshape(rows, n, block)  # max |w| in one reduction (the ∞-norm), no |w| temporary
+        parts.append(torch.linalg.vector_norm(v, ord=math.inf, dim=2).float())
     if full < cols:
-        t = w[:, full:]
-        parts.append(torch.maximum(t.amax(dim=1, keepdim=True), -t.amin(dim=1, keepdim=True)).float())
+        parts.append(torch.linalg.vector_norm(w[:, full:], ord=math.inf, dim=1, keepdim=True).float())
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def scaled_op(op, a: Tensor, s: Tensor, block: int, out: Tensor) -> Tensor:
-    """out = op(a, s expanded over each block) for a, out: (rows, cols), s: (rows, nb); no expanded copy of s."""
+def scaled_op(op, a: Tensor, s: Tensor, block: int, out: Tensor | None) -> Tensor:
+    """out = op(a, s expanded over each block) for a, out: (rows, cols), s: (rows, nb); no expanded copy of s.
+    ``out`` None: a new fp32 tensor (``op``'s result type for fp32 scales), one op when the blocks tile the rows."""
     rows, cols = a.shape
     n, full = _split(cols, block)
+    if out is None and full == cols and s.dtype == torch.float32:
+        return op(a.reshape(rows, n, block), s[:, :, None]).view(rows, cols)
+    if out is None:
+        out = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     if n:
         op(a[:, :full].reshape(rows, n, block), s[:, :n, None], out=out[:, :full].view(rows, n, block))
     if full < cols:
@@ -77,8 +83,9 @@ def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows
     absmax = block_absmax(w, block)
     if not stochastic and not is_fake(absmax) and absmax.numel() and not bool(torch.isfinite(absmax).all()):
         raise ValueError("int8 weight quantization: the weight contains NaN or Inf")
-    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-    y = scaled_op(torch.div, w, scale, block, torch.empty(w.shape, dtype=torch.float32, device=w.device))
+    # absmax ≥ 0, NaN only for a block with a NaN (refused above when converting; a skipped update keeps its codes)
+    scale = torch.div(absmax, QMAX).masked_fill_(absmax == 0, 1.0)
+    y = scaled_op(torch.div, w, scale, block, None)
     y = stochastic_round_int(y, generator, noise) if stochastic else y.round_()
     return y.clamp_(-QMAX, QMAX).to(torch.int8), scale  # |W/s| ≤ 127 up to one fp32 rounding of the division
 
@@ -87,7 +94,7 @@ def dequantize_torch(q: Tensor, scale: Tensor, block: int,  # q: (rows, cols) in
                      dtype: torch.dtype) -> Tensor:  # -> (rows, cols) dtype
     """q·s computed in fp32 (the ops' common dtype: one rounding) and stored in ``dtype`` by round-to-nearest-even,
     written straight into the output (``out=``; no weight-sized temporary on CUDA, where the cast is fused)."""
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    out = None if dtype == torch.float32 else torch.empty(q.shape, dtype=dtype, device=q.device)
     return scaled_op(torch.mul, q, scale, block, out)
 
 

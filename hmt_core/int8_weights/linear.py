@@ -228,11 +228,11 @@ class Int8Weight:
     def write_rows(self, index: Any, value: Tensor, generator: torch.Generator | None,  # value: fp32
                    keep: Tensor | None = None) -> None:  # keep: () bool, True: a skipped step, the codes stay
         codes, scales = quantize(value, self.layer.block, generator, stochastic=True)
-        if keep is not None:  # decided on the device (requantizing unchanged values is not the identity under SR)
-            codes = torch.where(keep, self.layer.weight_codes[index], codes)
-            scales = torch.where(keep, self.layer.weight_scales[index], scales)
-        self.layer.weight_codes[index].copy_(codes)
-        self.layer.weight_scales[index].copy_(scales)
+        for stored, new in ((self.layer.weight_codes[index], codes), (self.layer.weight_scales[index], scales)):
+            if keep is None:
+                stored.copy_(new)
+            else:  # decided on the device (requantizing unchanged values is not the identity under SR): one op
+                torch.where(keep, stored, new, out=stored)
 
     def fuses_update(self, update: Tensor) -> bool:
         layer = self.layer
@@ -251,8 +251,8 @@ class Int8Weight:
         int8_update(codes, scales, update, noise, layer.block,
                     step_size=step_size, decay=decay, decay_after=decay_after, backend=layer.backend)
         if old is not None:
-            codes.copy_(torch.where(keep, old[0], codes))
-            scales.copy_(torch.where(keep, old[1], scales))
+            torch.where(keep, old[0], codes, out=codes)
+            torch.where(keep, old[1], scales, out=scales)
 
     def nbytes(self) -> int:
         layer = self.layer

@@ -145,13 +145,21 @@ def _(m, v, g, t, lr, beta1, beta2, eps, hf, backend=""):
     return g.new_empty(g.shape, dtype=torch.float32)
 
 
+def adam_fuses(m: Tensor, v: Tensor, g: Tensor, *, backend: str | None = None) -> bool:
+    """Whether ``adam_step`` runs the Triton kernel (which takes no ``factors``)."""
+    return kernels.use_triton(m, v, g, backend=backend) and m.is_contiguous() and v.is_contiguous()
+
+
 def adam_step(m: Tensor, v: Tensor, g: Tensor, t: int, *, lr: float, beta1: float, beta2: float, eps: float,
-              style: str, backend: str | None = None) -> tuple[Tensor, float]:
-    """(D, step_size) of ``update.adam_step`` after ``adam_moments_``; m, v updated in place. g: fp32."""
-    if kernels.use_triton(m, v, g, backend=backend) and m.is_contiguous() and v.is_contiguous():
+              style: str, backend: str | None = None, factors: Tensor | None = None) -> tuple[Tensor, float]:
+    """(D, step_size) of ``update.adam_step`` after ``adam_moments_``; m, v updated in place. g: fp32. ``factors``:
+    ``adam_moments_``'s device-side betas (the fallback only: ``adam_fuses`` is False)."""
+    if adam_fuses(m, v, g, backend=backend):
+        if factors is not None:
+            raise ValueError("the fused Adam kernel takes no moment factors (adam_fuses: skip by snapshot)")
         g = g.float().contiguous()  # the launch's input (lowrank.adam_), here where the meter sees a copy
         d = torch.ops.hmt.adam_lowrank_(m, v, g, t, lr, beta1, beta2, eps, style == "hf",
                                         backend or kernels.get_backend())
         return d, adam_step_size(t, lr=lr, beta1=beta1, beta2=beta2, style=style)
-    m32, v32 = upd.adam_moments_(m, v, g, beta1, beta2, style)
+    m32, v32 = upd.adam_moments_(m, v, g, beta1, beta2, style, factors)
     return upd.adam_step(m32, v32, t, lr=lr, beta1=beta1, beta2=beta2, eps=eps, style=style)

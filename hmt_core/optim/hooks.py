@@ -64,6 +64,7 @@ the projected norm for Mode A weights under low-rank communication.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -73,6 +74,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.kernels import ops as kops
 from hmt_core.basis_cache import BasisCache
+from hmt_core.optim import grouped
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
 
 
@@ -257,9 +259,10 @@ class PerLayerEngine:
     def _flag(self, norm: Tensor) -> Tensor:
         """The step's ``found_inf`` after seeing ``norm`` (() of a gradient, non-finite iff the gradient has a
         non-finite value or its norm overflows): a new () bool device tensor, no host synchronization. Updates
-        issued earlier keep the flag they were issued under."""
-        bad = ~torch.isfinite(norm)
-        self.found_inf = bad if self.found_inf is None else self.found_inf | bad
+        issued earlier keep the flag they were issued under. A norm is ≥ 0 or NaN, so ``not (norm < inf)`` is
+        ``not isfinite(norm)`` in two ops (``isfinite`` is four: abs, ne, eq, mul)."""
+        bad = torch.lt(norm, math.inf).logical_not_()
+        self.found_inf = bad if self.found_inf is None else bad.logical_or_(self.found_inf)
         return self.found_inf
 
     def _no_norm(self, value: float) -> Tensor | None:  # () on the weights' device: a step with nothing to measure
@@ -295,14 +298,21 @@ class PerLayerEngine:
         with self.opt.skipping(found):
             self._apply_deferred(coef)
         if coef is not None:  # a skipped step keeps the previous coefficient (None: 1, unclipped)
-            self.lagged_coef = torch.where(found, 1.0 if self.lagged_coef is None else self.lagged_coef, coef)
+            self.lagged_coef = (coef.masked_fill(found, 1.0) if self.lagged_coef is None
+                                else torch.where(found, self.lagged_coef, coef))
         if self.cache is not None and self.order and not self.next_in_order:
             self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
         self.norms, self.deferred_low, self.deferred_dense, self.deferred_rows = {}, [], [], []
         self.index, self.count, self.found_inf = 0, 1, None
-        return torch.where(found, float("nan"), total)
+        return total.masked_fill(found, math.nan)
 
     def _apply_deferred(self, coef: Tensor | None) -> None:
+        if self.cache is None:  # Adam over the slots in foreach ops (hmt_core.optim.grouped), then each write
+            grouped.update_low_rank_many(self.opt, self.deferred_low, [s.pending for s in self.deferred_low], coef)
+            for s in self.deferred_low:
+                s.pending = None
+            self._apply_deferred_dense(coef)
+            return
         for i, s in enumerate(self.deferred_low):
             if self.cache is not None:
                 self._fetch(s, self.deferred_low[i + 1] if i + 1 < len(self.deferred_low) else None)
@@ -310,8 +320,13 @@ class PerLayerEngine:
             s.pending = None
             if self.cache is not None:
                 s.basis = self.cache.park(s.name, s.basis)
-        for s in self.deferred_dense:  # pending: a sharded engine's local gradient shard (else None)
-            self.opt.update_full(s, s.param.grad if s.pending is None else s.pending, coef)
+        self._apply_deferred_dense(coef)
+
+    def _apply_deferred_dense(self, coef: Tensor | None) -> None:
+        # pending: a sharded engine's local gradient shard (else None)
+        grads = [s.param.grad if s.pending is None else s.pending for s in self.deferred_dense]
+        grouped.update_dense_many(self.opt, self.deferred_dense, grads, coef)
+        for s in self.deferred_dense:
             s.param.grad = s.pending = None
         for apply_rows in self.deferred_rows:  # hmt_core.sparse_embedding: the touched rows, clipped by ``coef``
             apply_rows(coef)

@@ -250,9 +250,9 @@ class LowRankOptimizer:
             for group in opt.param_groups:
                 group["lr"] = lr
 
-    def _begin_adam_step(self, s: Slot, like: Tensor) -> None:  # like: the gradient the moments follow
+    def _begin_adam_step(self, s: Slot, like: Tensor, count: bool = True) -> None:  # like: the moments' gradient
         """Create the moments on first use (projected: ``state_dtype``; dense: ``dense_state_dtype``) and advance
-        the step counters."""
+        the step counters (``count`` False: the caller counts a skipped step, ``DeviceSkip.count_many``)."""
         if s.m is None:
             dtype = self.state_dtype if s.projected else (
                 self.dense_state_dtype or (torch.bfloat16 if s.param.dtype == torch.bfloat16 else torch.float32))
@@ -260,18 +260,23 @@ class LowRankOptimizer:
             s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
         s.step += 1
         s.adam_t += 1
-        self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
+        if count:
+            self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
 
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
-        c = self.cfg
         self._begin_adam_step(s, g)
-        old = self.skip.snapshot(s.m, s.v)
+        return self._adam_moments(s, g, for_scaling)
+
+    def _adam_moments(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b)
+        """``_adam`` after ``_begin_adam_step``."""
+        c = self.cfg
+        old, factors, g = self._skippable_moments(s.m, s.v, g, fusable=not for_scaling)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
             d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
-                                          eps=c.eps, style=c.adam_style, backend=self.kernels)
+                                          eps=c.eps, style=c.adam_style, backend=self.kernels, factors=factors)
         else:
-            m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style)
+            m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style, factors)
             d, step_size = upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                               style=c.adam_style)
         s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
@@ -280,7 +285,18 @@ class LowRankOptimizer:
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
         self.skip.restore(old, s.m, s.v)
-        return self.skip.zero(d), step_size
+        # APOLLO's N only makes a scaling, whose coefficient update_full zeroes on a skipped step
+        return (d if for_scaling else self.skip.zero(d)), step_size
+
+    def _skippable_moments(self, m: Tensor, v: Tensor, g: Tensor, *,  # m, v, g: (a, b)
+                           fusable: bool) -> tuple[tuple[Tensor, ...] | None, Tensor | None, Tensor]:
+        """How this update of (m, v) from ``g`` is skipped on the device (``hmt_core.optim.skip``): (snapshot of m, v
+        for the fused Triton Adam, or None; ``adam_moments_``'s factors, or None; ``g``, zeroed on a skipped step
+        when the factors are used)."""
+        if fusable and kops.adam_fuses(m, v, g, backend=self.kernels):
+            return self.skip.snapshot(m, v), None, g
+        factors = self.skip.moment_factors(self.cfg.beta1, self.cfg.beta2)
+        return None, factors, (g if factors is None else self.skip.zero(g))
 
     def _clock_index(self, s: Slot, device: torch.device) -> tuple[upd.ClockGroup, ...]:
         """``s.born``'s index tensors, built when ``born`` changes (a refresh, a retirement), else the cached ones."""
@@ -308,9 +324,9 @@ class LowRankOptimizer:
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
             m, v = (s.m[a:b], s.v[a:b]) if eight is None else eight.read(slice(a, b))
-            old = self.skip.snapshot(m, v) if eight is None else None
-            d, step_size = kops.adam_step(m, v, grad[a:b].float(), s.adam_t, lr=self.lr, beta1=c.beta1,
-                                          beta2=c.beta2, eps=c.eps, style=c.adam_style, backend=self.kernels)
+            old, factors, g = self._skippable_moments(m, v, grad[a:b].float(), fusable=True)
+            d, step_size = kops.adam_step(m, v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                                          style=c.adam_style, backend=self.kernels, factors=factors)
             if eight is None:
                 self.skip.restore(old, m, v)
             else:
@@ -332,7 +348,10 @@ class LowRankOptimizer:
         low = low.float()
         if coef is not None:
             low = low * coef
-        direction, step_size = self._adam(s, low)
+        self.write_low_rank(s, *self._adam(s, low))
+
+    def write_low_rank(self, s: Slot, direction: Tensor, step_size: float) -> None:  # direction: (out, r) | (r, in)
+        """W ← W − step_size·α·P D (Mode A's write of Adam's direction D)."""
         if s.basis is None:
             self._apply(s, direction, step_size)
             return

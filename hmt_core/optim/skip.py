@@ -2,8 +2,11 @@
 tensor as it was where it is True, without the host reading it (the device-side skip of ``torch.amp.GradScaler``'s
 ``found_inf`` in torch's fused AdamW, for HMT's own update functions). Design and costs: docs/host_syncs.md.
 
-- state an update mutates in place (moments): copied first, put back with ``torch.where(found_inf, old, new)``;
-- the direction that reaches the weight: ``torch.where(found_inf, 0, D)``, so the weight (its fp32 master, a
+- Adam's moments: updated with device-side factors, ``moment_factors`` = ``where(found_inf, (0, 1, 1), (1−β₁, β₁,
+  β₂))`` (one op per flag), from a gradient zeroed where found_inf (``zero``): a skipped step computes m + 0·(0 − m)
+  and v·1 + 0, the same bits (``hmt_core.adam.adam_moments_``). The fused Triton Adam takes no factors: there the
+  moments are copied first and put back with ``torch.where(found_inf, old, new)`` (``snapshot``/``restore``);
+- the direction that reaches the weight: ``D.masked_fill(found_inf, 0)``, so the weight (its fp32 master, a
   stochastically rounded BF16 weight) is left bit for bit unless something else changes it; where something does
   (decoupled weight decay, INT8 requantization, stochastic rounding) the writer keeps the rows (``keep``);
 - the host's step counters advance and are taken back by ``reconcile`` when the host reads values anyway.
@@ -20,18 +23,36 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from hmt_core.adam import moment_factors
+
 
 class DeviceSkip:
     def __init__(self) -> None:
         self.flag: Tensor | None = None  # () bool on the device while updates run ``under`` it; None: no decision
+        self._factors: Tensor | None = None  # (3,) fp32: ``moment_factors`` under ``flag`` (made on first use)
+        self._choices: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}  # (run, skip) factors by betas, device
 
     @contextmanager
     def under(self, found_inf: Tensor | None) -> Iterator[None]:
-        prev, self.flag = self.flag, found_inf
+        prev = self.flag, self._factors
+        self.flag, self._factors = found_inf, None
         try:
             yield
         finally:
-            self.flag = prev
+            self.flag, self._factors = prev
+
+    def moment_factors(self, beta1: float, beta2: float) -> Tensor | None:
+        """(3,) fp32 ``factors`` of ``hmt_core.adam.adam_moments_`` under the flag: (1−β₁, β₁, β₂), or (0, 1, 1)
+        where it is True; one ``where`` per flag (the two choices are filled once per device)."""
+        if self.flag is None:
+            return None
+        if self._factors is None:
+            key = (beta1, beta2, self.flag.device, is_fake(self.flag))  # a dry run's fake ones apart
+            if key not in self._choices:
+                self._choices[key] = moment_factors(beta1, beta2, self.flag.device)
+            run, skip = self._choices[key]
+            self._factors = torch.where(self.flag, skip, run)
+        return self._factors
 
     def snapshot(self, *state: Tensor) -> tuple[Tensor, ...] | None:  # copies of the state an update mutates
         return None if self.flag is None else tuple(t.clone() for t in state)
@@ -41,8 +62,8 @@ class DeviceSkip:
             for t, o in zip(state, old):
                 torch.where(self.flag, o, t, out=t)
 
-    def zero(self, d: Tensor) -> Tensor:  # a skipped step's direction: 0 (also where d is NaN)
-        return d if self.flag is None else torch.where(self.flag, 0.0, d)
+    def zero(self, d: Tensor) -> Tensor:  # a skipped step's direction or gradient: 0 (also where d is NaN)
+        return d if self.flag is None else d.masked_fill(self.flag, 0.0)
 
     def keep(self, needed: bool) -> Tensor | None:  # the writer's ``keep``: only where a zero direction is not enough
         return self.flag if needed else None
@@ -55,6 +76,16 @@ class DeviceSkip:
 
     def on_host(self) -> bool:  # for an update that cannot skip on the device (bitsandbytes): one host read
         return self.flag is not None and not is_fake(self.flag) and bool(self.flag)
+
+    def count_many(self, slots: list[Any]) -> None:  # ``count`` of each slot, one ``_foreach_add_`` for all
+        if self.flag is None:
+            return
+        live = [s.skipped for s in slots if s.skipped is not None]
+        if live:  # a list of the flag, not the flag as a scalar: the latter is read on the host (.item()) on CPU
+            torch._foreach_add_(live, [self.flag] * len(live))
+        for s in slots:
+            if s.skipped is None:
+                s.skipped = self.flag.to(torch.int32)
 
     def count(self, slot: Any) -> None:  # slot.skipped: () int32 on the device, updates skipped not yet reconciled
         if self.flag is not None:
