@@ -68,3 +68,34 @@ def test_a_row_matching_two_settings_is_refused(tmp_path: Path) -> None:
     _variant(d, tmp_path, "b", {"norm_limiter": False, "lr": 0.5}, 0.0)
     with pytest.raises(UserError, match="'\\+ energy rank' matches 2 settings"):
         _table(tmp_path)
+
+
+def _settings(root: Path) -> list[tuple[dict, int, str, float]]:
+    """(setting less the searched keys, seed, status, val_loss) of every run under ``root``, searched keys kept
+    apart: method.lr and, for AdamW's 2-D search, method.dense_lr_scale."""
+    from analysis.settings import setting_of
+
+    out = []
+    for d in sorted(p for p in root.iterdir() if (p / "config.yaml").exists()) if root.is_dir() else []:
+        config = yaml.safe_load((d / "config.yaml").read_text())
+        setting = setting_of(config)
+        point = (setting.pop("method.lr"), setting.pop("method.dense_lr_scale", 1.0))
+        status = (d / "status").read_text().strip() if (d / "status").exists() else "pending"
+        loss = json.loads((d / "summary.json").read_text())["val_loss"] if status == "completed" else float("inf")
+        out.append((json.dumps(setting, sort_keys=True, default=str), point, config["seed"], status, loss))
+    return out
+
+
+def test_committed_controls_follow_the_tuning_protocol() -> None:
+    """Every completed final setting of results/campaign-controls ran with seeds 1-3 only at the point (rate, and
+    AdamW's dense-rate multiplier) with the lowest validation loss of its finished search at seed 0, which
+    holds ≥ 5 points (the 2-D search: 3 × 3)."""
+    root = CAMPAIGN.parent
+    finals, search = _settings(root / "campaign-controls"), _settings(root / "campaign-controls-lr-search")
+    assert finals and search, "no committed controls"
+    for setting in {f[0] for f in finals}:
+        points = {s[1]: (s[4] if s[3] == "completed" else float("inf")) for s in search if s[0] == setting}
+        assert len(points) >= 5 and all(s[3] in ("completed", "failed") for s in search if s[0] == setting), points
+        best = min(sorted(points), key=lambda p: points[p])
+        mine = [f for f in finals if f[0] == setting]
+        assert {f[1] for f in mine} == {best} and {f[2] for f in mine} <= {1, 2, 3}, (setting, points, mine)
