@@ -18,7 +18,7 @@ turns every run it lists (its ``grid`` and ``runs``: the *rows* of the compariso
       search_seed: 0
       seeds: [1, 2, 3]                               # ≥ 3
       metric: val_loss                               # a summary.json number, lower is better
-      scan: {method.dense_lr_scale: [1, 3, 10]}      # optional: a second axis, one key, >= 3 values
+      scan: {method.dense_lr_scale: [4, 16, 1]}      # optional: a second axis, one key, >= 3 values
 
 With ``scan`` the search is the grid of (learning rate, value) pairs — a 2-D search, e.g. AdamW's matrix rate
 and its embedding/head rate multiplier; each axis then needs at least ``MIN_AXIS`` values (3 × 3 = 9 runs, as
@@ -85,10 +85,10 @@ def _scan(block) -> tuple[str | None, tuple[str, ...]]:
     (key, values), = block.items()
     if key in ("method.lr", "seed"):
         raise UserError(f"`tune.scan` cannot scan {key}: the search sets it")
-    values = _numbers(f"`tune.scan.{key}`", values, "the values searched")
-    if len(set(values)) < MIN_AXIS:
+    _numbers(f"`tune.scan.{key}`", values, "the values searched")
+    if len(set(values)) < MIN_AXIS or len(set(values)) < len(values):
         raise UserError(f"`tune.scan.{key}` needs at least {MIN_AXIS} distinct values, got {list(values)}")
-    return str(key), tuple(format(v, "g") for v in values)
+    return str(key), tuple(format(float(v), "g") for v in values)  # the file's order: the search runs in it
 
 
 def parse_tune(block) -> TuneSpec:
@@ -192,11 +192,12 @@ def read_metric(run_dir: Path, metric: str) -> tuple[str, float]:
 
 
 def _search_points(spec: TuneSpec, method: str) -> list[list[str]]:
-    """The overrides of each search point of a row: its rate, and its ``scan`` value when there is a scan."""
+    """The overrides of each search point of a row: its rate, and its ``scan`` value when there is a scan (value
+    by value in the file's order, each over every rate: a search cut short has whole rate columns)."""
     rates = [f"method.lr={lr:g}" for lr in spec.grid_for(method)]
     if spec.scan_key is None:
         return [[rate] for rate in rates]
-    return [[rate, f"{spec.scan_key}={value}"] for rate in rates for value in spec.scan_values]
+    return [[rate, f"{spec.scan_key}={value}"] for value in spec.scan_values for rate in rates]
 
 
 def _best(jobs: Sequence[Sequence[str]], outcomes, spec: TuneSpec) -> tuple[list[str], float]:

@@ -29,6 +29,7 @@ GRID = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
     ({"seeds": [1, 2, 3]}, "needs `lrs`"),
     ({"lrs": ["fast", 1, 2, 3, 4]}, "list of numbers"),
     ({"lrs": GRID, "scan": {"method.dense_lr_scale": [1, 4]}}, "at least 3 distinct values"),
+    ({"lrs": GRID, "scan": {"method.dense_lr_scale": [1, 4, 4, 16]}}, "at least 3 distinct values"),
     ({"lrs": GRID, "scan": {"a": [1, 2, 3], "b": [1, 2, 3]}}, "one config key"),
     ({"lrs": GRID, "scan": {"method.lr": [1, 2, 3]}}, "cannot scan method.lr"),
     ({"lrs": GRID[:2], "scan": {"method.dense_lr_scale": [1, 4, 16]}}, "at least 3 distinct"),
@@ -86,8 +87,8 @@ def test_a_scan_searches_every_pair_then_runs_the_best_pair_with_seeds(tmp_path:
     spec = tuning.parse_tune({"lrs": [3e-4, 1e-3, 3e-3], "scan": {"method.dense_lr_scale": [16, 1, 4]}})
     lookup = tuning.RunLookup(run_path=lambda job: tmp_path / "_".join(job).replace("/", "|"))
     jobs = tuning.tuned_jobs([["method=adamw"]], spec, lookup)
-    assert len(jobs) == 9 and jobs[1] == ["method=adamw", "method.lr=0.0003", "method.dense_lr_scale=4", "seed=0",
-                                          "results_dir=results-lr-search"], jobs
+    assert len(jobs) == 9 and jobs[1] == ["method=adamw", "method.lr=0.001", "method.dense_lr_scale=16", "seed=0",
+                                          "results_dir=results-lr-search"], jobs  # the file's value order
     for job in jobs:  # lowest at (1e-3, 4): both coordinates interior
         lr, scale = float(job[1].partition("=")[2]), float(job[2].partition("=")[2])
         _finished(lookup.run_path(job), "completed", abs(lr - 1e-3) * 1e3 + abs(scale - 4))
