@@ -26,7 +26,7 @@ from analysis import stats
 from analysis.load import Results, load_results
 from analysis.rundirs import find_run_dirs, read_run
 from analysis.settings import _flatten
-from analysis.tables import DASH, Table, fmt, fmt_mean_std, lr_search_table, to_latex, to_markdown
+from analysis.tables import DASH, MIB, Table, fmt, fmt_mean_std, lr_search_table, to_latex, to_markdown
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
 from experiments.results import atomic_write_text
 from experiments.tuning import search_results_dir
@@ -122,7 +122,7 @@ def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Ta
         rows.append([row.label, row.adds, _rate(runs, sources[row.source][1]) if len(runs) else "not run",
                      str(len(runs)), fmt_mean_std(runs["val_loss"], ".3f") if len(runs) else DASH,
                      fmt(delta, "+.3f"), stats.verdict(list(loss), list(ref_loss)) if delta is not None else DASH,
-                     fmt(state, ".1f", 2.0 ** -20)])
+                     fmt(state, ".1f", MIB)])
         previous = row.label if row.chain else previous
     n_chain = sum(row.chain for row in ROWS)
     return Table("ablation", "From AdamW to HMT default, one difference at a time (tiny Llama, 300 steps; each row "
