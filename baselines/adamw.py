@@ -16,6 +16,13 @@ stochastic rounding of the fp32 result (Gupta et al., 2015), from a seeded gener
 run ``PrecisionAdamW``: torch.optim.AdamW's formula and rounding order (``hmt_core.optim.update``, style
 ``"torch"``) computed in fp32, in row chunks of at most 16 MiB of fp32 temporaries.
 
+Split learning rate (``dense_lr_scale``): the parameters HMT and GaLore do not project (embeddings, LM head,
+norms, biases: everything but the 2-D ``attn``/``mlp`` weights of ``hmt_core.hmt.projected_weight_names``) take
+``lr × dense_lr_scale``, the projected ones ``lr``: two parameter groups, scheduled together. HMT updates its
+projected weights at ``α·lr`` and its dense ones at ``lr``, so ``sides=identity`` at rate ``L`` is AdamW at
+``lr = α·L`` with ``dense_lr_scale = 1/α`` (plus HMT's norm limiter): the control that separates HMT's split
+rate from its projection (docs/campaign/findings.md). The default 1 is one group, torch's AdamW as before.
+
 8-bit states (``eight_bit=true``): bitsandbytes' ``AdamW8bit`` (Dettmers et al., 2022, "8-bit Optimizers via
 Block-wise Quantization", Sec. 2: each moment stored as uint8 codes of the signed / unsigned dynamic tree map,
 normalized by the fp32 absmax of its block of 256 elements; dequantized to fp32, updated by AdamW, and
@@ -40,6 +47,8 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
 from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
+from hmt_core.hmt import Config as HmtConfig
+from hmt_core.hmt import projected_weight_names
 from hmt_core.method import named_trainable_parameters, trainable_parameters
 from hmt_core.optim import update as upd
 from hmt_core.precision import UpdateWriter, write_rows
@@ -59,6 +68,7 @@ class Config:
     eight_bit: bool = False  # bitsandbytes AdamW8bit: block-wise 8-bit moments
     paged: bool = False  # with eight_bit: PagedAdamW8bit (CUDA unified memory for the state)
     impl: str = "fused"  # torch.optim.AdamW's kernels: fused | foreach | single (baselines.driver.torch_optimizer_impl)
+    dense_lr_scale: float = 1.0  # rate of the parameters HMT does not project = lr × this (the matrices: lr)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -73,6 +83,10 @@ class Config:
         if self.eight_bit and (self.master_weights or self.stochastic_rounding):
             raise ValueError("method.eight_bit=true (bitsandbytes AdamW8bit writes the weights itself) cannot be "
                              "combined with method.master_weights or method.stochastic_rounding")
+        if not self.dense_lr_scale > 0:
+            raise ValueError(f"method.dense_lr_scale must be > 0, got {self.dense_lr_scale}")
+        if self.eight_bit and self.dense_lr_scale != 1:
+            raise ValueError("method.dense_lr_scale (a split rate) is not offered with method.eight_bit=true")
         if self.impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"method.impl must be one of {OPTIMIZER_IMPLS}, got {self.impl!r}")
         if self.impl != "fused" and (self.eight_bit or self.master_weights or self.stochastic_rounding):
@@ -182,8 +196,24 @@ def build_adamw8bit(params: list[nn.Parameter], c: Config) -> torch.optim.Optimi
                                               weight_decay=c.weight_decay)
 
 
+def param_groups(model: nn.Module, config: Config) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: one (every trainable parameter at ``lr``) for ``dense_lr_scale == 1``,
+    else the projected weights at ``lr`` and the rest at ``lr × dense_lr_scale`` (HMT's split; a model with no
+    projected weight is a ``ValueError``, as for HMT)."""
+    named = named_trainable_parameters(model)
+    if config.dense_lr_scale == 1:
+        return [{"params": [p for _, p in named]}]
+    projected = projected_weight_names(model, HmtConfig.target_patterns)
+    if not projected:
+        raise ValueError(f"method.dense_lr_scale={config.dense_lr_scale} splits the rate between the projected "
+                         f"weights (patterns {list(HmtConfig.target_patterns)}) and the rest, but none matches")
+    return [{"params": [p for n, p in named if n in projected]},
+            {"params": [p for n, p in named if n not in projected], "lr": config.lr * config.dense_lr_scale}]
+
+
 def build(model: nn.Module, config: Config) -> Built:
     c = config
+    groups = param_groups(model, c)
     if c.eight_bit:
         return Built(build_adamw8bit(trainable_parameters(model), c), summary={"optim/eight_bit": True,
                                                                                 "optim/paged": c.paged})
@@ -192,10 +222,10 @@ def build(model: nn.Module, config: Config) -> Built:
                               seed=c.seed)
         for name, p in named_trainable_parameters(model):
             writer.check(name, p)
-        opt = PrecisionAdamW(trainable_parameters(model), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
-                             weight_decay=c.weight_decay, writer=writer)
+        opt = PrecisionAdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay,
+                             writer=writer)
         return Built(opt)
-    opt = torch.optim.AdamW(trainable_parameters(model), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+    opt = torch.optim.AdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
                             weight_decay=c.weight_decay, **torch_optimizer_impl(c.impl))
     return Built(opt, summary={"optim/impl": c.impl})
 

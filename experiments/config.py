@@ -230,13 +230,15 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # ``train.on_oom``, ``train.max_replans``, ``train.memory_cap_gib``: runs recorded without them failed on an OOM and
 # had no meter-enforced cap.
 # ``model.card``: runs recorded without it built the model from its phase shape or ``model.path``.
+# ``method.dense_lr_scale`` (adamw): runs recorded without it had one learning rate for every parameter.
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
                       ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
                       ("dryrun", "expandable_segments"): False, ("method", "impl"): "fused",
                       ("dryrun", "device"): "cpu", ("train", "on_oom"): "fail", ("train", "max_replans"): 3,
                       ("train", "memory_cap_gib"): None, ("model", "card"): None,
-                      ("method", "embedding_dtype"): "bf16", ("method", "embedding_update"): "dense"}
+                      ("method", "embedding_dtype"): "bf16", ("method", "embedding_update"): "dense",
+                      ("method", "dense_lr_scale"): 1.0}
 
 
 def without_added_defaults(plain: dict) -> dict:

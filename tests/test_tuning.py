@@ -29,6 +29,12 @@ GRID = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]
     ({"lrs": GRID, "lr": 1}, "unknown `tune` keys ['lr']"),
     ({"seeds": [1, 2, 3]}, "needs `lrs`"),
     ({"lrs": ["fast", 1, 2, 3, 4]}, "list of numbers"),
+    ({"lrs": GRID, "scan": {"method.dense_lr_scale": [1, 4]}}, "at least 3 distinct values"),
+    ({"lrs": GRID, "scan": {"method.dense_lr_scale": [1, 4, 4, 16]}}, "at least 3 distinct values"),
+    ({"lrs": GRID, "scan": {"a": [1, 2, 3], "b": [1, 2, 3]}}, "one config key"),
+    ({"lrs": GRID, "scan": {"method.lr": [1, 2, 3]}}, "cannot scan method.lr"),
+    ({"lrs": GRID[:2], "scan": {"method.dense_lr_scale": [1, 4, 16]}}, "at least 3 distinct"),
+    ({"lrs": GRID[:3]}, "at least 5 distinct"),  # 3 rates only with a second axis
 ])
 def test_bad_tune_blocks_are_rejected(block: dict, message: str) -> None:
     with pytest.raises(UserError) as e:
@@ -41,6 +47,14 @@ def test_selection_rule_lowest_then_smaller_rate_and_bracketing() -> None:
     assert tuning.select_lr({1e-3: 1.5, 3e-3: 1.5, 1e-2: 1.7}) == (1e-3, False)  # tie -> smaller; at the edge
     assert tuning.select_lr({1e-3: 2.0, 3e-3: float("nan"), 1e-2: 1.0}) == (1e-2, False)
     assert tuning.select_lr({1e-3: None, 3e-3: math.inf}) == (1e-3, False)  # nothing finished: not bracketed
+
+
+def test_pair_selection_rule_lowest_then_smaller_and_bracketing_on_both_axes() -> None:
+    grid = {(lr, v): 2.0 for lr in (1e-3, 3e-3, 1e-2) for v in (1.0, 4.0, 16.0)}
+    assert tuning.select_pair({**grid, (3e-3, 4.0): 1.0}) == ((3e-3, 4.0), True)
+    assert tuning.select_pair({**grid, (3e-3, 16.0): 1.0}) == ((3e-3, 16.0), False)  # value at its axis' end
+    assert tuning.select_pair({**grid, (1e-3, 4.0): 1.0}) == ((1e-3, 4.0), False)  # rate at its axis' end
+    assert tuning.select_pair({**grid, (3e-3, 4.0): 1.0, (1e-2, 1.0): 1.0}) == ((3e-3, 4.0), True)  # tie: smaller rate
 
 
 def _finished(run_dir: Path, state: str, val_loss: float | None = None) -> None:
@@ -68,6 +82,22 @@ def test_final_runs_appear_only_when_every_search_has_finished(tmp_path: Path) -
     final = tuning.tuned_jobs(rows, spec, lookup)[10:]
     assert final == [["method=adamw", f"results_dir={tmp_path / 'r'}", "method.lr=0.001", f"seed={s}"]
                      for s in (4, 5, 6)] + [["method=qlora", "method.lr=0.003", f"seed={s}"] for s in (4, 5, 6)]
+
+
+def test_a_scan_searches_every_pair_then_runs_the_best_pair_with_seeds(tmp_path: Path) -> None:
+    spec = tuning.parse_tune({"lrs": [3e-4, 1e-3, 3e-3], "scan": {"method.dense_lr_scale": [16, 1, 4]}})
+    lookup = tuning.RunLookup(run_path=lambda job: tmp_path / "_".join(job).replace("/", "|"))
+    jobs = tuning.tuned_jobs([["method=adamw"]], spec, lookup)
+    assert len(jobs) == 9 and jobs[1] == ["method=adamw", "method.lr=0.001", "method.dense_lr_scale=16", "seed=0",
+                                          "results_dir=results-lr-search"], jobs  # the file's value order
+    for job in jobs:  # lowest at (1e-3, 4): both coordinates interior
+        lr, scale = float(job[1].partition("=")[2]), float(job[2].partition("=")[2])
+        _finished(lookup.run_path(job), "completed", abs(lr - 1e-3) * 1e3 + abs(scale - 4))
+    final = tuning.tuned_jobs([["method=adamw"]], spec, lookup)[9:]
+    assert final == [["method=adamw", "method.lr=0.001", "method.dense_lr_scale=4", f"seed={s}"]
+                     for s in (1, 2, 3)], final
+    with pytest.raises(UserError, match="sets method.dense_lr_scale"):
+        tuning.tuned_jobs([["method=adamw", "method.dense_lr_scale=2"]], spec, lookup)
 
 
 def test_rows_must_leave_lr_and_seed_to_the_search(tmp_path: Path) -> None:

@@ -1,0 +1,169 @@
+"""The campaign's ablation table: from AdamW with a split learning rate to HMT default, one difference at a time,
+each row at its own tuned learning rate (``experiments.sweeps.tuning``), mean ± std over the final seeds; and the
+single-difference controls beside it (docs/campaign/findings.md).
+
+Rows are found by what their configuration holds (``ROWS``: the results folder they come from and the values of
+a few dotted config keys, a key absent from a run's config reading as its default), among the final runs of
+``results/campaign-controls`` (the controls, ``benchmarks/campaign_controls.sh``) and ``results/campaign`` (the
+campaign's own rows). A row none of whose runs has finished reads "not run"; two settings matching one row are
+an error, so a row never averages over two configurations.
+
+    python -m analysis.ablation results/campaign-controls results/campaign --out docs/campaign/tables
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from analysis import stats
+from analysis.load import Results, load_results
+from analysis.rundirs import find_run_dirs, read_run
+from analysis.settings import _flatten
+from analysis.tables import DASH, MIB, Table, fmt, fmt_mean_std, lr_search_table, to_latex, to_markdown
+from experiments.errors import OneLineErrorParser, UserError, one_line_errors
+from experiments.results import atomic_write_text
+from experiments.sweeps.tuning import search_results_dir
+
+CONTROLS, CAMPAIGN = "controls", "campaign"
+# what a key reads as where a run's config lacks it (added later with this default: experiments.config)
+ABSENT = {"method.dense_lr_scale": 1.0}
+PRETRAIN = {"model.name": "tiny", "method.eight_bit": False}
+HMT = {"model.name": "tiny", "method.name": "hmt", "method.mode": "A", "method.weight_dtype": "bf16",
+       "method.state_dtype": "fp32", "train.max_grad_norm": 1.0, "activation.attn_out": "keep",
+       "method.sides": "one_sided", "method.basis": "rsvd", "method.rank": None, "method.norm_limiter": True,
+       "method.eps": 1e-8}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    label: str
+    adds: str  # what this row adds to the one above (the caption's words)
+    source: str  # CONTROLS | CAMPAIGN
+    keys: Mapping[str, Any]
+    chain: bool = True  # a step of the chain (else a single-difference control)
+
+
+ROWS = (
+    Row(label="AdamW", adds="the campaign's AdamW row: one learning rate for every parameter", source=CAMPAIGN,
+        keys={**PRETRAIN, "method.name": "adamw", "method.dense_lr_scale": 1.0}),
+    Row(label="AdamW split", adds="a second rate for embeddings, head and norms (2-D search)", source=CONTROLS,
+        keys={"model.name": "tiny", "method.name": "adamw"}),
+    Row(label="+ projection", adds="one-sided projection at fixed rank 128 from an exact SVD (GaLore's rule, in "
+        "HMT; α = 0.25, no limiter)", source=CONTROLS,
+        keys={**HMT, "method.basis": "svd", "method.rank": 128, "method.norm_limiter": False}),
+    Row(label="+ randomized basis", adds="the basis from a randomized SVD", source=CONTROLS,
+        keys={**HMT, "method.rank": 128, "method.norm_limiter": False}),
+    Row(label="+ energy rank", adds="rank by spectral energy under the state budget (GaLore's rank-128 state)",
+        source=CONTROLS, keys={**HMT, "method.norm_limiter": False}),
+    Row(label="+ limiter = HMT default", adds="the norm-growth limiter: HMT default (ε 1e-8)", source=CAMPAIGN,
+        keys=HMT),
+    Row(label="HMT identity", adds="HMT default without projection (full rank; split rate and limiter kept)",
+        source=CONTROLS, keys={**HMT, "method.sides": "identity"}, chain=False),
+    Row(label="HMT, GaLore's ε", adds="HMT default with ε = 1e-6", source=CONTROLS,
+        keys={**HMT, "method.eps": 1e-6}, chain=False),
+    Row(label="GaLore rank 64", adds="galore-torch at the campaign's rank", source=CAMPAIGN,
+        keys={**PRETRAIN, "method.name": "galore", "method.rank": 64}, chain=False),
+    Row(label="GaLore rank 128", adds="galore-torch at HMT default's state budget", source=CONTROLS,
+        keys={**PRETRAIN, "method.name": "galore", "method.rank": 128}, chain=False),
+)
+
+
+def _configs(results_dir: Path) -> dict[str, dict]:
+    """run id -> flattened config.yaml of every run under ``results_dir``."""
+    out = {}
+    for path in find_run_dirs(results_dir):
+        run = read_run(path, lambda _: None)
+        if run is not None:
+            out[str(run.summary.get("run_id") or path.name)] = _flatten(run.config)
+    return out
+
+
+def _matches(config: Mapping[str, Any], keys: Mapping[str, Any]) -> bool:
+    return all(config.get(k, ABSENT.get(k)) == v for k, v in keys.items())
+
+
+def row_runs(row: Row, results: Results, configs: Mapping[str, dict]) -> pd.DataFrame:
+    """The completed runs of ``row``'s one setting (empty if none); two matching settings are a ``UserError``."""
+    runs = results.completed()
+    runs = runs[[_matches(configs.get(r, {}), row.keys) for r in runs["run_id"]]]
+    if runs["setting"].nunique() > 1:
+        raise UserError(f"ablation row {row.label!r} matches {runs['setting'].nunique()} settings "
+                        f"({', '.join(sorted(runs['run_id']))}); narrow its keys in analysis.ablation.ROWS")
+    return runs
+
+
+def _rate(runs: pd.DataFrame, configs: Mapping[str, dict]) -> str:
+    config = configs[runs["run_id"].iloc[0]]
+    rate = format(float(config["method.lr"]), "g")
+    scale = config.get("method.dense_lr_scale", 1.0)
+    return rate if scale == 1 else f"{rate} (×{scale:g} dense)"
+
+
+def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Table:
+    """The chain's rows, then the controls'; Δ and the Welch verdict against the chain row above (controls:
+    against HMT default)."""
+    found = {row.label: row_runs(row, *sources[row.source]) for row in ROWS}
+    default = next(row.label for row in ROWS if row.source == CAMPAIGN and row.keys == HMT)
+    rows, previous = [], None
+    for row in ROWS:
+        runs = found[row.label]
+        ref = found[previous] if row.chain and previous else found[default] if not row.chain else None
+        loss = pd.to_numeric(runs["val_loss"], errors="coerce")
+        ref_loss = pd.to_numeric(ref["val_loss"], errors="coerce") if ref is not None else pd.Series(dtype=float)
+        delta = loss.mean() - ref_loss.mean() if len(loss) and len(ref_loss) else None
+        state = pd.to_numeric(runs.get("optim_state_bytes"), errors="coerce").mean() if len(runs) else None
+        rows.append([row.label, row.adds, _rate(runs, sources[row.source][1]) if len(runs) else "not run",
+                     str(len(runs)), fmt_mean_std(runs["val_loss"], ".3f") if len(runs) else DASH,
+                     fmt(delta, "+.3f"), stats.verdict(list(loss), list(ref_loss)) if delta is not None else DASH,
+                     fmt(state, ".1f", MIB)])
+        previous = row.label if row.chain else previous
+    n_chain = sum(row.chain for row in ROWS)
+    return Table("ablation", "From AdamW to HMT default, one difference at a time (tiny Llama, 300 steps; each row "
+                 "at its tuned learning rate, validation loss mean ± std over seeds 1-3; Δ against the row above, "
+                 "a difference counting only when Welch's t-test gives p < 0.05), and single-difference controls "
+                 "(Δ against HMT default)",
+                 ["Row", "Adds", "Tuned lr", "Seeds", "Val loss", "Δ", "Differs?", "Optimizer state (MiB)"],
+                 rows, ["l", "l", "l", "r", "r", "r", "r", "r"],
+                 sections=[("Chain: each row adds one difference to the row above", 0),
+                           ("Controls: one difference from HMT default", n_chain)])
+
+
+def write_tables(controls: Path, campaign: Path, out: Path) -> list[Path]:
+    """ablation.{md,tex} and, from the controls' learning-rate searches, controls_lr_search.{md,tex}."""
+    sources = {name: (load_results(d), _configs(d)) for name, d in ((CONTROLS, controls), (CAMPAIGN, campaign))}
+    made = [ablation_table(sources)]
+    search = Path(search_results_dir(str(controls)))
+    if search.is_dir():
+        made.append(dataclasses.replace(lr_search_table(load_results(search)), name="controls_lr_search",
+                                        title="Learning-rate search of the controls: validation loss per rate "
+                                              "(seed 0; AdamW split: one row per dense-rate multiplier)"))
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for table in made:
+        for suffix, text in ((".md", f"**{table.title}**\n\n{to_markdown(table)}"), (".tex", to_latex(table))):
+            path = out / f"{table.name}{suffix}"
+            atomic_write_text(path, text)
+            written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineErrorParser(prog="python -m analysis.ablation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("controls", type=Path, help="the controls' results (results/campaign-controls)")
+    parser.add_argument("campaign", type=Path, help="the campaign's results (results/campaign)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the tables (docs/campaign/tables)")
+    args = parser.parse_args(argv)
+    written = one_line_errors(lambda: write_tables(args.controls, args.campaign, args.out), OSError)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
