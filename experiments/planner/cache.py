@@ -75,7 +75,8 @@ def group_key(run: RunConfig) -> str:
 
 def entry_key(layers: int, batch: int, method, policy) -> str:
     """One traced point of a group: depth, micro-batch and the (method, activation policy) it ran with."""
-    return f"L{layers}b{batch}:" + _hash({"method": dataclasses.asdict(method), "activation": policy.to_dict()})
+    node = without_added_defaults({"method": dataclasses.asdict(method)})["method"]  # keys added later, at default
+    return f"L{layers}b{batch}:" + _hash({"method": node, "activation": policy.to_dict()})
 
 
 def file_name(label: str, run: RunConfig, key: str) -> str:
