@@ -11,20 +11,20 @@ from pathlib import Path
 import torch
 
 from experiments import methods
-from experiments.dist import checks as dist_checks
-from experiments.dist import parallel as distributed
-from experiments.memory import gpu_stats
 from experiments.checkpoint.manager import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
 from experiments.data.corpus import build_corpus, has_tokenizer
+from experiments.dist import parallel as distributed
 from experiments.dryrun import metered_probe
-from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
-from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.errors import UserError, exit_with_error
+from experiments.loop import METERED_STEPS, autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
+from experiments.memory import gpu_stats
+from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.replan import Attempt, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
+from experiments.dist import checks as dist_checks
 
 
 def seed_everything(seed: int) -> None:
@@ -55,8 +55,6 @@ def set_deterministic(setting: str, device: torch.device) -> None:
 
 def make_profiler(run_dir: RunDir, device: torch.device):
     from torch.profiler import ProfilerActivity, profile, schedule
-
-    from experiments.loop import METERED_STEPS
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 

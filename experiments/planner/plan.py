@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,14 +41,20 @@ from pathlib import Path
 
 import yaml
 
-from experiments.errors import UserError, one_line_errors
+from experiments.config import RUN_ID, to_plain_dict
+from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.models import TORCH_DTYPES
+from experiments.planner.cache import TABLE_DIR, Table, USER_DIR
 from experiments.planner.correct import Corrections
-from experiments.planner.costs import GIB, Space, derive, measure, target_layers
+from experiments.planner.costs import GIB, Space, derive, measure, policy_for, target_layers
 from experiments.planner.milp import min_peak, solve
 from experiments.planner.model import build_problem, calibrate, param_bytes, region_flops, weight_stats
-from experiments.planner.report import model_label, plan_record, plans_dir, render_plan, run_command
+from experiments.planner.report import model_label, plan_record, plans_dir, run_command
+from experiments.results import atomic_write_text
+from experiments.run import main_with_config
 from experiments.step_time import CONFIRM_S
+from experiments.sweeps.sweep import checked, validated_run_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
@@ -91,9 +96,6 @@ def compose(overrides: Sequence[str], plan_dir: Path | None = None):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import experiments.run  # noqa: F401  (registers the structured configs)
-    from experiments.sweeps.sweep import checked
-
     extra = [f"hydra.searchpath=[file://{Path(plan_dir).resolve()}]"] if plan_dir is not None else []
 
     def make():
@@ -105,8 +107,6 @@ def compose(overrides: Sequence[str], plan_dir: Path | None = None):
 
 
 def run_config(overrides: Sequence[str]):
-    from experiments.sweeps.sweep import checked, validated_run_config
-
     cfg = compose(overrides)
     return checked("experiments.planner.plan", lambda: validated_run_config(cfg))
 
@@ -131,9 +131,6 @@ def plan_nodes(run, solution, space: Space) -> dict:
     """The run configuration of a solution as the top-level nodes a ``_global_`` plan config sets."""
     import dataclasses
 
-    from experiments.config import to_plain_dict
-    from experiments.planner.costs import policy_for
-
     choice = solution.option.payload
     method = dataclasses.replace(run.method, **choice.method_changes(run.method))
     policy = policy_for(run.activation, bool(solution.actions), **solution.actions,
@@ -146,16 +143,12 @@ def plan_nodes(run, solution, space: Space) -> dict:
 
 
 def write_plan_yaml(path: Path, nodes: dict, header: list[str]) -> None:
-    from experiments.results import atomic_write_text
-
     text = "# @package _global_\n" + "".join(f"# {line}\n" for line in header)
     atomic_write_text(path, text + yaml.safe_dump(nodes, sort_keys=False))
 
 
 def verify_plan(name: str, folder: Path, results: Path) -> dict:
     """A real ``mode=dryrun`` of the plan config ``folder/<name>.yaml`` as written (in this process); its summary."""
-    from experiments.run import main_with_config
-
     cfg = compose([f"+{folder.name}={name}", "mode=dryrun", f"results_dir={results}", "run_id=verify", "force=true"],
                   folder.parent)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -165,8 +158,6 @@ def verify_plan(name: str, folder: Path, results: Path) -> dict:
 def load_calibration(planner: dict, run) -> dict:
     path = planner.get("calibration")
     if path is None:
-        from experiments.models import TORCH_DTYPES
-
         return {**calibrate("cpu", TORCH_DTYPES[run.model.dtype]), "source": "measured now (cpu)"}
     try:
         return {**json.loads(Path(path).read_text()), "source": str(path)}
@@ -200,8 +191,6 @@ class Prepared:
 
 
 def prepare(run, planner: dict, *, log=print) -> Prepared:
-    from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
-
     space = space_from(planner)
     layers = target_layers(run)
     refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
@@ -249,8 +238,6 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                         f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
                         f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
     name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
-    from experiments.config import RUN_ID
-
     if not RUN_ID.fullmatch(name):
         raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
     folder = plans_dir(run.results_dir, planner.get("plan_dir"))
@@ -306,8 +293,6 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
-    from experiments.results import atomic_write_text
-
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
@@ -329,69 +314,3 @@ def train_note(prep: Prepared, sol, run) -> str:
 def make_plan(run, planner: dict, *, log=print) -> dict:
     """Measure, solve, write, verify: ``prepare`` then ``plan_with`` at ``budget_gib``."""
     return plan_with(prepare(run, planner, log=log), planner, float(planner["budget_gib"]), log=log)
-
-
-def main(argv: Sequence[str] | None = None) -> dict | None:
-    t0 = time.perf_counter() - (process_age_s() if argv is None else 0.0)  # a command: its imports included
-    argv = list(sys.argv[1:] if argv is None else argv)
-
-    def body():
-        planner, overrides = parse_args(argv)
-        planner.update(_argv=argv, _overrides=overrides, _t0=t0)
-        run = run_config([o for o in overrides if not o.startswith("mode=")])
-        if planner.get("calibrate"):
-            return write_calibration(run)
-        if run.method.name != "hmt":
-            raise UserError(f"method={run.method.name}: the planner plans method=hmt (--capacity compares the "
-                            "baselines)")
-        from experiments.run import preflight
-
-        preflight(run)
-        if planner.get("capacity"):
-            from experiments.planner.capacity import capacity
-
-            return capacity(run, planner, overrides)
-        if planner.get("table"):
-            planner.pop("budget_gib", None)
-            rec = prepare(run, planner).record
-            print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
-            return rec
-        if "budget_gib" not in planner:
-            raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
-        plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
-        rec = make_plan(run, planner)
-        print(render_plan(rec))
-        return rec
-
-    return one_line_errors(body, FileNotFoundError)
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux ``/proc``; 0 where unknown)."""
-    import os
-
-    try:
-        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - start)
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def write_calibration(run) -> dict:
-    from experiments.models import TORCH_DTYPES
-    from experiments.results import atomic_write_text
-    from experiments.run import resolve_device
-
-    device = resolve_device(run.device)
-    cal = calibrate(device.type, TORCH_DTYPES[run.model.dtype])
-    slug = "".join(ch if ch.isalnum() else "-" for ch in cal["device"].lower()).strip("-")
-    path = Path(run.results_dir).expanduser() / "plans" / f"calibration-{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(cal, indent=1, sort_keys=True))
-    print(f"calibration on {cal['device']}: {cal['flops_per_s'] / 1e12:.3f} TFLOP/s, "
-          f"{cal['bytes_per_s'] / 1e9:.1f} GB/s copy; written to {path} (use calibration={path})")
-    return cal
-
-
-if __name__ == "__main__":
-    main()
