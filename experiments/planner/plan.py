@@ -32,6 +32,7 @@ committed cost table). Design and measurements: ``docs/planner.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import time
@@ -227,19 +228,11 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     model by what was measured and solve again (``corrected``). Returns the plan record (also written as
     ``<record_dir>/<name>.json``, by default next to the plan). ``seq_len``: plan for other sequences than the
     measured ones (costs scaled per token)."""
-    import dataclasses
-
     run = prep.run
     if seq_len is not None:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, seq_len=seq_len))
     ctx = reserve_bytes(run) / GIB
-    if budget < prep.floor_gib:
-        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
-                        f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
-    name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
-    if not RUN_ID.fullmatch(name):
-        raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
+    name = checked_name(prep, run, planner, budget, name, ctx)
     folder = plans_dir(run.results_dir, planner.get("plan_dir"))
     verify_dir = (record_dir or prep.verify_dir) / name
     record_dir = record_dir or folder
@@ -257,18 +250,10 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         sol = solve(prob)
         if sol is None:
             need = min_peak(prob) + ctx + fix.slack
-            raise NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len="
-                         f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
-                                                   else "") +
-                         f": the leanest choice needs {need:.2f} GiB at one sequence ("
-                         f"{'corrected by the verification traces' if iterations else 'predicted'}, "
-                         f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
+            raise no_plan(run, planner, budget, need=need, ctx=ctx, corrected=bool(iterations))
         predicted = max(v for v in sol.predicted.values() if v is not None)
-        header = [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
-                  (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
-                   f"predicted peak {predicted:.2f} GiB"),
-                  f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
-        write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space), header)
+        write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space),
+                        plan_header(run, planner, name, folder, budget=budget, ctx=ctx, predicted=predicted))
         step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
                 "predicted_peak_gib": predicted, **fix.record()}
         iterations.append(step)
@@ -296,6 +281,37 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
+
+
+def checked_name(prep: Prepared, run, planner: dict, budget: float, name: str | None, ctx: float) -> str:
+    """The plan's name (``name=``, or one made of the model, budget and batch), after refusing a budget below the
+    model's floor (its leanest weights + the GPU allowance ``ctx`` GiB) and a name that is not one file name."""
+    if budget < prep.floor_gib:
+        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
+                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
+                        f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
+    name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
+    if not RUN_ID.fullmatch(name):
+        raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
+    return name
+
+
+def plan_header(run, planner: dict, name: str, folder: Path, *, budget: float, ctx: float,
+                predicted: float) -> list[str]:
+    """The plan file's comment lines: the command, the budget's split (GiB), the commands that train and trace it."""
+    return [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
+            (f"budget {budget:g} GiB = {budget - ctx:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
+             f"predicted peak {predicted:.2f} GiB"),
+            f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
+
+
+def no_plan(run, planner: dict, budget: float, *, need: float, ctx: float, corrected: bool) -> NoPlan:
+    """The error when no choice fits: what the leanest one needs (GiB, ``ctx`` GiB of GPU allowance included)."""
+    batch = f", batch_size={planner['batch_size']}" if planner.get("batch_size") else ""
+    return NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len={run.train.seq_len}"
+                  f"{batch}: the leanest choice needs {need:.2f} GiB at one sequence ("
+                  f"{'corrected by the verification traces' if corrected else 'predicted'}, "
+                  f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
 
 
 def train_note(prep: Prepared, sol, run) -> str:
