@@ -19,6 +19,7 @@ import pandas as pd
 from analysis import stats
 from analysis.load import CATEGORIES, Results
 from analysis.settings import natural_key
+from experiments.sweeps.tuning import metric_or_inf, select_lr
 
 METHOD_ORDER = ("adamw", "qlora", "galore", "apollo", "hmt")
 GIB = 2**30
@@ -194,8 +195,6 @@ def versus_adamw_table(results: Results) -> Table:
 def lr_search_table(results: Results) -> Table:
     """A learning-rate search (``experiments.sweeps.tuning``): the metric at every rate searched, the rate chosen (the
     tuner's own rule, ``select_lr``) and whether the grid brackets it. Failed (diverged) runs read "failed"."""
-    from experiments.sweeps.tuning import metric_or_inf, select_lr
-
     runs = results.runs[results.runs["mode"] == "train"].copy()
     runs = runs[runs["status"].isin(["completed", "failed"]) & runs["lr"].notna()]
     rates = sorted({float(v) for v in runs["lr"]})

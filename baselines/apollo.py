@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
-from baselines.galore import split_params
 from baselines.driver import Built, OptimizerMethod
+from baselines.galore import split_params
 from hmt_core.hmt import projectable_modules, projected_elements
+from hmt_core.projection import next_seed
 
 PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "tensor", "scale": 128.0}}
 
@@ -101,8 +102,6 @@ def _make_seed_arithmetic_real() -> None:
     which a fake tensor cannot answer. Swap in ``hmt_core.projection.next_seed`` — the same draws (tested bit for
     bit against apollo-torch), computed on real tensors — so the traced step is apollo-torch's own code."""
     from apollo_torch import random_projector
-
-    from hmt_core.projection import next_seed
 
     random_projector.next_seed = next_seed
 

@@ -25,7 +25,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch import nn
 
-from experiments.errors import UserError
 from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
 from hmt_core.method import trainable_parameters
 
@@ -78,7 +77,8 @@ def _linear_kinds() -> tuple[type, ...]:
 def resolve_target_modules(model: nn.Module, targets: tuple[str, ...]) -> tuple[str, ...]:
     """The LoRA target module names (leaf names, as peft matches them) for ``model``: the configured
     ``targets`` that exist; with the default Llama-style targets and none of them present (GPT-2's ``c_attn``,
-    ...), peft's own per-model-type default; otherwise a ``UserError`` listing the names the model has."""
+    ...), peft's own per-model-type default; otherwise a ``ValueError`` listing the names the model has (the
+    harness reports it as the user's input in one line)."""
     present = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                                  if isinstance(module, _linear_kinds()) and module.weight.dim() == 2))
     matched = tuple(t for t in targets if t in present)
@@ -94,7 +94,7 @@ def resolve_target_modules(model: nn.Module, targets: tuple[str, ...]) -> tuple[
               f"default for {model_type}: {list(peft_default)} (set method.target_modules to choose)", file=sys.stderr)
         return peft_default
     hint = f"; peft's default for {model_type}: {list(peft_default)}" if peft_default else ""
-    raise UserError(f"method.target_modules={list(targets)} match no Linear/Conv1D module of {model_type}; "
+    raise ValueError(f"method.target_modules={list(targets)} match no Linear/Conv1D module of {model_type}; "
                     f"names look like: {', '.join(present[:8]) or '(none)'}{hint}")
 
 
@@ -106,7 +106,7 @@ def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_d
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
-    from baselines.nf4 import Linear4bit, fake_params4bit
+    from baselines.nf4 import Linear4bit, fake_params4bit  # imports bitsandbytes: only when qlora quantizes
 
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
@@ -134,7 +134,7 @@ def quantize_linear_nf4(model: nn.Module, targets: tuple[str, ...], *, compute_d
             setattr(parent, child_name, q)
             replaced += 1
     if replaced == 0:
-        raise UserError(f"method.target_modules={list(targets)} matched no nn.Linear/Conv1D in the model")
+        raise ValueError(f"method.target_modules={list(targets)} matched no nn.Linear/Conv1D in the model")
     return replaced
 
 

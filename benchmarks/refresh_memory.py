@@ -34,12 +34,12 @@ def refresh_bytes(m: int, n: int, world: int, mode: str) -> int:
     from experiments.memory.meter import MemoryMeter
     from hmt_core.kernels import ops as kops
     from hmt_core.optim.optimizer import LowRankOptimizer, Slot
-    from hmt_core.optim.sharded import chunk_rows
+    from hmt_core.optim.rows import rank_rows
     from hmt_core.optim.sharded_sketch import RowSketch
 
     cfg = methods.make_config({"name": "hmt"})
     with FakeTensorMode():
-        rows = chunk_rows(m, world, 0)
+        rows = rank_rows(m, world, 0)
         local = torch.empty(rows.stop - rows.start, n, dtype=torch.bfloat16)
         param = torch.empty_like(local)
         s = Slot(name="w", param=param, index=1, projected=True, candidates=cfg.rank_candidates, rows=rows,

@@ -19,8 +19,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import methods
 from experiments.model_cards import CARD_FIELDS, card_dir, card_fields, card_names
-from hmt_core.activations.policy import PRESETS, ActivationPolicy
+from experiments.sweeps import cluster
+from hmt_core.activations.policy import ActivationPolicy, PRESETS
 
 DTYPES = ("bf16", "fp32", "fp16")
 RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
@@ -380,9 +382,6 @@ def _instance_twin(obj: Any) -> Any:
 def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
-    from experiments import methods
-    from experiments.sweeps import cluster
-
     cs = ConfigStore.instance()
     cluster.register(cs)
     schema = dataclasses.make_dataclass("RunSchema", [
@@ -414,8 +413,6 @@ def register_configs() -> None:
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build (and so validate) the frozen run configuration from a composed Hydra config."""
-    from experiments import methods
-
     raw = OmegaConf.to_container(cfg, resolve=True)
     raw.pop("hydra", None)
     method_raw = dict(raw.pop("method"))

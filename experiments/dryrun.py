@@ -40,7 +40,7 @@ from experiments.memory.meter import MemoryMeter
 from experiments.models import count_params
 from experiments.results import RunDir
 from hmt_core.activations import apply_policy, probe
-from hmt_core.activations.measure import PROBE_TOKENS, probe_batch
+from hmt_core.activations.probe import PROBE_TOKENS, probe_batch
 from hmt_core.method import NotTraceableError
 
 GIB = 2**30

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from experiments.memory import gpu_stats
 from experiments.checkpoint.manager import Checkpointer, LoopState, TooManyBadSteps
 from experiments.config import TrainConfig
+from experiments.errors import UserError
+from experiments.memory import gpu_stats
 from experiments.memory.meter import MemoryMeter
 from experiments.step_tally import StepClock, StepTally
 from hmt_core.fused_ce import causal_lm_loss, resolve_head
@@ -78,8 +79,6 @@ def lm_loss(model: nn.Module, ids: torch.Tensor, *, fused_ce: bool = True,
 
 def check_lm_loss(model: nn.Module, cfg: TrainConfig) -> None:
     """Before any compute: a ``UserError`` if ``train.fused_ce=true`` cannot stand in for this model's own loss."""
-    from experiments.errors import UserError
-
     if cfg.fused_ce:
         try:
             resolve_head(model)

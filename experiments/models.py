@@ -26,6 +26,7 @@ import torch
 
 from experiments.config import MODEL_PHASES, ModelConfig, RunConfig
 from experiments.errors import UserError
+from hmt_core.int8_weights import trained_in_place
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -274,8 +275,6 @@ def _in_dtype_on_device(make, dtype: torch.dtype, device: torch.device | str):
 def count_params(model: torch.nn.Module) -> tuple[int, int]:
     """(total, trainable) element counts; a 4-bit packed weight counts its logical elements, and so does an INT8
     weight (``hmt_core.int8_weights``: its phantom ``weight``, trainable; its codes and scales are storage)."""
-    from hmt_core.int8_weights import trained_in_place
-
     total = trainable = 0
     for p in model.parameters():
         if trained_in_place(p):

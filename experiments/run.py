@@ -21,17 +21,24 @@ from omegaconf import DictConfig
 
 from experiments import methods
 from experiments.checkpoint.manager import INTERRUPTED_EXIT_CODE, TooManyBadSteps, config_differences
-from experiments.config import (RUN_ID_IGNORED_TRAIN_KEYS, RunConfig, register_configs, to_plain_dict, to_run_config,
-                                without_added_defaults)
-from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
+from experiments.checkpoint.store import CheckpointError
+from experiments.config import (
+    RUN_ID_IGNORED_TRAIN_KEYS,
+    RunConfig,
+    register_configs,
+    to_plain_dict,
+    to_run_config,
+    without_added_defaults,
+)
 from experiments.data.corpus import MIN_BPE_VOCAB, has_tokenizer
 from experiments.dist.parallel import release_process_groups
-from experiments.models import (load_hf_config, max_positions, model_source, model_vocab_size,
-                                with_config_name)
+from experiments.dryrun import execute_dryrun
+from experiments.errors import UserError, exit_with_error, one_line_errors, says_errors
+from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size, with_config_name
 from experiments.replan import OutOfMemoryGiveUp
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
 from experiments.step_time import check_step_time
-from experiments.checkpoint.store import CheckpointError
+from experiments.train import execute_train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "galore-torch", "apollo-torch", "hydra-core",
@@ -198,11 +205,7 @@ def execute(run: RunConfig, config_dict: dict) -> dict | None:
             print(f"{run_id}: already completed in {run_dir.path} (force=true re-runs it)")
             return None
         if run.mode == "dryrun":
-            from experiments.dryrun import execute_dryrun
-
             return execute_dryrun(run, config_dict, method, run_dir, device, build_summary, print_summary)
-        from experiments.train import execute_train
-
         try:
             return execute_train(run, config_dict, method, run_dir, device, build_summary, print_summary)
         finally:  # the run's models and wrappers, which hold the process group, went with execute_train's frame

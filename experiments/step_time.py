@@ -13,6 +13,9 @@ import sys
 
 from experiments.config import RunConfig
 from experiments.errors import UserError
+from experiments.models import TORCH_DTYPES
+from experiments.planner.costs import target_layers
+from experiments.planner.model import calibrate, weight_stats
 
 CONFIRM_S = 600.0  # seconds per optimizer step
 SLOWEST_CPU_FLOPS = 1e9  # FLOP/s any CPU exceeds: a step below CONFIRM_S even at this rate is not measured
@@ -25,9 +28,6 @@ def step_flops(run: RunConfig, params: int) -> float:
 
 def trainable_params(run: RunConfig) -> int:
     """Trainable parameters of ``run``'s model at its depth (1- and 2-layer models on fake tensors, linear in L)."""
-    from experiments.planner.costs import target_layers
-    from experiments.planner.model import weight_stats
-
     stats = weight_stats(run)
     n1, n2 = (sum(n for n, _ in stats[k]["weights"].values()) for k in ("L1", "L2"))
     return n1 + (target_layers(run) - 1) * (n2 - n1)
@@ -50,9 +50,6 @@ def check_step_time(run: RunConfig, device_type: str, *, ask=input) -> None:
     bound = upper_params(run)
     if bound is not None and step_flops(run, bound) / SLOWEST_CPU_FLOPS <= CONFIRM_S:
         return
-    from experiments.models import TORCH_DTYPES
-    from experiments.planner.model import calibrate
-
     rate = calibrate("cpu", TORCH_DTYPES[run.model.dtype], codecs=())["flops_per_s"]
     seconds = step_flops(run, trainable_params(run)) / rate
     if seconds <= CONFIRM_S:

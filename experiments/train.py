@@ -11,21 +11,21 @@ from pathlib import Path
 import torch
 
 from experiments import methods
-from experiments.dist import checks as dist_checks
-from experiments.dist import parallel as distributed
-from experiments.memory import gpu_stats
 from experiments.checkpoint.manager import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
 from experiments.config import RunConfig
 from experiments.data.corpus import build_corpus, has_tokenizer
+from experiments.dist import parallel as distributed
 from experiments.dryrun import metered_probe
-from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
-from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.errors import UserError, exit_with_error
+from experiments.loop import METERED_STEPS, autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
+from experiments.memory import gpu_stats
+from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.replan import Attempt, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
 from hmt_core.hmt import HMTMethod
+from experiments.dist import checks as dist_checks
 
 
 def seed_everything(seed: int) -> None:
@@ -56,8 +56,6 @@ def set_deterministic(setting: str, device: torch.device) -> None:
 
 def make_profiler(run_dir: RunDir, device: torch.device):
     from torch.profiler import ProfilerActivity, profile, schedule
-
-    from experiments.loop import METERED_STEPS
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
@@ -121,18 +119,7 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     seed_everything(run.seed)
     set_deterministic(run.train.deterministic, device)
     t = run.train
-    with distributed.rank_zero_first(ctx):  # rank 0 fills the token cache, the others read it
-        corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
-                              vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
-                              seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
-                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.hf_dir),
-                              chunk_chars=run.data.chunk_chars)
-    corpus = distributed.shard_corpus(corpus, ctx)  # this rank's rows of each global batch
-    rows = model_vocab_size(run.model) if run.model.hf_dir else corpus.vocab_size  # before any weight is read
-    if corpus.vocab_size > rows:
-        raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
-                        f"{corpus.vocab_size} tokens but the model's embedding has {rows} rows (config.json "
-                        f"vocab_size): token ids beyond {rows - 1} would index out of range")
+    corpus = rank_corpus(run, ctx)
     with StartupPeak(device) as startup:  # fsdp2: built on meta, fully_shard per layer + root, shards initialised
         model = distributed.build_sharded(run.model, method, ctx, vocab_size=corpus.vocab_size, device=device)
     model.train()
@@ -157,22 +144,7 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     run_dir.start(config_dict, keep_metrics_before=resume_point.step if resume_point else None)
     wandb_run = None
     try:
-        activation_summary, act_handle = None, None
-        if not run.activation.is_identity() and ctx is not None:  # dist=ddp|fsdp2: the policy, no probe
-            activation_summary = {"policy": run.activation.to_dict(), "probe": None,
-                                  "probe_skipped": dist_checks.probe_skipped(ctx.mode)}
-            act_handle = apply_policy(model, run.activation)
-        elif not run.activation.is_identity():
-            # bounded probe (one short sequence, one layer's gradients, taken with autograd.grad so no update hook
-            # fires), under its own meter; a dry run traces the same call
-            gpu_stats.reset_peaks(device)
-            probed = metered_probe(model, run.activation, corpus.train.batch(0).to(device), source=meter.source,
-                                   autocast=lambda: autocast_context(device, t.autocast))
-            activation_summary = {"policy": run.activation.to_dict(), "probe": probed["metrics"],
-                                  "probe_peak_bytes": probed["peak_bytes"], "probe_tokens": probed["tokens"],
-                                  **{f"probe_{k}": v for k, v in gpu_stats.summary(device).items()
-                                     if k == "cuda_max_allocated_bytes"}}
-            act_handle = apply_policy(model, run.activation)
+        activation_summary, act_handle = activations_on(run, model, corpus, meter, device, ctx)
         params_total, params_trainable = count_params(model)
         state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
         if state is not None:  # the restored optimizer state is live from the first step on (and counts to the cap)
@@ -188,14 +160,7 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
                               state=state)
         meter.remove_hooks()
         rep = meter.report()
-        memory = rep.to_dict()
-        memory.update(gpu_stats.summary(device))
-        memory["startup_peak_bytes"] = startup.peak_bytes  # build + shard + init, before the first step
-        if device.type == "cuda":  # the allocator's peak is the authoritative total on a GPU
-            memory["tracker_peak_bytes"] = memory["peak_bytes"]
-            memory["peak_bytes"] = memory["cuda_max_allocated_bytes"]
-        dist_summary = {} if ctx is None else {"dist": {**ctx.summary(), **ctx.memory_summary(memory["peak_bytes"]),
-                                                        "startup_peak_max_bytes": ctx.max_int(startup.peak_bytes)}}
+        memory, dist_summary = memory_summary(rep, startup.peak_bytes, device, ctx)
         summary = build_summary(
             run, run_dir.run_id, device, params_total=params_total, params_trainable=params_trainable,
             steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
@@ -243,6 +208,58 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
             with contextlib.suppress(Exception):
                 wandb_run.finish()
         distributed.teardown(ctx)
+
+
+def rank_corpus(run: RunConfig, ctx):
+    """This rank's corpus (rank 0 fills the token cache, the others read it), checked against the model's
+    embedding rows before any weight is read."""
+    t = run.train
+    with distributed.rank_zero_first(ctx):
+        corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
+                              vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
+                              seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
+                              max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.hf_dir),
+                              chunk_chars=run.data.chunk_chars)
+    corpus = distributed.shard_corpus(corpus, ctx)  # this rank's rows of each global batch
+    rows = model_vocab_size(run.model) if run.model.hf_dir else corpus.vocab_size
+    if corpus.vocab_size > rows:
+        raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
+                        f"{corpus.vocab_size} tokens but the model's embedding has {rows} rows (config.json "
+                        f"vocab_size): token ids beyond {rows - 1} would index out of range")
+    return corpus
+
+
+def activations_on(run: RunConfig, model, corpus, meter: MemoryMeter, device: torch.device, ctx):
+    """The activation policy applied to ``model``: (summary, handle), (None, None) for the identity policy.
+    Single-process runs first probe it (one short sequence, one layer's gradients, taken with autograd.grad so no
+    update hook fires) under its own meter; a dry run traces the same call. dist=ddp|fsdp2: the policy, no probe."""
+    if run.activation.is_identity():
+        return None, None
+    if ctx is not None:
+        summary = {"policy": run.activation.to_dict(), "probe": None,
+                   "probe_skipped": dist_checks.probe_skipped(ctx.mode)}
+        return summary, apply_policy(model, run.activation)
+    gpu_stats.reset_peaks(device)
+    probed = metered_probe(model, run.activation, corpus.train.batch(0).to(device), source=meter.source,
+                           autocast=lambda: autocast_context(device, run.train.autocast))
+    summary = {"policy": run.activation.to_dict(), "probe": probed["metrics"],
+               "probe_peak_bytes": probed["peak_bytes"], "probe_tokens": probed["tokens"],
+               **{f"probe_{k}": v for k, v in gpu_stats.summary(device).items() if k == "cuda_max_allocated_bytes"}}
+    return summary, apply_policy(model, run.activation)
+
+
+def memory_summary(rep, startup_peak_bytes: int, device: torch.device, ctx) -> tuple[dict, dict]:
+    """The summary's ``memory`` (the meter's report, the device's statistics, the start-up peak: build + shard +
+    init, before the first step) and, under dist, its ``dist`` block."""
+    memory = rep.to_dict()
+    memory.update(gpu_stats.summary(device))
+    memory["startup_peak_bytes"] = startup_peak_bytes
+    if device.type == "cuda":  # the allocator's peak is the authoritative total on a GPU
+        memory["tracker_peak_bytes"] = memory["peak_bytes"]
+        memory["peak_bytes"] = memory["cuda_max_allocated_bytes"]
+    dist_summary = {} if ctx is None else {"dist": {**ctx.summary(), **ctx.memory_summary(memory["peak_bytes"]),
+                                                    "startup_peak_max_bytes": ctx.max_int(startup_peak_bytes)}}
+    return memory, dist_summary
 
 
 def _oom_peak(meter: MemoryMeter, device: torch.device) -> int:

@@ -12,7 +12,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hmt_core.activations.apply import apply_policy
-from hmt_core.activations.measure import cosine, flat_grad, probe
+from hmt_core.activations.measure import cosine, flat_grad
+from hmt_core.activations.probe import probe
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
 
 B, S, H, F = 2, 32, 64, 176

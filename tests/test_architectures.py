@@ -137,7 +137,7 @@ def test_gpt2_conv1d_weights_are_projected_and_qlora_finds_its_targets(tmp_path,
     assert len(lowrank) == 8 and len(regular) + len(lowrank) == len(list(model.parameters()))
     assert resolve_target_modules(model, DEFAULT_TARGETS) == ("c_attn",)  # peft's default for gpt2
     assert resolve_target_modules(model, ("c_fc", "q_proj")) == ("c_fc",)
-    with pytest.raises(UserError, match=r"target_modules=\['q_proj'\] match no Linear/Conv1D module of gpt2; "
+    with pytest.raises(ValueError, match=r"target_modules=\['q_proj'\] match no Linear/Conv1D module of gpt2; "
                                         r"names look like: c_attn, c_proj, c_fc"):
         resolve_target_modules(model, ("q_proj",))
     text, cache = corpus

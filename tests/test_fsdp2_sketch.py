@@ -107,7 +107,7 @@ def _pure_case(rank: int, world: int, name: str) -> dict:
     import torch.distributed as dist
 
     from hmt_core import projection as proj
-    from hmt_core.optim.sharded import chunk_rows
+    from hmt_core.optim.rows import rank_rows
     from hmt_core.optim import sharded_sketch as sk
     from hmt_core.optim.sharded_sketch import RowSketch, orthonormalize_rows
 
@@ -125,7 +125,7 @@ def _pure_case(rank: int, world: int, name: str) -> dict:
             warm = proj.Basis(prev.float().contiguous(), None)
     kw = dict(power_iters=2, oversample=8, warm=warm)
     ref = proj.randomized_svd(g, r, generator=torch.Generator().manual_seed(11), **kw)
-    rows = chunk_rows(m, world, rank)
+    rows = rank_rows(m, world, rank)
     use_left = m < n
     with _Counting(sk) as counts:
         sketch = RowSketch(g[rows].clone(), rows=rows, shape=(m, n), group=dist.group.WORLD)

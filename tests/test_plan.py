@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from experiments.planner import cli as plan_cli
 from experiments.planner import plan as planner
 from experiments.planner.capacity import BEGIN, END, bracket, largest_batch, load_results, readme_block, render_table
 from experiments.planner.costs import GIB, derive, trace_sample
 from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, predict, solve
+from experiments.planner.report import render_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -162,7 +164,7 @@ def planned(tmp_path_factory):
     root = tmp_path_factory.mktemp("plan")
     cal = root / "cal.json"
     cal.write_text(json.dumps(CALIBRATION))  # a fixed time model: the plan does not depend on this CPU's speed
-    rec = planner.main([*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={root / 'results'}",
+    rec = plan_cli.main([*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={root / 'results'}",
                         f"calibration={cal}", "name=t", "verify=true"])
     return root, rec
 
@@ -186,14 +188,14 @@ def test_plan_under_the_gpu_allowance_holds_the_allocators_reserved_bytes(planne
     root, _ = planned
     reserve = (426 + 362 + 66) / 1024  # GiB
     budget = round(reserve + 0.1, 3)
-    rec = planner.main([*MODEL[:-2], *SPACE, f"budget_gib={budget}", f"results_dir={root / 'results'}",
+    rec = plan_cli.main([*MODEL[:-2], *SPACE, f"budget_gib={budget}", f"results_dir={root / 'results'}",
                         f"plan_dir={root / 'mine'}", f"calibration={root / 'cal.json'}", "name=m", "verify=true"])
     assert (root / "mine" / "m.yaml").exists() and (root / "mine" / "m.json").exists()
     v = rec["verified"]
     assert rec["reserve_gib"] == pytest.approx(reserve, abs=1e-9), rec["reserve_gib"]  # exact MiB sums
     assert v["fits"] and v["step_bytes"] <= (budget - rec["reserve_gib"]) * GIB, (v["step_bytes"] / GIB, budget)
     assert v["step_bytes"] >= v["verdict_peak_bytes"], v  # reserved (less the workspaces) >= live
-    assert "GPU allowance (hopper" in planner.render_plan(rec)
+    assert "GPU allowance (hopper" in render_plan(rec)
 
 
 def test_emitted_plan_runs_as_is_with_the_verified_peak(planned):
@@ -245,7 +247,7 @@ def test_unverified_plan_is_the_models_prediction(planned, capsys):
     """Without verify=true nothing is traced at full size (every cost from the fixture's cache): the record has no
     verification, and the printed table says the peaks are predicted and which command trains / only traces."""
     root, verified = planned
-    rec = planner.main([*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={root / 'results'}",
+    rec = plan_cli.main([*MODEL, *SPACE, f"budget_gib={BUDGET}", f"results_dir={root / 'results'}",
                         f"calibration={root / 'cal.json'}", "name=u"])
     out = capsys.readouterr().out
     assert rec["verified"] is None and rec["traces"] == 0 and len(rec["iterations"]) == 1, rec["iterations"]
@@ -282,7 +284,7 @@ def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optim
     _biased_cache(root / "results" / "plan_costs", tmp_path / "results" / "plan_costs", 0.01)
     argv = [*modeled, *SPACE, f"budget_gib={budget}", f"results_dir={tmp_path / 'results'}",
             f"calibration={root / 'cal.json'}", "name=c", "verify=true", "max_iters=12"]
-    rec = planner.main(argv)
+    rec = plan_cli.main(argv)
     steps = rec["iterations"]
     assert rec["traces"] == 0 and len(steps) >= 2, steps  # biased table used; at least one miss
     assert steps[0]["batch_size"] > rec["choice"]["batch_size"], steps
@@ -314,7 +316,7 @@ def test_committed_plans_still_load():
 # ---- bad input ------------------------------------------------------------------------------------------------------
 def _one_line_error(capsys, argv: list[str], *fragments: str) -> str:
     with pytest.raises(SystemExit) as exc:
-        planner.main(argv)
+        plan_cli.main(argv)
     assert exc.value.code not in (0, None)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]

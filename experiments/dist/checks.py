@@ -9,6 +9,7 @@ import os
 import torch
 
 from experiments.errors import UserError
+from hmt_core.optim.sharded import sharded_config_error
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH = "torchrun --nproc_per_node N -m experiments.run dist=ddp ..."
@@ -107,8 +108,6 @@ def probe_skipped(mode: str) -> str:
 
 def check_fsdp2_hmt(run) -> None:
     """``dist=fsdp2`` + hmt: the per-layer engine on row shards (``hmt_core.optim.sharded``) and what it supports."""
-    from hmt_core.optim.sharded import sharded_config_error
-
     why = sharded_config_error(run.method)
     if why is None and run.dist.lowrank_comm:
         why = "dist.lowrank_comm=true is not supported with dist=fsdp2 (a left-sided Ĝ is already all-reduced)"

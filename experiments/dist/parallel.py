@@ -19,14 +19,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments.dist import meta_init
+from experiments.checkpoint.dcp import DistCheckpointer
 from experiments.config import ModelConfig
-from experiments.dist.comm import MIB, CommCounter, GradAverager, StepBytes, row_sparse_names
+from experiments.dist import meta_init
 from experiments.dist.checks import check_launch, resolve_backend
+from experiments.dist.comm import CommCounter, GradAverager, MIB, StepBytes, row_sparse_names
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
 from hmt_core.int8_weights import is_phantom
-from hmt_core.optim.sharded import rank_from_root
+from hmt_core.optim.sharded import ShardedEngine, rank_from_root
 
 GIB = 2**30
 
@@ -227,6 +228,15 @@ def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.B
     return model
 
 
+def prepared(method, model: nn.Module) -> nn.Module:
+    """``method.prepare(model)``; a ``ValueError`` (the method's settings do not fit this model: qlora's
+    ``target_modules`` matching nothing, ...) is the user's input and says so in one line."""
+    try:
+        return method.prepare(model)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_size: int | None,
                   device: torch.device, values: bool = True) -> nn.Module:
     """The model to train, prepared by ``method`` and sharded as ``ctx`` says. ``dist=fsdp2`` with random init
@@ -234,12 +244,12 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
     shards + one module at full size; ``values=False``, a dry run's fake tensors: the shards are left empty);
     otherwise built whole on ``device`` (FSDP2 from weights: loaded whole, then sharded)."""
     if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights":
-        return shard_model(method.prepare(build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
+        return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
     if not values:
-        return shard_model(method.prepare(build_model(cfg, vocab_size=vocab_size, device="meta")), ctx)
+        return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta")), ctx)
     try:
         model, record = meta_init.record_build(lambda: build_model(cfg, vocab_size=vocab_size, device="meta"))
-        return shard_model(method.prepare(model), ctx, build=record)
+        return shard_model(prepared(method, model), ctx, build=record)
     except meta_init.UnreplayableInit as e:
         raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
 
@@ -285,8 +295,6 @@ def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_
     reads bucket indices that a fake tensor has no values for. ``fsdp2`` + hmt: the model itself; the sharded
     engine is told ``dist.refresh``."""
     if ctx is not None and ctx.mode == "fsdp2" and ctx.refresh != "gather":
-        from hmt_core.optim.sharded import ShardedEngine
-
         engine = getattr(method, "engine", None)
         if not isinstance(engine, ShardedEngine):  # check_launch refuses it first; a direct caller gets a message
             raise ValueError(f"dist.refresh={ctx.refresh} needs method=hmt on FSDP2 shards (its sharded engine)")
@@ -375,8 +383,6 @@ def checkpointer_class(ctx: DistContext | None, single):
     if ctx is None:
         return single
     import functools
-
-    from experiments.checkpoint.dcp import DistCheckpointer
 
     return functools.partial(DistCheckpointer, ctx=ctx)
 

@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 
 from experiments.config import RunConfig, to_plain_dict, without_added_defaults
+from experiments.models import load_hf_config
+from experiments.results import atomic_write_text
 
 SCHEMA = "hmt-plan-table/1"
 # Bump when the meter, the dry-run step or a method changes the bytes a trace measures (the staleness test,
@@ -49,8 +51,6 @@ def model_shape(run: RunConfig) -> dict:
     for key in ("name", "num_layers", "path", "card"):
         node.pop(key, None)
     if run.model.hf_dir:  # a model.path folder or a model card's
-        from experiments.models import load_hf_config
-
         hf = load_hf_config(run.model.hf_dir).to_dict()
         node["hf_config"] = {k: v for k, v in hf.items() if k not in _HF_DROP}
     return node
@@ -129,8 +129,6 @@ def _entries(path: Path | None, key: str) -> dict:
 
 
 def write_entries(path: Path, header: dict, entries: dict) -> None:
-    from experiments.results import atomic_write_text
-
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({**header, "entries": entries}, indent=1, sort_keys=True))
 

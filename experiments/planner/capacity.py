@@ -28,10 +28,33 @@ import math
 import sys
 from pathlib import Path
 
-from experiments.errors import UserError
+from experiments.errors import UserError, one_line_errors
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.model_cards import card_config, card_names, card_params
-from experiments.planner.costs import GIB, PHASES, STEP_PHASES, batch_segments, derive, layer_variants, trace_sample
+from experiments.planner.costs import (
+    GIB,
+    PHASES,
+    STEP_PHASES,
+    batch_segments,
+    derive,
+    layer_variants,
+    target_layers,
+    trace_sample,
+)
+from experiments.planner.milp import leanest, solve
+from experiments.planner.model import build_problem
+from experiments.planner.plan import (
+    NoPlan,
+    model_label,
+    plan_nodes,
+    plan_with,
+    prepare,
+    run_config,
+    verify_plan,
+    write_plan_yaml,
+)
+from experiments.planner.report import run_command
+from experiments.results import atomic_write_text
 
 SCHEMA = "hmt-capacity/1"
 BASELINES = {
@@ -59,8 +82,6 @@ def measure_reference(run, *, log=print) -> dict:
                 r = dataclasses.replace(with_layers(layers), train=dataclasses.replace(run.train, batch_size=b))
                 samples[f"L{layers}b{b}"] = trace_sample(r)
     log(f"  {run.method.name}: traced {len(samples)} small models")
-    from experiments.planner.costs import target_layers
-
     return {"segments": segments, "samples": {"ref": samples}, "seq_len": run.train.seq_len,
             "layers": target_layers(run)}
 
@@ -168,10 +189,6 @@ def baseline_capacity(run, sizes, *, log=print) -> dict:
 
 
 def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
-    from experiments.planner.plan import NoPlan, model_label, plan_with, prepare
-    from experiments.planner.milp import solve
-    from experiments.planner.model import build_problem
-
     results = Path(run.results_dir).expanduser() / "capacity"
     planner = {**planner, "plan_dir": planner.get("plan_dir") or str(results / "plans"), "verify": True}
     planner.pop("budget_gib", None)
@@ -231,11 +248,6 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
     fits is the answer (``exact`` false when the traces ran out first)."""
     import dataclasses
 
-    from experiments.planner.plan import plan_nodes, verify_plan, write_plan_yaml
-    from experiments.planner.milp import leanest
-    from experiments.planner.model import build_problem
-    from experiments.planner.report import run_command
-
     prob = build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats, flops=prep.flops,
                          cal=prep.cal, budget_gib=float(size), llama=prep.llama)
     plan_dir, budget, out = Path(planner["plan_dir"]).resolve(), size - reserve_bytes(run) / GIB, {"exact": False}
@@ -260,8 +272,6 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
 
 
 def capacity(run, planner: dict, overrides: list[str], *, log=print) -> dict:
-    from experiments.planner.plan import model_label, run_config
-
     sizes = tuple(run.dryrun.gpu_sizes_gib)
     methods = planner.get("methods") or list(METHODS)
     unknown = [m for m in methods if m not in METHODS]
@@ -309,8 +319,6 @@ def previous_cells(path: Path, result: dict) -> dict:
 
 
 def write_result(path: Path, result: dict) -> None:
-    from experiments.results import atomic_write_text
-
     result = {**result, "methods": {m: result["methods"][m] for m in METHODS if m in result["methods"]}}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(result, indent=1, sort_keys=True))
@@ -362,8 +370,6 @@ def _block_bounds(text: str, file: Path) -> tuple[int, int]:
 def update_readme(readme: Path, folder: Path) -> None:
     text = readme.read_text()
     start, end = _block_bounds(text, readme)
-    from experiments.results import atomic_write_text
-
     atomic_write_text(readme, f"{text[:start]}\n{render_table(load_results(folder))}\n{text[end:]}")
 
 
@@ -374,8 +380,6 @@ def readme_block(readme: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from experiments.errors import one_line_errors
-
     args = sys.argv[1:] if argv is None else argv
     readme = Path(args[0] if args else "docs/planner.md")
     folder = Path(args[1]) if len(args) > 1 else Path("results") / "capacity"

@@ -32,9 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from experiments import methods
 from experiments.config import RunConfig
+from experiments.dryrun import trace_steps
 from experiments.memory.gpu_allowance import traced_step_bytes
-from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS, ActivationPolicy
+from experiments.models import load_hf_config
+from experiments.planner.cache import Table, entry_key
+from hmt_core.activations.policy import ActivationPolicy, COMPONENTS, LAYER_COMPONENTS
 
 GIB = 2**30
 STEP_PHASES = ("forward", "backward", "optimizer")
@@ -171,8 +175,6 @@ def act_pieces(space: Space, llama: bool) -> dict[str, dict]:
 # ---- tracing -----------------------------------------------------------------------------------------------------
 def target_layers(run: RunConfig) -> int:
     if run.model.hf_dir:
-        from experiments.models import load_hf_config
-
         return int(load_hf_config(run.model.hf_dir).num_hidden_layers)
     return run.model.num_layers
 
@@ -185,8 +187,6 @@ def layer_variants(run: RunConfig):
         def with_layers(layers: int) -> RunConfig:
             if not run.model.hf_dir:
                 return dataclasses.replace(run, model=dataclasses.replace(run.model, num_layers=layers))
-            from experiments.models import load_hf_config
-
             folder = Path(tmp) / f"L{layers}"
             if not folder.exists():
                 config = load_hf_config(run.model.hf_dir)
@@ -205,9 +205,6 @@ def trace_sample(run: RunConfig, *, step_bytes: bool = False) -> dict:
     component, the bytes of parameters and optimizer state at the end, and the rank each projected weight holds;
     ``step_bytes``: also the bytes a budget less the GPU allowance must hold (``gpu_allowance.traced_step_bytes``;
     not part of the cached cost samples, which do not depend on ``dryrun.reserve``)."""
-    from experiments import methods
-    from experiments.dryrun import trace_steps
-
     run = dataclasses.replace(run, mode="dryrun")
     with contextlib.redirect_stderr(io.StringIO()):
         traced = trace_steps(run, methods.make_method(run.method))
@@ -250,8 +247,6 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
     table and the user's cache (``experiments.planner.cache``), traced (and cached at once) where missing or with
     ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
     raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
-    from experiments.planner.cache import Table, entry_key
-
     table = table or Table(run, run.model.name, cache_dir)
     if refresh:  # measured again from scratch
         table.clear()

@@ -32,10 +32,13 @@ import time
 
 import torch
 
+from experiments import methods
+from experiments.loop import autocast_context
+from experiments.models import build_model
 from experiments.planner.costs import (
+    Derived,
     GIB,
     PHASES,
-    Derived,
     Space,
     all_options,
     layer_variants,
@@ -43,7 +46,9 @@ from experiments.planner.costs import (
     option_cost,
     valid_actions,
 )
-from experiments.planner.milp import KEEP, Action, Option, Problem, Segment
+from experiments.planner.milp import Action, KEEP, Option, Problem, Segment
+from hmt_core.activations.apply import llama_scopes
+from hmt_core.activations.codecs import decode, encode
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS
 
 LOSSY_ACTIONS = ("int8", "fp8", "int4_outlier", "int8_outlier")
@@ -69,8 +74,6 @@ def _timed(fn, device: torch.device, reps: int = 3) -> float:
 def calibrate(device: str = "cpu", dtype: torch.dtype = torch.bfloat16, codecs: tuple[str, ...] = ("int8", "fp8"),
               block: int = 128) -> dict:
     """F (FLOP/s), BW (bytes/s) and seconds per input byte of each codec, measured on ``device``."""
-    from hmt_core.activations.codecs import decode, encode
-
     dev = torch.device(device)
     n = 1024 if dev.type == "cuda" else 384
     a = torch.randn(n, n, device=dev).to(dtype)
@@ -88,9 +91,6 @@ def region_flops(run) -> dict[str, float]:
     """Forward FLOPs per sequence of each recomputable region of one decoder layer and of the LM head."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
-
-    from experiments.loop import autocast_context
-    from experiments.models import build_model
 
     aten = torch.ops.aten
     mapping = {aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_flop}
@@ -125,9 +125,6 @@ def weight_stats(run, weight_dtypes: tuple[str, ...] = ("bf16",)) -> dict:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from experiments import methods
-    from experiments.models import build_model
-
     out = {}
     with layer_variants(run) as with_layers, contextlib.redirect_stderr(io.StringIO()), FakeTensorMode():
         for layers in (1, 2):
@@ -149,8 +146,6 @@ def _param_bytes(model) -> int:
 
 
 def _is_llama(model) -> bool:
-    from hmt_core.activations.apply import llama_scopes
-
     return llama_scopes(model) is not None
 
 

@@ -33,7 +33,7 @@ from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, PHASES, OptChoice, Space
 from experiments.planner.milp import Problem, Solution, predict, solve
 from experiments.planner.model import build_problem
-from experiments.planner.plan import prepare
+from experiments.planner.prepare import prepare
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS
 
 MARGIN = 0.05  # the new plan's predicted peak stays 5% below the failing bytes (the model is corrected, not exact)

@@ -32,29 +32,32 @@ committed cost table). Design and measurements: ``docs/planner.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import io
 import json
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from experiments.errors import UserError, one_line_errors
+from experiments.config import RUN_ID, to_plain_dict
+from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.correct import Corrections
-from experiments.planner.costs import GIB, Space, derive, measure, target_layers
+from experiments.planner.costs import GIB, Space, policy_for
 from experiments.planner.milp import min_peak
-from experiments.planner.model import build_problem, calibrate, param_bytes, region_flops, weight_stats
-from experiments.planner.report import model_label, plan_record, plans_dir, render_plan, run_command
+from experiments.planner.model import build_problem
+from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
+from experiments.planner.report import model_label, plan_record, plans_dir, run_command
+from experiments.results import atomic_write_text
+from experiments.run import main_with_config
 from experiments.step_time import CONFIRM_S
+from experiments.sweeps.sweep import checked, validated_run_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
-SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
-              "layer_recompute", "max_batch_size")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
         "calibration": str, "refresh_costs": bool, "capacity": bool, "calibrate": bool, "table": bool,
         "methods": list, "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
@@ -91,9 +94,6 @@ def compose(overrides: Sequence[str], plan_dir: Path | None = None):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import experiments.run  # noqa: F401  (registers the structured configs)
-    from experiments.sweeps.sweep import checked
-
     extra = [f"hydra.searchpath=[file://{Path(plan_dir).resolve()}]"] if plan_dir is not None else []
 
     def make():
@@ -105,18 +105,8 @@ def compose(overrides: Sequence[str], plan_dir: Path | None = None):
 
 
 def run_config(overrides: Sequence[str]):
-    from experiments.sweeps.sweep import checked, validated_run_config
-
     cfg = compose(overrides)
     return checked("experiments.planner.plan", lambda: validated_run_config(cfg))
-
-
-def space_from(planner: dict) -> Space:
-    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in planner.items() if k in SPACE_KEYS}
-    try:
-        return Space(**values)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"planner choice space: {e}") from None
 
 
 def plan_name(run, budget_gib: float, batch_size: int | None = None) -> str:
@@ -131,9 +121,6 @@ def plan_nodes(run, solution, space: Space) -> dict:
     """The run configuration of a solution as the top-level nodes a ``_global_`` plan config sets."""
     import dataclasses
 
-    from experiments.config import to_plain_dict
-    from experiments.planner.costs import policy_for
-
     choice = solution.option.payload
     method = dataclasses.replace(run.method, **choice.method_changes(run.method))
     policy = policy_for(run.activation, bool(solution.actions), **solution.actions,
@@ -146,88 +133,16 @@ def plan_nodes(run, solution, space: Space) -> dict:
 
 
 def write_plan_yaml(path: Path, nodes: dict, header: list[str]) -> None:
-    from experiments.results import atomic_write_text
-
     text = "# @package _global_\n" + "".join(f"# {line}\n" for line in header)
     atomic_write_text(path, text + yaml.safe_dump(nodes, sort_keys=False))
 
 
 def verify_plan(name: str, folder: Path, results: Path) -> dict:
     """A real ``mode=dryrun`` of the plan config ``folder/<name>.yaml`` as written (in this process); its summary."""
-    from experiments.run import main_with_config
-
     cfg = compose([f"+{folder.name}={name}", "mode=dryrun", f"results_dir={results}", "run_id=verify", "force=true"],
                   folder.parent)
     with contextlib.redirect_stdout(io.StringIO()):
         return main_with_config(cfg)
-
-
-def load_calibration(planner: dict, run) -> dict:
-    path = planner.get("calibration")
-    if path is None:
-        from experiments.models import TORCH_DTYPES
-
-        return {**calibrate("cpu", TORCH_DTYPES[run.model.dtype]), "source": "measured now (cpu)"}
-    try:
-        return {**json.loads(Path(path).read_text()), "source": str(path)}
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"calibration={path}: cannot read a calibration file ({e})") from None
-
-
-@dataclass
-class Prepared:
-    """Everything measured once per (model, settings): weights, traced costs, FLOPs, calibration."""
-
-    run: object
-    space: Space
-    layers: int
-    stats: dict
-    llama: bool
-    record: dict
-    costs: object
-    flops: dict
-    cal: dict
-    weights_gib: float
-    lowest: str  # the weight dtype with the fewest bytes
-
-    @property
-    def verify_dir(self) -> Path:
-        return Path(self.run.results_dir).expanduser() / "plan_verify"
-
-    @property
-    def floor_gib(self) -> float:
-        return self.weights_gib + reserve_bytes(self.run) / GIB
-
-
-def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
-    """``table_type``: the ``experiments.planner.cache.Table`` class to read and trace costs through (a subclass
-    may bound the time spent tracing: ``experiments.planner.oom``)."""
-    from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
-
-    space = space_from(planner)
-    layers = target_layers(run)
-    refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
-    table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: committed
-                                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
-    if refresh:
-        table.clear()
-    wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
-    hit = table.get(wkey)
-    stats = hit["value"] if hit else json.loads(json.dumps(weight_stats(run, space.weight_dtypes)))
-    lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
-    budget = planner.get("budget_gib")
-    weights = param_bytes(stats, layers, lowest) / GIB
-    ctx = reserve_bytes(run) / GIB
-    if budget is not None and budget < weights + ctx:  # before any trace
-        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
-                        f"{weights + ctx:.2f} GiB")
-    table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
-    llama = stats["L1"]["llama"]
-    record = measure(run, space, llama=llama, table=table, log=log)
-    flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
-    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
-                    load_calibration(planner, run), weights, lowest)
 
 
 class NoPlan(UserError):
@@ -240,39 +155,19 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     model by what was measured and solve again (``corrected``). Returns the plan record (also written as
     ``<record_dir>/<name>.json``, by default next to the plan). ``seq_len``: plan for other sequences than the
     measured ones (costs scaled per token)."""
-    import dataclasses
-
     run = prep.run
     if seq_len is not None:
         run = dataclasses.replace(run, train=dataclasses.replace(run.train, seq_len=seq_len))
     ctx = reserve_bytes(run) / GIB
-    if budget < prep.floor_gib:
-        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
-                        f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
-    name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
-    from experiments.config import RUN_ID
-
-    if not RUN_ID.fullmatch(name):
-        raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
+    name = checked_name(prep, run, planner, budget, name, ctx)
     folder = plans_dir(run.results_dir, planner.get("plan_dir"))
     verify_dir = (record_dir or prep.verify_dir) / name
     record_dir = record_dir or folder
     plan_path = folder / f"{name}.yaml"
     step_budget = budget - ctx
-    fix = Corrections()
+    fix, scale = Corrections(), run.train.seq_len / prep.record["seq_len"]
     iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
-    scale = run.train.seq_len / prep.record["seq_len"]
-
-    def write(sol) -> float:
-        predicted = max(v for v in sol.predicted.values() if v is not None)
-        header = [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
-                  (f"budget {budget:g} GiB = {step_budget:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
-                   f"predicted peak {predicted:.2f} GiB"),
-                  f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
-        write_plan_yaml(plan_path, plan_nodes(run, sol, prep.space), header)
-        return predicted
-
+    write = functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx)
     for _ in range(int(planner.get("max_iters", 8))):
         prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
                                        flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
@@ -283,26 +178,14 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         if sol is None and best is not None:  # the leanest choice one sequence further was over: done
             break
         if sol is None:
-            need = min_peak(prob) + ctx
-            raise NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len="
-                         f"{run.train.seq_len}" + (f", batch_size={planner['batch_size']}" if planner.get("batch_size")
-                                                   else "") +
-                         f": the leanest choice needs {need:.2f} GiB at one sequence ("
-                         f"{'corrected by the verification traces' if iterations else 'predicted'}, "
-                         f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
+            raise no_plan(run, planner, budget, need=min_peak(prob) + ctx, ctx=ctx, corrected=bool(iterations))
         predicted = write(sol)
         step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
                 "predicted_peak_gib": predicted, **fix.record()}
         iterations.append(step)
         if not planner.get("verify", False):
             break
-        log(f"verify: dry run of {plan_path.name} at full size (batch {sol.batch}, seq {run.train.seq_len}) ...")
-        t0 = time.perf_counter()
-        summary = verify_plan(name, folder, verify_dir)
-        verified = step_bytes(summary["dryrun"], run)
-        step.update(verified_peak_gib=verified / GIB, verify_s=round(time.perf_counter() - t0, 1))
-        log(f"verify: predicted {predicted:.3f} GiB, measured {verified / GIB:.3f} GiB "
-            f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
+        summary, verified = traced_step(run, plan_path, verify_dir, step, step_budget, log)
         if verified <= step_budget * GIB:
             best = (sol, summary)
             if fix.fitted(sol):
@@ -313,9 +196,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         log(f"verify: cost model corrected by the measured errors; solving again ({fix.record()})")
     else:
         if best is None:
-            raise UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
-                            f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "
-                            f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
+            raise no_verified_plan(budget, iterations)
     if best is not None and best[0] is not sol:  # a later trace was over: the plan is the largest verified fit
         sol, summary = best
         write(sol)
@@ -323,11 +204,67 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
-    from experiments.results import atomic_write_text
-
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
+
+
+def write_plan(run, planner: dict, space: Space, plan_path: Path, sol, *, budget: float, ctx: float) -> float:
+    """Writes ``sol`` as the plan config at ``plan_path``; returns its predicted peak (GiB)."""
+    predicted = max(v for v in sol.predicted.values() if v is not None)
+    write_plan_yaml(plan_path, plan_nodes(run, sol, space), plan_header(run, planner, plan_path.stem, plan_path.parent,
+                                                                        budget=budget, ctx=ctx, predicted=predicted))
+    return predicted
+
+
+def no_verified_plan(budget: float, iterations: list[dict]) -> UserError:
+    return UserError(f"no verified plan for budget_gib={budget:g} after max_iters={len(iterations)} "
+                     f"(last: predicted {iterations[-1]['predicted_peak_gib']:.2f} GiB, measured "
+                     f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
+
+
+def traced_step(run, plan_path: Path, verify_dir: Path, step: dict, step_budget: float, log) -> tuple[dict, int]:
+    """The written plan's dry run at full size: (its summary, the step bytes judged against ``step_budget`` GiB);
+    ``step`` (the iteration's record) gains the measured peak and how long the trace took."""
+    log(f"verify: dry run of {plan_path.name} at full size (batch {step['batch_size']}, seq {run.train.seq_len}) ...")
+    t0 = time.perf_counter()
+    summary = verify_plan(plan_path.stem, plan_path.parent, verify_dir)
+    verified = step_bytes(summary["dryrun"], run)
+    step.update(verified_peak_gib=verified / GIB, verify_s=round(time.perf_counter() - t0, 1))
+    log(f"verify: predicted {step['predicted_peak_gib']:.3f} GiB, measured {verified / GIB:.3f} GiB "
+        f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
+    return summary, verified
+
+
+def checked_name(prep: Prepared, run, planner: dict, budget: float, name: str | None, ctx: float) -> str:
+    """The plan's name (``name=``, or one made of the model, budget and batch), after refusing a budget below the
+    model's floor (its leanest weights + the GPU allowance ``ctx`` GiB) and a name that is not one file name."""
+    if budget < prep.floor_gib:
+        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
+                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
+                        f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
+    name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
+    if not RUN_ID.fullmatch(name):
+        raise UserError(f"name={name!r} must be one file name: letters, digits and . _ = + - (no '/')")
+    return name
+
+
+def plan_header(run, planner: dict, name: str, folder: Path, *, budget: float, ctx: float,
+                predicted: float) -> list[str]:
+    """The plan file's comment lines: the command, the budget's split (GiB), the commands that train and trace it."""
+    return [f"Memory plan by `python -m experiments.plan {' '.join(planner.get('_argv', []))}`".rstrip(),
+            (f"budget {budget:g} GiB = {budget - ctx:.2f} GiB for the step + {ctx:.2f} GiB {reserve_label(run)}; "
+             f"predicted peak {predicted:.2f} GiB"),
+            f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
+
+
+def no_plan(run, planner: dict, budget: float, *, need: float, ctx: float, corrected: bool) -> NoPlan:
+    """The error when no choice fits: what the leanest one needs (GiB, ``ctx`` GiB of GPU allowance included)."""
+    batch = f", batch_size={planner['batch_size']}" if planner.get("batch_size") else ""
+    return NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len={run.train.seq_len}"
+                  f"{batch}: the leanest choice needs {need:.2f} GiB at one sequence ("
+                  f"{'corrected by the verification traces' if corrected else 'predicted'}, "
+                  f"{ctx:.2f} GiB {reserve_label(run)} included); lower train.seq_len or raise budget_gib")
 
 
 def train_note(prep: Prepared, sol, run) -> str:
@@ -346,69 +283,3 @@ def train_note(prep: Prepared, sol, run) -> str:
 def make_plan(run, planner: dict, *, log=print) -> dict:
     """Measure, solve, write, verify: ``prepare`` then ``plan_with`` at ``budget_gib``."""
     return plan_with(prepare(run, planner, log=log), planner, float(planner["budget_gib"]), log=log)
-
-
-def main(argv: Sequence[str] | None = None) -> dict | None:
-    t0 = time.perf_counter() - (process_age_s() if argv is None else 0.0)  # a command: its imports included
-    argv = list(sys.argv[1:] if argv is None else argv)
-
-    def body():
-        planner, overrides = parse_args(argv)
-        planner.update(_argv=argv, _overrides=overrides, _t0=t0)
-        run = run_config([o for o in overrides if not o.startswith("mode=")])
-        if planner.get("calibrate"):
-            return write_calibration(run)
-        if run.method.name != "hmt":
-            raise UserError(f"method={run.method.name}: the planner plans method=hmt (--capacity compares the "
-                            "baselines)")
-        from experiments.run import preflight
-
-        preflight(run)
-        if planner.get("capacity"):
-            from experiments.planner.capacity import capacity
-
-            return capacity(run, planner, overrides)
-        if planner.get("table"):
-            planner.pop("budget_gib", None)
-            rec = prepare(run, planner).record
-            print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
-            return rec
-        if "budget_gib" not in planner:
-            raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
-        plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
-        rec = make_plan(run, planner)
-        print(render_plan(rec))
-        return rec
-
-    return one_line_errors(body, FileNotFoundError)
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux ``/proc``; 0 where unknown)."""
-    import os
-
-    try:
-        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - start)
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def write_calibration(run) -> dict:
-    from experiments.models import TORCH_DTYPES
-    from experiments.results import atomic_write_text
-    from experiments.run import resolve_device
-
-    device = resolve_device(run.device)
-    cal = calibrate(device.type, TORCH_DTYPES[run.model.dtype])
-    slug = "".join(ch if ch.isalnum() else "-" for ch in cal["device"].lower()).strip("-")
-    path = Path(run.results_dir).expanduser() / "plans" / f"calibration-{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(cal, indent=1, sort_keys=True))
-    print(f"calibration on {cal['device']}: {cal['flops_per_s'] / 1e12:.3f} TFLOP/s, "
-          f"{cal['bytes_per_s'] / 1e9:.1f} GB/s copy; written to {path} (use calibration={path})")
-    return cal
-
-
-if __name__ == "__main__":
-    main()

@@ -29,14 +29,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from experiments.errors import UserError
-
-if TYPE_CHECKING:
-    from experiments.sweeps.tuning import RunLookup, TuneSpec
+from experiments.sweeps.overrides import merge_overrides
+from experiments.sweeps.tuning import RunLookup, TuneSpec, parse_tune, tuned_jobs
 
 SWEEPS_DIR = Path(__file__).resolve().parent  # the sweep files sit beside this module
 SWEEP_FILE_KEYS = ("description", "common", "grid", "runs", "tune")
@@ -130,8 +129,6 @@ def read_sweep_spec(sweep: str | Path) -> tuple[list[list[str]], TuneSpec | None
     if not isinstance(spec, dict):
         raise UserError(f"{path}: a sweep file is a mapping with grid/runs/common/description, "
                         f"not a {type(spec).__name__}")
-    from experiments.sweeps.tuning import parse_tune  # tuning builds on this module's override helpers
-
     try:
         return expand_sweep(spec), (parse_tune(spec["tune"]) if "tune" in spec else None)
     except UserError as e:
@@ -174,25 +171,7 @@ def sweep_jobs(sweep: str | Path | None, overrides: Sequence[str], config_loader
         return rows
     if lookup is None:
         raise UserError("a tuned sweep's runs depend on finished runs; no way to find them was given")
-    from experiments.sweeps.tuning import tuned_jobs
-
     try:
         return tuned_jobs(rows, tune, lookup)
     except UserError as e:
         raise UserError(f"{sweep_label(sweep)}: {e}") from None
-
-
-def override_key(override: str) -> str:
-    """``+train.steps=3`` -> ``train.steps``; ``~foo`` -> ``foo``; ``hydra/launcher=x`` -> ``hydra/launcher``."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def merge_overrides(*lists: Sequence[str]) -> list[str]:
-    """Concatenate override lists; a later override of the same key replaces an earlier one (in place)."""
-    merged: dict[str, str] = {}
-    for overrides in lists:
-        for override in overrides:
-            key = override_key(override)
-            merged.pop(key, None)
-            merged[key] = override
-    return list(merged.values())

@@ -39,17 +39,16 @@ from typing import Any, TypeVar
 import yaml
 
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
-from experiments.sweeps.tuning import RunLookup
 from experiments.sweeps.files import (  # noqa: F401  (the sweep-file API stays importable from here)
     SWEEPS_DIR,
     expand_sweep,
     first_line,
     load_sweep,
-    merge_overrides,
-    override_key,
     sweep_jobs,
     sweep_label,
 )
+from experiments.sweeps.overrides import merge_overrides, override_key  # noqa: F401  (likewise)
+from experiments.sweeps.tuning import RunLookup
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
@@ -106,6 +105,8 @@ def checked(where: str, make: Callable[[], T]) -> T:
 
 def validated_run_config(cfg: Any) -> Any:
     """The runner's frozen ``RunConfig`` of a composed Hydra config (with or without its ``hydra`` node)."""
+    # The runner's modules (torch, transformers) are imported here and below, not at the top: `python -m
+    # experiments.sweep list|array|status` and each Slurm array task's lookup run without importing torch.
     import dataclasses
 
     from omegaconf import OmegaConf

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.errors import UserError
-from experiments.sweeps.files import merge_overrides, override_key
+from experiments.sweeps.overrides import merge_overrides, override_key
 
 TUNE_KEYS = ("lrs", "lrs_by_method", "search_seed", "seeds", "metric", "scan")
 MIN_GRID, MIN_SEEDS, MIN_AXIS = 5, 3, 3

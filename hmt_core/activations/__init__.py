@@ -9,7 +9,7 @@ Runner entry points::
 """
 
 from hmt_core.activations.apply import ActivationHandle, apply_policy
-from hmt_core.activations.measure import probe
+from hmt_core.activations.probe import probe
 from hmt_core.activations.policy import ACTIONS, COMPONENTS, PRESETS, ActivationPolicy
 
 __all__ = ["ACTIONS", "COMPONENTS", "PRESETS", "ActivationHandle", "ActivationPolicy", "apply_policy", "probe"]

@@ -80,7 +80,7 @@ def int8_block_quant(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
     # x: (...)  ->  q: (nb, block) int8, scale: (nb,) float32,  nb = ceil(numel / block)
     _check_block(block)
     if _kernels.use_triton(x):  # bit-identical Triton kernel (hmt_core.kernels.quant)
-        from hmt_core.kernels import quant
+        from hmt_core.kernels import quant  # imports triton: only where a Triton kernel runs (here and below)
         return quant.int8_block_quant(x, block)
     xb = _blocks(x, block)
     absmax = torch.maximum(xb.amax(dim=1), -xb.amin(dim=1))  # two reductions, no |x| temporary

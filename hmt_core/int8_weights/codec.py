@@ -102,7 +102,7 @@ def dequantize_torch(q: Tensor, scale: Tensor, block: int,  # q: (rows, cols) in
 def int8_weight_dequant(q: Tensor, scale: Tensor, block: int, dtype: torch.dtype, backend: str = "") -> Tensor:
     # q: (rows, cols) int8, scale: (rows, nb) fp32 -> (rows, cols) dtype
     if kernels.use_triton(q, scale, backend=backend):
-        from hmt_core.kernels import int8_weight
+        from hmt_core.kernels import int8_weight  # imports triton: only where a Triton kernel runs (also below)
         return int8_weight.dequant(q, scale, block, dtype)
     return dequantize_torch(q, scale, block, dtype)
 

@@ -56,7 +56,7 @@ def lowrank_update_(weight: Tensor, a: Tensor, b: Tensor, scale: float, step_siz
                     decay_after: bool, chunk_rows: int, backend: str = "") -> None:
     # weight: (out, in) in place; a: (out, k); b: (k, in)
     if kernels.use_triton(weight, a, b, backend=backend):
-        from hmt_core.kernels import lowrank
+        from hmt_core.kernels import lowrank  # imports triton: only where a Triton kernel runs (also below)
         lowrank.fused_update_(weight, a, b, coef=step_size * scale, decay=decay, decay_after=decay_after)
     else:
         lowrank_update_torch(weight, a, b, scale, step_size, decay, decay_after, chunk_rows)

@@ -36,6 +36,7 @@ from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
 from hmt_core.optim.moments8 import Moments8
+from hmt_core.optim.rows import row_spans
 from hmt_core.optim.skip import DeviceSkip, reconcile
 from hmt_core.precision import QuantizedWeight, UpdateWriter, chunk_rows_for
 from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
@@ -412,7 +413,7 @@ class LowRankOptimizer:
         s.limiter_prev = self.skip.limiter(prev, s.limiter_prev)
         coef, keep = self.skip.zero(coef), self._keep(s)  # a skipped step: a zero coefficient (and rows kept)
         rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
-        spans = (upd.row_spans(grad.shape[0], rows) if rows < grad.shape[0]
+        spans = (row_spans(grad.shape[0], rows) if rows < grad.shape[0]
                  else self.writer.spans(s.param, s.master, like=grad))
         for index in spans:
             # 0 · NaN is NaN: where the writer does not keep the rows, a skipped step's gradient rows are zeroed too

@@ -61,6 +61,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hmt_core.kernels import ops as kops
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
+from hmt_core.optim.rows import rank_rows
 from hmt_core.optim.sharded_sketch import RowSketch
 
 
@@ -133,14 +134,6 @@ def rank_from_root(group=None):
     return agree
 
 
-def chunk_rows(rows: int, world: int, rank: int) -> slice:
-    """Rows [a, b) of ``rank`` when ``rows`` are cut like ``torch.chunk`` (FSDP2's ``Shard(0)``): ⌈rows/W⌉ each,
-    the last ranks shorter or empty."""
-    size = -(-rows // world)
-    a = min(rank * size, rows)
-    return slice(a, min(a + size, rows))
-
-
 def shard_rows(param: Tensor) -> slice:
     """The global rows of a ``Shard(0)`` DTensor's local tensor on this rank (checked against its local length)."""
     from torch.distributed.tensor import Shard
@@ -148,7 +141,7 @@ def shard_rows(param: Tensor) -> slice:
     mesh = param.device_mesh
     if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
         raise ValueError(f"sharded HMT needs a 1-D mesh and Shard(0) placement, got {param.placements}")
-    rows = chunk_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    rows = rank_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
     if rows.stop - rows.start != param._local_tensor.shape[0]:
         raise ValueError(f"local shard {tuple(param._local_tensor.shape)} is not rows {rows} of {tuple(param.shape)}")
     return rows

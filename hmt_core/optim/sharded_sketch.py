@@ -75,6 +75,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
+from hmt_core.optim.rows import rank_rows
 
 GRAM_OK = 0.5  # CholeskyQR2's second pass is used when ‖Q₁ᵀQ₁ − I‖_F ≤ this (see the module docstring)
 
@@ -91,15 +92,13 @@ def _holds(ok: Tensor) -> bool:  # ok: () bool, computed from replicated values;
 def gather_rows(local: Tensor, rows_total: int, group) -> Tensor:  # local: (rows_k, c) -> (rows_total, c)
     """The row blocks of every rank, cut like ``torch.chunk`` (FSDP2's ``Shard(0)``: ⌈rows/W⌉ each, the last ranks
     shorter or empty), concatenated: one all-gather of W × ⌈rows/W⌉ × c (each block zero-padded)."""
-    from hmt_core.optim.sharded import chunk_rows  # lazy: sharded imports this module
-
     world = dist.get_world_size(group)
     size = -(-rows_total // world)
     padded = local.new_zeros((size, local.shape[1]))
     padded[:local.shape[0]] = local
     blocks = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(blocks, padded, group=group)
-    spans = [chunk_rows(rows_total, world, r) for r in range(world)]
+    spans = [rank_rows(rows_total, world, r) for r in range(world)]
     return torch.cat([b[:s.stop - s.start] for b, s in zip(blocks, spans)])
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hmt_core.optim.sharded import chunk_rows
+from hmt_core.optim.rows import rank_rows
 
 PLACEHOLDER = "sharded_rows"  # {"sharded_rows": [global shape], "dtype": "torch.float32"}
 MOMENTS = ("m", "v")
@@ -41,7 +41,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _dtensor(local: Tensor, mesh, global_shape: tuple[int, ...]) -> Tensor:
-    """``local`` (this rank's ``chunk_rows`` of dim 0) as a ``Shard(0)`` DTensor of ``global_shape``."""
+    """``local`` (this rank's ``rank_rows`` of dim 0) as a ``Shard(0)`` DTensor of ``global_shape``."""
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape),
@@ -79,7 +79,7 @@ def row_templates(state: dict[str, Any], slots) -> dict[str, Tensor]:
             s = by_name[name]
             mesh = s.grad_param.device_mesh
             shape = tuple(held[PLACEHOLDER])
-            rows = chunk_rows(shape[0], mesh.size(), mesh.get_local_rank())
+            rows = rank_rows(shape[0], mesh.size(), mesh.get_local_rank())
             local = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=getattr(torch, held["dtype"]),
                                 device=s.param.device)
             out[f"{name}/{key}"] = _dtensor(local, mesh, shape)

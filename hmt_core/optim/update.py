@@ -37,6 +37,7 @@ from torch import Tensor
 
 from hmt_core.adam import (STYLES, adam_direction, adam_moments_, adam_step,  # noqa: F401 (the update math's API)
                            apply_update_)
+from hmt_core.optim.rows import row_spans
 from hmt_core.projection import Basis, project_back
 
 MOMENT_POLICIES = ("keep", "project", "reset")
@@ -165,10 +166,6 @@ def apply_scaled_update_(param: Tensor, grad: Tensor, coef: Tensor, *, step_size
     param.addcmul_(grad, coef, value=-step_size)
     if style != "torch" and weight_decay > 0.0:
         param.add_(param, alpha=-lr * weight_decay)
-
-
-def row_spans(rows: int, chunk: int) -> list[slice]:
-    return [slice(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
 
 
 def scaled_update_rows_(param: Tensor, grad: Tensor, factor: Tensor, *,  # param, grad: (out, in)

@@ -1,0 +1,93 @@
+"""What the planner measures once per (model, settings) before it solves: the choice space, the weights, the traced
+costs (``experiments.planner.costs`` through the cost table, ``experiments.planner.cache``), the FLOPs and the
+calibration. ``experiments.planner.plan`` solves and verifies on it; ``experiments.planner.oom`` re-solves on it
+after an out-of-memory error (so neither reaches the runner through the other)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from experiments.errors import UserError
+from experiments.memory.gpu_allowance import reserve_bytes, reserve_label
+from experiments.models import TORCH_DTYPES
+from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
+from experiments.planner.costs import GIB, Space, derive, measure, target_layers
+from experiments.planner.model import calibrate, param_bytes, region_flops, weight_stats
+from experiments.planner.report import model_label
+
+SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
+              "layer_recompute", "max_batch_size")
+
+
+def space_from(planner: dict) -> Space:
+    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in planner.items() if k in SPACE_KEYS}
+    try:
+        return Space(**values)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"planner choice space: {e}") from None
+
+
+def load_calibration(planner: dict, run) -> dict:
+    path = planner.get("calibration")
+    if path is None:
+        return {**calibrate("cpu", TORCH_DTYPES[run.model.dtype]), "source": "measured now (cpu)"}
+    try:
+        return {**json.loads(Path(path).read_text()), "source": str(path)}
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"calibration={path}: cannot read a calibration file ({e})") from None
+
+
+@dataclass
+class Prepared:
+    """Everything measured once per (model, settings): weights, traced costs, FLOPs, calibration."""
+
+    run: object
+    space: Space
+    layers: int
+    stats: dict
+    llama: bool
+    record: dict
+    costs: object
+    flops: dict
+    cal: dict
+    weights_gib: float
+    lowest: str  # the weight dtype with the fewest bytes
+
+    @property
+    def verify_dir(self) -> Path:
+        return Path(self.run.results_dir).expanduser() / "plan_verify"
+
+    @property
+    def floor_gib(self) -> float:
+        return self.weights_gib + reserve_bytes(self.run) / GIB
+
+
+def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
+    """``table_type``: the ``experiments.planner.cache.Table`` class to read and trace costs through (a subclass
+    may bound the time spent tracing: ``experiments.planner.oom``)."""
+    space = space_from(planner)
+    layers = target_layers(run)
+    refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
+    table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
+                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
+    if refresh:
+        table.clear()
+    wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
+    hit = table.get(wkey)
+    stats = hit["value"] if hit else json.loads(json.dumps(weight_stats(run, space.weight_dtypes)))
+    lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
+    budget = planner.get("budget_gib")
+    weights = param_bytes(stats, layers, lowest) / GIB
+    ctx = reserve_bytes(run) / GIB
+    if budget is not None and budget < weights + ctx:  # before any trace
+        raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
+                        f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
+                        f"{weights + ctx:.2f} GiB")
+    table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
+    llama = stats["L1"]["llama"]
+    record = measure(run, space, llama=llama, table=table, log=log)
+    flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
+    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
+                    load_calibration(planner, run), weights, lowest)
