@@ -196,7 +196,8 @@ def vocab_block_grads(hidden: Tensor, rows: Callable[[int, int], Tensor], weight
             walk(lambda s, e, w, d: update.observe(s, torch.mm(d.t(), h)))  # (Vb, H): the rows the plain path writes
             update.prepare()
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.empty((v, hidden.shape[1]), dtype=dtype, device=hidden.device) if need_w and update is None else None
+        grad_w = (torch.empty((v, hidden.shape[1]), dtype=dtype, device=hidden.device) if need_w and update is None
+                  else None)
         grad_b = torch.empty(v, dtype=dtype, device=hidden.device) if need_b else None
 
         def emit(s: int, e: int, w: Tensor, d: Tensor) -> None:  # d: (N, Vb), w: (Vb, H)
@@ -357,5 +358,6 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor | None = 
     return box["loss"]
 
 
-__all__ = ["FINAL_LOGIT_MAPS", "HeadUpdate", "IGNORE_INDEX", "IN_LOSS_UPDATE", "Int8HeadCrossEntropy", "LMHead", "LinearCrossEntropy", "causal_lm_loss",
+__all__ = ["FINAL_LOGIT_MAPS", "HeadUpdate", "IGNORE_INDEX", "IN_LOSS_UPDATE", "Int8HeadCrossEntropy",
+           "LMHead", "LinearCrossEntropy", "causal_lm_loss",
            "linear_cross_entropy", "resolve_head", "shift_labels"]

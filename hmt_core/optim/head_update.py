@@ -27,6 +27,8 @@ finite (a host read; refresh steps synchronize anyway), as the in-hook path refr
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
@@ -39,7 +41,19 @@ from hmt_core.optim.optimizer import Slot
 from hmt_core.precision import chunk_rows_for
 
 
-def config_error(cfg) -> str | None:
+class Settings(Protocol):
+    """The keys of HMT's Config (``hmt_core.hmt.Config``) that decide whether the head can be updated by block."""
+
+    mode: str
+    basis: str
+    rank: int | None
+    sides: str
+    per_layer: bool
+    offload_bases: bool
+    head_update: str
+
+
+def config_error(cfg: Settings) -> str | None:
     """Why ``cfg`` (HMT's Config) cannot update the head by block whatever the model, or None."""
     return ("it needs method.mode=B" if cfg.mode != "B"
             else "it needs method.basis=random with a fixed method.rank (other bases read the whole gradient)"
@@ -49,7 +63,7 @@ def config_error(cfg) -> str | None:
             else "it cannot be combined with method.offload_bases=true" if cfg.offload_bases else None)
 
 
-def check_head_update(cfg, slot: Slot | None, *, tied: bool, sharded: bool) -> None:
+def check_head_update(cfg: Settings, slot: Slot | None, *, tied: bool, sharded: bool) -> None:
     """ValueError (one line) naming why ``method.head_update=in_loss`` cannot update this head by block."""
     why = config_error(cfg) or (
         "the LM head's weight is not a trainable parameter" if slot is None
@@ -62,7 +76,7 @@ def check_head_update(cfg, slot: Slot | None, *, tied: bool, sharded: bool) -> N
         raise ValueError(f"method.head_update=in_loss: {why}")
 
 
-def install_head_update(model: nn.Module, engine: PerLayerEngine | None, cfg, *, sharded: bool) -> None:
+def install_head_update(model: nn.Module, engine: PerLayerEngine | None, cfg: Settings, *, sharded: bool) -> None:
     """Hand the LM head of ``model`` its ``InLossHeadUpdate`` (``cfg.head_update == "in_loss"``; the fused loss finds
     it on the module), or take an earlier one away; ValueError (``check_head_update``) if it cannot be done."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
