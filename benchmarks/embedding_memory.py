@@ -28,6 +28,8 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "min-int8": ("memory-minimal, INT8 projected weights (BF16 embedding and LM head)", []),
     "min-int8-emb": ("… + INT8 embedding and LM head (`method.embedding_dtype=int8`)",
                      ["method.embedding_dtype=int8"]),
+    "min-int8-emb-head": ("… + the LM head updated by block in the fused loss (`method.head_update=in_loss`)",
+                          ["method.embedding_dtype=int8", "method.head_update=in_loss"]),
 }
 MODELS = ("llama3.1-8b", "qwen2.5-7b", "7b")
 

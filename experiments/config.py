@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import methods
 from experiments.model_cards import CARD_FIELDS, card_dir, card_fields, card_names
 from experiments.sweeps import cluster
-from hmt_core.activations.policy import ActivationPolicy, PRESETS
+from hmt_core.activations.policy import PRESETS, ActivationPolicy
+from hmt_core.hmt import Config as HMTConfig
 
 DTYPES = ("bf16", "fp32", "fp16")
 RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
@@ -240,7 +241,7 @@ ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0
                       ("dryrun", "device"): "cpu", ("train", "on_oom"): "fail", ("train", "max_replans"): 3,
                       ("train", "memory_cap_gib"): None, ("model", "card"): None,
                       ("method", "embedding_dtype"): "bf16", ("method", "embedding_update"): "dense",
-                      ("method", "dense_lr_scale"): 1.0}
+                      ("method", "dense_lr_scale"): 1.0, ("method", "head_update"): "dense"}
 
 
 def without_added_defaults(plain: dict) -> dict:
@@ -343,6 +344,13 @@ class RunConfig:
         if self.train.on_oom == "replan" and self.dist.mode != "none":
             raise ValueError(f"train.on_oom=replan needs dist=none (got dist={self.dist.mode}): one rank's "
                              "out-of-memory error is not agreed across ranks, so the others would wait in a collective")
+        if isinstance(self.method, HMTConfig) and self.method.head_update == "in_loss":
+            clash = ("train.fused_ce=false" if not self.train.fused_ce
+                     else f"train.grad_accum={self.train.grad_accum}" if self.train.grad_accum > 1
+                     else f"dist={self.dist.mode}" if self.dist.mode != "none" else None)
+            if clash:
+                raise ValueError(f"method.head_update=in_loss updates the LM head inside the fused loss's backward, "
+                                 f"one micro-batch, one process; it cannot be combined with {clash}")
         if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
             raise ValueError(f"run_id={self.run_id!r} must be one folder name: letters, digits and . _ = + - "
                              "(no '/', no leading '.' or '-', at most 200 characters)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_tokens: int,
-                scale: float, softcap: float | None) -> Tensor:
+                scale: float, softcap: float | None, update: HeadUpdate | None = None) -> Tensor:
         # hidden: (N, H), weight: (V, H), bias: (V,) | None, labels: (N,) int64 (shifted) -> loss: () fp32
         dtype = compute_dtype(hidden)
         n = hidden.shape[0]
@@ -126,7 +127,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 total += part
         count = valid.sum()
         ctx.save_for_backward(hidden, weight, bias, labels, lse, count)
-        ctx.meta = (chunk_tokens, dtype, scale, softcap)
+        ctx.meta, ctx.update = (chunk_tokens, dtype, scale, softcap), update
         return total / count
 
     @staticmethod
@@ -135,8 +136,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         chunk_tokens, dtype, scale, softcap = ctx.meta
         grads = vocab_block_grads(hidden, lambda s, e: weight[s:e].to(dtype), weight, bias, labels, lse, count,
                                   grad_loss, chunk_tokens=chunk_tokens, dtype=dtype, scale=scale, softcap=softcap,
-                                  needs=ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None)
+                                  needs=ctx.needs_input_grad[:3], update=ctx.update)
+        return (*grads, None, None, None, None, None)
 
 
 def vocab_block(n: int, v: int, chunk_tokens: int) -> int:
@@ -144,36 +145,72 @@ def vocab_block(n: int, v: int, chunk_tokens: int) -> int:
     return min(v, max(1, -(-chunk_tokens * v // n)))
 
 
+class HeadUpdate(Protocol):
+    """The LM head's optimizer update by vocabulary block inside the fused loss's backward (``method.head_update=
+    in_loss``, ``hmt_core.optim.head_update``): the weight then never gets a (V, H) gradient. Two walks over the
+    blocks: ``observe`` sees every block's gradient rows (what a tensor-wide statistic needs), ``prepare`` decides
+    the step, ``apply`` updates each block's rows from its gradient rows (recomputed, the same values)."""
+
+    def begin(self) -> None: ...
+
+    def observe(self, start: int, grad_rows: Tensor) -> None: ...  # grad_rows: (Vb, H), rows [start, start + Vb)
+
+    def prepare(self) -> None: ...
+
+    def apply(self, start: int, grad_rows: Tensor) -> None: ...  # grad_rows: (Vb, H)
+
+
+IN_LOSS_UPDATE = "hmt_head_update"  # attribute of the LM head module: its ``HeadUpdate`` (set by HMT's attach)
+
+
 def vocab_block_grads(hidden: Tensor, rows: Callable[[int, int], Tensor], weight: Tensor, bias: Tensor | None,
                       labels: Tensor, lse: Tensor, count: Tensor, grad_loss: Tensor, *, chunk_tokens: int,
                       dtype: torch.dtype, scale: float, softcap: float | None, needs: tuple[bool, ...],
-                      block: int = 0) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                      block: int = 0, update: HeadUpdate | None = None,
+                      ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of (hidden (N, H), weight (V, H), bias (V,)) walking vocabulary blocks (module docstring) of
     ``block`` ids (0: ``vocab_block``); ``rows(s, e)``: the weight's rows [s, e) in ``dtype`` ((Vb, H): a slice, or
-    an INT8 block dequantized)."""
+    an INT8 block dequantized). ``update``: the weight's rows are handed to it instead (``HeadUpdate``; one more
+    walk first), and its gradient is None."""
     need_h, need_w, need_b = needs
     n, v = hidden.shape[0], weight.shape[0]
     block = block or vocab_block(n, v, chunk_tokens)
     row_scale = torch.where(labels != IGNORE_INDEX, grad_loss.float() / count, 0.0)  # (N,)
+    update = update if need_w else None
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
         h = hidden.to(dtype)
+
+        def walk(emit: Callable[[int, int, Tensor, Tensor], None]) -> None:
+            for s in range(0, v, block):
+                e = min(v, s + block)
+                w = rows(s, e)
+                z = head_logits(h, w, None if bias is None else bias[s:e], dtype=dtype, scale=scale, softcap=softcap)
+                d = block_grad_logits(z, labels, lse, row_scale, start=s, scale=scale, softcap=softcap)
+                del z
+                d = d.to(dtype)  # (N, Vb): the fp32 block is freed here (the plain path rounds δ to dtype too)
+                emit(s, e, w, d)
+                del d, w
+
+        if update is not None:
+            update.begin()
+            walk(lambda s, e, w, d: update.observe(s, torch.mm(d.t(), h)))  # (Vb, H): the rows the plain path writes
+            update.prepare()
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.empty((v, hidden.shape[1]), dtype=dtype, device=hidden.device) if need_w else None
+        grad_w = (torch.empty((v, hidden.shape[1]), dtype=dtype, device=hidden.device) if need_w and update is None
+                  else None)
         grad_b = torch.empty(v, dtype=dtype, device=hidden.device) if need_b else None
-        for s in range(0, v, block):
-            e = min(v, s + block)
-            w = rows(s, e)
-            z = head_logits(h, w, None if bias is None else bias[s:e], dtype=dtype, scale=scale, softcap=softcap)
-            d = block_grad_logits(z, labels, lse, row_scale, start=s, scale=scale, softcap=softcap)
-            del z
-            d = d.to(dtype)  # (N, Vb): the fp32 block is freed here (the plain path rounds δ to dtype too)
+
+        def emit(s: int, e: int, w: Tensor, d: Tensor) -> None:  # d: (N, Vb), w: (Vb, H)
             if need_h:
-                grad_h += d @ w  # (N, Vb) @ (Vb, H)
-            if need_w:
+                grad_h.add_(d @ w)  # (N, Vb) @ (Vb, H)
+            if update is not None:
+                update.apply(s, torch.mm(d.t(), h))
+            elif need_w:
                 torch.mm(d.t(), h, out=grad_w[s:e])  # (Vb, N) @ (N, H): these rows are final
             if need_b:
                 grad_b[s:e] = d.sum(dim=0)
-            del d, w
+
+        walk(emit)
     return (None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype))
@@ -189,7 +226,7 @@ class Int8HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_tokens: int,
-                scale: float, softcap: float | None, layer: nn.Module) -> Tensor:
+                scale: float, softcap: float | None, layer: nn.Module, update: HeadUpdate | None = None) -> Tensor:
         # hidden: (N, H), weight: the phantom (V, H) (its gradient edge), labels: (N,) shifted -> loss: () fp32
         dtype = compute_dtype(hidden)
         n, v = hidden.shape[0], weight.shape[0]
@@ -210,7 +247,7 @@ class Int8HeadCrossEntropy(torch.autograd.Function):
                 del z
         count = valid.sum()
         ctx.save_for_backward(hidden, weight, bias, labels, lse, count)
-        ctx.meta, ctx.layer = (chunk_tokens, dtype, scale, softcap), layer
+        ctx.meta, ctx.layer, ctx.update = (chunk_tokens, dtype, scale, softcap), layer, update
         return torch.where(valid, lse - target, 0.0).sum() / count
 
     @staticmethod
@@ -221,8 +258,8 @@ class Int8HeadCrossEntropy(torch.autograd.Function):
         grads = vocab_block_grads(hidden, lambda s, e: int8_rows(layer, s, e, dtype), weight, bias, labels, lse,
                                   count, grad_loss, chunk_tokens=chunk_tokens, dtype=dtype, scale=scale,
                                   softcap=softcap, needs=ctx.needs_input_grad[:3],
-                                  block=int8_block(hidden, weight.shape[0], chunk_tokens, dtype))
-        return (*grads, None, None, None, None, None)
+                                  block=int8_block(hidden, weight.shape[0], chunk_tokens, dtype), update=ctx.update)
+        return (*grads, None, None, None, None, None, None)
 
 
 def int8_block(hidden: Tensor, v: int, chunk_tokens: int, dtype: torch.dtype) -> int:
@@ -238,19 +275,20 @@ def int8_rows(layer: nn.Module, s: int, e: int, dtype: torch.dtype) -> Tensor:  
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, *,
                          chunk_tokens: int = 1024, scale: float = 1.0, softcap: float | None = None,
-                         int8_head: nn.Module | None = None) -> Tensor:
+                         int8_head: nn.Module | None = None, head_update: HeadUpdate | None = None) -> Tensor:
     """hidden: (B, T, H), weight: (V, H), bias: (V,) | None, labels: (B, T) unshifted (``ignore_index`` = -100
     where no loss) -> the mean next-token cross-entropy (0-dim fp32) of φ(hidden Wᵀ + b), as
     ``ForCausalLMLoss(lm_head(hidden), labels)``, in chunks of ``chunk_tokens`` tokens. ``int8_head``: an
-    ``Int8Linear`` head whose phantom is ``weight`` (``Int8HeadCrossEntropy``)."""
+    ``Int8Linear`` head whose phantom is ``weight`` (``Int8HeadCrossEntropy``). ``head_update``: the head's update by
+    vocabulary block in backward (``HeadUpdate``); ``weight`` then gets no gradient."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     if int8_head is not None:
         return Int8HeadCrossEntropy.apply(flat, weight, bias, shift_labels(labels).reshape(-1), chunk_tokens, scale,
-                                          softcap, int8_head)
+                                          softcap, int8_head, head_update)
     return LinearCrossEntropy.apply(flat, weight, bias, shift_labels(labels).reshape(-1), chunk_tokens, scale,
-                                    softcap)
+                                    softcap, head_update)
 
 
 @dataclass(frozen=True)
@@ -305,7 +343,8 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor | None = 
                                f"labels {tuple(labels.shape)} (hidden states sliced before the head?)")
         box["loss"] = linear_cross_entropy(hidden, module.weight, module.bias, labels, chunk_tokens=chunk_tokens,
                                            scale=head.scale, softcap=head.softcap,
-                                           int8_head=module if isinstance(module, Int8Linear) else None)
+                                           int8_head=module if isinstance(module, Int8Linear) else None,
+                                           head_update=getattr(module, IN_LOSS_UPDATE, None))
         empty = hidden[..., :0, :]
         return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
 
@@ -319,5 +358,6 @@ def causal_lm_loss(model: nn.Module, input_ids: Tensor, labels: Tensor | None = 
     return box["loss"]
 
 
-__all__ = ["FINAL_LOGIT_MAPS", "IGNORE_INDEX", "Int8HeadCrossEntropy", "LMHead", "LinearCrossEntropy", "causal_lm_loss",
+__all__ = ["FINAL_LOGIT_MAPS", "HeadUpdate", "IGNORE_INDEX", "IN_LOSS_UPDATE", "Int8HeadCrossEntropy",
+           "LMHead", "LinearCrossEntropy", "causal_lm_loss",
            "linear_cross_entropy", "resolve_head", "shift_labels"]

@@ -53,6 +53,8 @@ from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.basis_cache import BasisCache, basis_bytes
 from hmt_core.state_bytes import state_bytes_summary
 from hmt_core.optim import sharded as sh
+from hmt_core.optim.head_update import config_error as head_update_config_error
+from hmt_core.optim.head_update import install_head_update
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.row_adam import VARIANTS as EMBEDDING_UPDATES
@@ -117,6 +119,9 @@ class Config:
     # the input embedding's update (hmt_core.sparse_embedding): "dense" (a (V, d) gradient, AdamW) | "lazy_exact"
     # (the touched rows' gradient; dense AdamW caught up lazily per row) | "sparse_adam" (torch.optim.SparseAdam's rule)
     embedding_update: str = "dense"
+    # the LM head's update: "dense" (a (V, d) gradient, updated in its hook) | "in_loss" (by vocabulary block inside
+    # the fused loss's backward, no (V, d) gradient: hmt_core.optim.head_update; Mode B, random basis, fixed rank)
+    head_update: str = "dense"
 
     def __post_init__(self) -> None:
         for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
@@ -142,6 +147,9 @@ class Config:
         choice("weight_dtype", ("bf16", "int8"))
         choice("embedding_dtype", ("bf16", "int8"))
         choice("embedding_update", EMBEDDING_UPDATES)
+        choice("head_update", ("dense", "in_loss"))
+        if self.head_update == "in_loss" and head_update_config_error(self):
+            raise ValueError(f"method.head_update=in_loss: {head_update_config_error(self)}")
         if self.embedding_update != "dense":
             clash = ("method.per_layer=false" if not self.per_layer
                      else "method.embedding_dtype=int8" if self.embedding_dtype == "int8"
@@ -312,6 +320,7 @@ class HMTMethod:
             self.engine = sh.ShardedEngine(self.opt, max_grad_norm=max_grad_norm)
         else:
             self.engine = PerLayerEngine(self.opt, max_grad_norm=max_grad_norm, cache=cache) if c.per_layer else None
+        install_head_update(model, self.engine, c, sharded=sharded)
         self.rows = None
         if c.embedding_update != "dense":
             self.rows = install_sparse_embedding(model, self.opt, self.engine, RowAdamConfig(

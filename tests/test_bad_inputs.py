@@ -256,6 +256,13 @@ def test_rerun_says_why_it_starts_at_step_zero(results, capsys):
     (["train.seq_len=1"], ["train.seq_len=1", ">= 2"]),
     (["mode=dryrun", "dryrun.gpu_sizes_gib=[-16,0]"], ["dryrun.gpu_sizes_gib=[-16, 0]", "> 0"]),
     (["model.vocab_size=100"], ["model.vocab_size=100", "below 257", "256 byte symbols"]),
+    (["method=hmt", "method.head_update=in_loss"], ["method.head_update=in_loss", "method.mode=B"]),
+    (["method=hmt", "method.mode=B", "method.basis=random", "method.rank=1", "method.head_update=in_loss",
+      "train.grad_accum=2"], ["method.head_update=in_loss", "train.grad_accum=2"]),
+    (["method=hmt", "method.mode=B", "method.basis=random", "method.rank=1", "method.head_update=in_loss",
+      "train.fused_ce=false"], ["method.head_update=in_loss", "train.fused_ce=false"]),
+    (["method=hmt", "method.mode=B", "method.basis=random", "method.rank=1", "method.head_update=in_loss",
+      "method.target_patterns=[attn,mlp]"], ["method.head_update=in_loss", "lm_head in method.target_patterns"]),
 ])
 def test_values_refused_before_start(capsys, results, overrides, fragments):
     assert_one_line_error(capsys, results, overrides, *fragments)

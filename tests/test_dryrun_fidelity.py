@@ -45,6 +45,9 @@ CASES = {  # every method family; Mode A/B x dynamic/fixed x per_layer on/off; e
     # the embedding's touched rows updated inside backward (no (V, d) gradient), moments in bf16 (no 8-bit rows)
     "hmt-best-lazy-rows": ["method=hmt", *(o for o in BEST_HMT if "dense_8bit" not in o), "method.update_interval=1",
                            "method.embedding_update=lazy_exact"],
+    # the LM head updated by vocabulary block in the fused loss's backward (two block walks, no (V, d) gradient)
+    "hmt-best-head-in-loss": ["method=hmt", *BEST_HMT, "method.update_interval=1", "method.embedding_dtype=int8",
+                              "method.head_update=in_loss"],
     "hmt-A-sparse-adam-rows-clip": ["method=hmt", "method.rank=8", "method.embedding_update=sparse_adam"],
     "galore": ["method=galore", "method.rank=8", "method.update_proj_gap=1"],
     "apollo": ["method=apollo", "method.update_proj_gap=1"],

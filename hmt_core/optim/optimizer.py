@@ -139,10 +139,13 @@ class LowRankOptimizer:
         """New basis (and rank) from ``grad``; moments moved to it per ``moment_policy``. ``sketch`` (FSDP2 with
         ``dist.refresh=sketch``: ``hmt_core.optim.sharded_sketch.RowSketch``, ``grad`` None) stands in for a gradient
         that is never gathered: its shape, the randomized SVD's factors and the projection error come from it,
-        computed across ranks (``method.basis=rsvd`` only)."""
+        computed across ranks (``method.basis=rsvd``), or a random basis of fixed rank (only the shape is read:
+        ``hmt_core.optim.head_update``'s rows)."""
         c = self.cfg
-        if sketch is not None and (c.basis != "rsvd" or c.sides == "identity"):
-            raise ValueError(f"a sketched refresh needs method.basis=rsvd (got basis={c.basis}, sides={c.sides})")
+        shape_only = c.basis == "random" and c.rank is not None and c.sides != "identity"  # reads no values
+        if sketch is not None and not shape_only and (c.basis != "rsvd" or c.sides == "identity"):
+            raise ValueError(f"a sketched refresh needs method.basis=rsvd or a random basis of fixed rank (got "
+                             f"basis={c.basis}, rank={c.rank}, sides={c.sides})")
         src = grad if sketch is None else sketch
         shape = tuple(src.shape)
         use_left, use_right = proj.which_sides(shape, c.sides)
@@ -402,6 +405,19 @@ class LowRankOptimizer:
         if self.cfg.mode == "A":
             self.update_low_rank(s, low)
             return
+        coef, step_size, keep = self.mode_b_coefficient(s, low, grad, reduce=reduce)
+        rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
+        spans = (row_spans(grad.shape[0], rows) if rows < grad.shape[0]
+                 else self.writer.spans(s.param, s.master, like=grad))
+        for index in spans:
+            self.mode_b_rows(s, index, grad[index], coef, step_size, keep)
+
+    def mode_b_coefficient(self, s: Slot, low: Tensor, grad: Tensor | None, *,  # low: Pᵀ G; grad: (out, in)
+                           reduce: Callable[[Tensor], Tensor] | None = None,
+                           row_norms: Tensor | None = None) -> tuple[Tensor, float, Tensor | None]:
+        """Mode B's moments step on ``low`` and APOLLO's coefficient (``upd.apollo_coefficient``; ``row_norms``
+        (out,) stand in for ``grad``). Returns (coef, zero on a skipped step; step size; the writer's keep flag)."""
+        c = self.cfg
         if reduce is not None and s.basis.left is not None:
             low = reduce(low.float())  # Pᵀ G = Σ_k P_kᵀ G_k, replicated
         direction, step_size = self._adam(s, low.float(), for_scaling=True)
@@ -409,21 +425,22 @@ class LowRankOptimizer:
                                     kind=c.scaling, reduce=reduce)
         prev = s.limiter_prev
         coef, s.limiter_prev = upd.apollo_coefficient(grad, factor, prev_norm=s.limiter_prev, sqrt_scale=math.sqrt(
-            c.scale), gamma=c.limiter_gamma if c.norm_limiter else None, reduce=reduce)
+            c.scale), gamma=c.limiter_gamma if c.norm_limiter else None, reduce=reduce, row_norms=row_norms)
         s.limiter_prev = self.skip.limiter(prev, s.limiter_prev)
-        coef, keep = self.skip.zero(coef), self._keep(s)  # a skipped step: a zero coefficient (and rows kept)
-        rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
-        spans = (row_spans(grad.shape[0], rows) if rows < grad.shape[0]
-                 else self.writer.spans(s.param, s.master, like=grad))
-        for index in spans:
-            # 0 · NaN is NaN: where the writer does not keep the rows, a skipped step's gradient rows are zeroed too
-            g = grad[index] if keep is not None else self.skip.zero(grad[index])
-            if self.writer.fused(s.param.data, grad):  # an INT8 weight: one kernel writes the rows
-                self._write_fused(s, index, g * upd.rows_of(coef, index), step_size)
-                continue
-            with self.writer.rows(s.param.data, s.master, index, keep) as w:
-                upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
-                                         weight_decay=c.weight_decay, style=c.adam_style)
+        return self.skip.zero(coef), step_size, self._keep(s)  # a skipped step: a zero coefficient (rows kept)
+
+    def mode_b_rows(self, s: Slot, index: Any, g: Tensor, coef: Tensor, step_size: float,  # g: G[index], (rows, in)
+                    keep: Tensor | None) -> None:
+        """W[index] ← W[index] − step·(g ⊙ coef[index]) (``mode_b_coefficient``'s coef, step size and keep)."""
+        c = self.cfg
+        # 0 · NaN is NaN: where the writer does not keep the rows, a skipped step's gradient rows are zeroed too
+        g = g if keep is not None else self.skip.zero(g)
+        if self.writer.fused(s.param.data, g):  # an INT8 weight: one kernel writes the rows
+            self._write_fused(s, index, g * upd.rows_of(coef, index), step_size)
+            return
+        with self.writer.rows(s.param.data, s.master, index, keep) as w:
+            upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
+                                     weight_decay=c.weight_decay, style=c.adam_style)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> Tensor | None:

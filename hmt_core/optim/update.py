@@ -140,16 +140,25 @@ def scaled_norm(grad: Tensor, factor: Tensor,  # grad: (out, in); factor: () | (
     return norm if reduce is None else reduce(norm.square()).sqrt()
 
 
-def apollo_coefficient(grad: Tensor, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
+def scaled_norm_of_rows(row_norms: Tensor, factor: Tensor) -> Tensor:  # row_norms: (out,) ‖G_r‖; factor: () | (out, 1)
+    """``scaled_norm`` from G's row norms (gathered block by block, ``hmt_core.optim.head_update``)."""
+    if factor.dim() == 0:
+        return torch.linalg.vector_norm(row_norms) * factor
+    return torch.linalg.vector_norm(row_norms * factor.reshape(-1))
+
+
+def apollo_coefficient(grad: Tensor | None, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
                        gamma: float | None, sqrt_scale: float,
-                       reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                       reduce: Callable[[Tensor], Tensor] | None = None,
+                       row_norms: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Mode B's update ``limit(G ⊙ s)·√scale`` as ``G ⊙ coef`` with ``coef = s·√scale / limiter`` (factor-shaped:
     0-d, (out, 1) or (in,)), and the norm to remember for the next step's limiter (Fira, Eq. 9: ‖u‖ after
-    limiting). ``gamma`` None: no limiter (``prev_norm`` passes through). ``reduce``: see ``scaled_norm``. Only
-    factor-sized tensors are made."""
+    limiting). ``gamma`` None: no limiter (``prev_norm`` passes through). ``reduce``: see ``scaled_norm``;
+    ``row_norms`` ((out,) ‖G_r‖, ``grad`` None): the limiter's norm from them. Only factor-sized tensors are made."""
     if gamma is None:
         return factor * sqrt_scale, prev_norm
-    limiter, remembered = growth_divisor(scaled_norm(grad, factor, reduce), prev_norm, gamma)
+    norm = scaled_norm(grad, factor, reduce) if row_norms is None else scaled_norm_of_rows(row_norms, factor)
+    limiter, remembered = growth_divisor(norm, prev_norm, gamma)
     return (factor * sqrt_scale if limiter is None else factor * sqrt_scale / limiter), remembered
 
 
