@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.int8_bench import train_with_val_curve
 from experiments import methods
 from experiments.config import ModelConfig, TrainConfig
 
@@ -30,8 +31,6 @@ SETTINGS = {"bf16 embedding and head": {}, "int8 embedding and head": {"embeddin
 
 def train(extra: dict, steps: int) -> dict:
     from experiments.data.corpus import build_corpus
-    from experiments.loop import run_training
-    from experiments.memory.meter import MemoryMeter
     from experiments.models import build_model
 
     cfg = TrainConfig(steps=steps, progress=False, max_grad_norm=0.0)
@@ -43,16 +42,7 @@ def train(extra: dict, steps: int) -> dict:
     model = method.prepare(model)
     model.train()
     method.attach(model, max_grad_norm=None)
-    curve = []
-
-    def log(record: dict) -> None:
-        if "loss/val" in record:
-            curve.append({"step": record["step"] + 1, "val_loss": record["loss/val"]})
-
-    t0 = time.perf_counter()
-    res = run_training(model, method, corpus, cfg, torch.device("cpu"), log=log, meter=MemoryMeter())
-    return {"val_loss": res.val_loss, "train_loss": res.train_loss, "val_curve": curve,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return train_with_val_curve(model, method, corpus, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,13 +139,19 @@ def step_times(reps: int, warmup: int) -> dict:
 # ------------------------------------------------------------------------------------------- (c) loss at N steps
 def train_tiny(weight_dtype: str, steps: int) -> tuple[dict, torch.nn.Module]:
     from experiments.data.corpus import build_corpus
-    from experiments.loop import run_training
-    from experiments.memory.meter import MemoryMeter
 
     cfg = TrainConfig(steps=steps, progress=False)
     corpus = build_corpus(path=None, text_field="text", val_fraction=0.05, vocab_size=4096, seq_len=cfg.seq_len,
                           batch_size=cfg.batch_size, seed=0, cache_dir="~/.cache/hmt")
     model, method = tiny_setup(weight_dtype, corpus.vocab_size)
+    return train_with_val_curve(model, method, corpus, cfg), model
+
+
+def train_with_val_curve(model, method, corpus, cfg: TrainConfig) -> dict:
+    """``run_training`` on the CPU: final losses, the validation curve, median step time and wall time."""
+    from experiments.loop import run_training
+    from experiments.memory.meter import MemoryMeter
+
     curve = []
 
     def log(record: dict) -> None:
@@ -155,7 +161,7 @@ def train_tiny(weight_dtype: str, steps: int) -> tuple[dict, torch.nn.Module]:
     t0 = time.perf_counter()
     res = run_training(model, method, corpus, cfg, torch.device("cpu"), log=log, meter=MemoryMeter())
     return {"val_loss": res.val_loss, "train_loss": res.train_loss, "val_curve": curve,
-            "step_time_median_s": res.step_time_median_s, "wall_s": round(time.perf_counter() - t0, 1)}, model
+            "step_time_median_s": res.step_time_median_s, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 # --------------------------------------------------------------------------------------- (d) quantization error

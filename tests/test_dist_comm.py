@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import _diffs, _method, _reference, free_port, micro_rows  # noqa: E402
+from test_distributed import _diffs, _method, _reference, micro_rows, spawn_pair  # noqa: E402
 
 STEPS = 3  # refreshes at steps 0 and 2 (update interval 2)
 SMALL_MB = 100 / 1024  # 100 KiB: several buckets for the tiny model (a 64 × 176 weight is 44 KiB in fp32)
@@ -216,11 +216,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> dict:
-    from helpers import spawn_gloo
-
-    out = tmp_path_factory.mktemp("dist_comm")
-    spawn_gloo(_worker, (2, free_port(), str(out)), nprocs=2)
-    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    return spawn_pair(_worker, tmp_path_factory.mktemp("dist_comm"))
 
 
 EXACT = [c for c, (_, lowrank, micro) in CASES.items() if not lowrank and micro == 1]

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import _diffs, _method, _reference, free_port, micro_rows  # noqa: E402
+from test_distributed import _diffs, _method, _reference, micro_rows, spawn_pair  # noqa: E402
 
 STEPS = 3
 CASES = {
@@ -86,11 +86,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> dict:
-    from helpers import spawn_gloo
-
-    out = tmp_path_factory.mktemp("dist_rows")
-    spawn_gloo(_worker, (2, free_port(), str(out)), nprocs=2)
-    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    return spawn_pair(_worker, tmp_path_factory.mktemp("dist_rows"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
