@@ -322,13 +322,17 @@ def lm_step(model: nn.Module, step: Callable[[], object], zero: Callable[[], Non
     return run
 
 
-def join_gloo(rank: int, world: int, port: int) -> None:
-    """A spawned test worker joins a ``world``-process gloo group on localhost:``port`` with one torch thread."""
+def join_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:
+    """A spawned test worker joins a ``world``-process gloo group on localhost:``port`` with one torch thread.
+    ``timeout_s``: a short collective timeout, so a shape mismatch between ranks fails the test instead of hanging."""
+    import datetime
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
 
 
 def spawn_gloo(worker: Callable, args: tuple, nprocs: int) -> None:

@@ -19,9 +19,7 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -188,12 +186,9 @@ def _forced_disagreement(rank: int, ctx, data) -> dict:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from helpers import seeded_token_batches
+    from helpers import join_gloo, seeded_token_batches
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # a short timeout: a shape mismatch between ranks fails the test instead of hanging it
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, world, port, timeout_s=60)  # a shape mismatch between ranks fails instead of hanging
     try:
         data = seeded_token_batches(STEPS)
         results = {"bucketed": {}}

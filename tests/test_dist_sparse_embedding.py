@@ -13,10 +13,8 @@ printed on failure.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -71,11 +69,9 @@ def _case(rank: int, overrides: dict, data, snaps) -> dict:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from helpers import seeded_token_batches
+    from helpers import join_gloo, seeded_token_batches
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, world, port, timeout_s=60)
     try:
         data = seeded_token_batches(STEPS)
         results = {case: _case(rank, o, data, _reference("hmt", o, data)) for case, o in CASES.items()}
