@@ -121,7 +121,7 @@ def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Ta
         state = pd.to_numeric(runs.get("optim_state_bytes"), errors="coerce").mean() if len(runs) else None
         rows.append([row.label, row.adds, _rate(runs, sources[row.source][1]) if len(runs) else "not run",
                      str(len(runs)), fmt_mean_std(runs["val_loss"], ".3f") if len(runs) else DASH,
-                     fmt(delta, "+.3f"), stats.verdict(list(loss), list(ref_loss)) if delta is not None else DASH,
+                     fmt(delta, "+.3f"), stats.welch_verdict(list(loss), list(ref_loss)) if delta is not None else DASH,
                      fmt(state, ".1f", MIB)])
         previous = row.label if row.chain else previous
     n_chain = sum(row.chain for row in ROWS)

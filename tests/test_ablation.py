@@ -59,6 +59,8 @@ def test_rows_deltas_and_missing_rows(tmp_path: Path) -> None:
     assert rows["+ energy rank"][5] == "—", "the row above it has not run: no Δ"
     assert rows["+ randomized basis"][2:5] == ["not run", "0", "—"], rows
     assert rows["HMT, GaLore's ε"][5] == "+0.500" and rows["HMT identity"][2] == "not run", rows
+    # Welch's verdict on the same three seeds shifted by 0.25 / 0.5 (≈ 10 seed std): significant in both directions
+    assert rows["+ limiter = HMT default"][6] == "lower" and rows["HMT, GaLore's ε"][6] == "higher", rows
     assert rows["AdamW"][3] == "3" and rows["GaLore rank 64"][3] == "3", rows
 
 

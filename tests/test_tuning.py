@@ -145,9 +145,10 @@ def test_seed_spread_verdict() -> None:
     """Welch's t-test at p < 0.05: separated seeds differ, overlapping ones do not, one seed cannot tell."""
     from analysis import stats
 
-    assert stats.verdict([3.00, 3.01, 3.02], [3.10, 3.11, 3.12]) == "lower"
-    assert stats.verdict([3.10, 3.11, 3.12], [3.00, 3.01, 3.02]) == "higher"
-    assert stats.verdict([3.00, 3.10, 3.05], [3.02, 3.12, 3.01]) == "no"
-    assert stats.verdict([3.0], [3.1, 3.2]) == "—" and stats.verdict([3.0, float("nan")], [3.1, 3.2]) == "—"
+    assert stats.welch_verdict([3.00, 3.01, 3.02], [3.10, 3.11, 3.12]) == "lower"
+    assert stats.welch_verdict([3.10, 3.11, 3.12], [3.00, 3.01, 3.02]) == "higher"
+    assert stats.welch_verdict([3.00, 3.10, 3.05], [3.02, 3.12, 3.01]) == "no"
+    assert stats.welch_verdict([3.0], [3.1, 3.2]) == "—"
+    assert stats.welch_verdict([3.0, float("nan")], [3.1, 3.2]) == "—"
     # two samples without spread: different means are different (p = 0), equal ones are not (p = 1)
     assert stats.welch_p([1.0, 1.0], [2.0, 2.0]) == 0.0 and stats.welch_p([1.0, 1.0], [1.0, 1.0]) == 1.0
