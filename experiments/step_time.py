@@ -2,7 +2,7 @@
 
 Time model (the planner's, ``experiments.planner.model``): one optimizer step does ≈ 6 FLOPs per trainable parameter
 per token (forward 2, backward 4; Kaplan et al. 2020, eq. 2.1), at the matmul rate F this CPU measures
-(``plan_model.calibrate``, well under a second). Above ``CONFIRM_S`` seconds per step a CPU training run asks
+(``experiments.planner.model.calibrate``, well under a second). Above ``CONFIRM_S`` seconds per step a CPU training run asks
 (an interactive terminal: y/N) or, not interactive, is refused in one line unless ``train.confirm=true``. A GPU run
 is never asked (its speed is not this machine's).
 """

@@ -52,11 +52,11 @@ def test_memory_by_size_table(dry_runs: tuple[Path, Path], tmp_path: Path) -> No
                         "--memory-results", str(dry_runs[1])]) == 0
     rows = table_rows(out / "tables" / "memory_by_size.md")
     assert rows == [["Method", "Setting", "125m", "1b", "7b"],
-                    ["adamw", "base", "2.00 (1.00)", "12.00 (6.00)", "80.00 (40.00)"],
-                    ["adamw", "method.eight_bit=true", "1.50 (0.50)", "—", "60.00 (20.00)"],
+                    ["adamw", "default", "2.00 (1.00)", "12.00 (6.00)", "80.00 (40.00)"],  # short names
+                    ["adamw", "8-bit", "1.50 (0.50)", "—", "60.00 (20.00)"],
                     ["hmt", "", "0.50", "3.25 (0.12)", "20.00"]], rows
     tex = (out / "tables" / "memory_by_size.tex").read_text()
-    assert "\\toprule" in tex and "method.eight\\_bit=true" in tex
+    assert "\\toprule" in tex and "8-bit &" in tex, tex
     assert "\\input{memory_by_size.tex}" in (out / "tables" / "all_tables.tex").read_text()
 
 

@@ -12,7 +12,6 @@ import io
 
 import pytest
 
-import experiments.planner.model as plan_model
 from experiments import step_time
 from experiments.errors import UserError
 from experiments.planner.plan import run_config
@@ -27,7 +26,7 @@ SLOW_CPU = {"flops_per_s": 1e10}  # a fixed rate: what is tested is the decision
 
 def test_a_7b_step_on_a_slow_cpu_is_refused_without_confirmation(monkeypatch):
     run = _run("model=7b", "train.seq_len=2048", "train.batch_size=1")
-    monkeypatch.setattr(plan_model, "calibrate", lambda *a, **k: SLOW_CPU)
+    monkeypatch.setattr(step_time, "calibrate", lambda *a, **k: SLOW_CPU)
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # not a terminal
     with pytest.raises(UserError) as exc:
         step_time.check_step_time(run, "cpu")
@@ -44,7 +43,7 @@ def test_a_7b_step_on_a_slow_cpu_is_refused_without_confirmation(monkeypatch):
 @pytest.mark.parametrize("answer, ok", [("y", True), ("", False)])
 def test_an_interactive_run_is_asked(monkeypatch, answer, ok):
     run = _run("model=7b", "train.seq_len=2048", "train.batch_size=1")
-    monkeypatch.setattr(plan_model, "calibrate", lambda *a, **k: SLOW_CPU)
+    monkeypatch.setattr(step_time, "calibrate", lambda *a, **k: SLOW_CPU)
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -65,5 +64,5 @@ def test_a_tiny_model_measures_nothing(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("calibrated for a tiny model")
 
-    monkeypatch.setattr(plan_model, "calibrate", boom)
+    monkeypatch.setattr(step_time, "calibrate", boom)
     step_time.check_step_time(_run("model=tiny"), "cpu")
