@@ -200,20 +200,21 @@ def planned(tmp_path_factory) -> dict:
     run(results, "first", "train.steps=2", *HMT, *as_hydra(first.overrides))
     first_peaks = step_peaks(results, "first")
     cap = math.ceil(first.predicted_bytes / (1 - oom.MARGIN)) + 16  # bytes: over int() rounding of budget and cap
-    # the planner's model underpredicts this plan's step-1 peak by more than the margin (what forces step two)
-    assert given[0] > cap > first_peaks[0] and first_peaks[1] > cap, (given, first_peaks, cap, first)
+    # the plan as given runs over the cap; the planner's answer fits step 0 (its model now predicts this plan within
+    # the margin, so the run may finish after one step down; the ladder tests above force two)
+    assert given[0] > cap > first_peaks[0], (given, first_peaks, cap, first)
     return {"results": results, "cap_gib": cap / GIB, "first": first, "given": given, "first_peaks": first_peaks,
             "losses": [r["loss/train"] for r in read_metrics(results / "given")]}
 
 
-def test_planner_steps_down_twice_and_its_choices_are_used(capsys, planned) -> None:
+def test_planner_steps_down_and_its_choices_are_used(capsys, planned) -> None:
     results = planned["results"]
     summary = run(results, "planned-oom", *HMT, f"train.memory_cap_gib={planned['cap_gib']!r}",
                   "train.on_oom=replan")
     err = capsys.readouterr().err
     print(err, planned["given"], planned["first_peaks"], planned["first"])
     replans = summary["replans"]
-    assert len(replans) >= 2 and all(r["source"] == "planner" for r in replans), replans
+    assert len(replans) >= 1 and all(r["source"] == "planner" for r in replans), replans
     assert replans[0]["overrides"] == planned["first"].overrides, (replans[0], planned["first"])
     # each step down is what the planner answers for the configuration in force and the peak that was measured
     in_force: dict = {}
@@ -224,8 +225,8 @@ def test_planner_steps_down_twice_and_its_choices_are_used(capsys, planned) -> N
             (want.overrides, want.predicted_bytes, want.budget_bytes), (r, want)
         assert r["peak_bytes"] > r["limit_bytes"] and r["predicted_bytes"] <= r["budget_bytes"], r
         in_force = {**in_force, **r["overrides"]}
-    assert replans[1]["correction_bytes"] > 0, replans  # the model learnt the first answer's miss
-    assert [r["resumed_step"] for r in replans[:2]] == [0, 1], replans
+    assert all(r["correction_bytes"] > 0 for r in replans[1:]), replans  # a later step learnt the earlier miss
+    assert replans[0]["resumed_step"] == 0, replans
     lines = [line for line in err.splitlines() if line.startswith("out of memory") and "replan " in line]
     assert len(lines) == len(replans) and all("(planner: " in line for line in lines), err
     run_dir = results / "planned-oom"
