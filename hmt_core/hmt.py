@@ -152,8 +152,6 @@ class Config:
             raise ValueError(f"method.head_update=in_loss: {head_update_config_error(self)}")
         if self.embedding_update != "dense":
             clash = ("method.per_layer=false" if not self.per_layer
-                     else "method.embedding_dtype=int8" if self.embedding_dtype == "int8"
-                     else "method.dense_8bit=true" if self.dense_8bit
                      else "method.master_weights=true" if self.master_weights
                      else "method.stochastic_rounding=true" if self.stochastic_rounding else None)
             if clash:

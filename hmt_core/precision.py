@@ -213,6 +213,11 @@ class UpdateWriter:
                 self._saved_state = None
         return self.generator
 
+    def rounding_generator(self, device: torch.device) -> torch.Generator:
+        """The generator stochastic rounding draws from (created on first use): for a writer of its own rows
+        (``hmt_core.int8_weights.embedding.Int8Rows``), so its draws continue this writer's sequence and state."""
+        return self._generator(device)
+
     @contextlib.contextmanager
     def rows(self, param: Tensor, master: Tensor | None, index: Any = ...,
              keep: Tensor | None = None) -> Iterator[Tensor]:

@@ -9,6 +9,11 @@ The weight keeps a real gradient edge (``requires_grad``) but receives no ``.gra
 ``lazy_exact`` brings the looked-up rows up to date in the forward (the state dense AdamW would have after the last
 step), so a forward reads what the dense run reads. Multi-process (``reduce_grad.rows``): every rank's (ids, rows)
 are all-gathered — the rows travel as rows — and every rank sums them in the same order.
+
+The INT8 embedding (``method.embedding_dtype=int8``, ``Int8Embedding``) takes the same path through its ``Int8Rows``:
+the lookup dequantizes the rows (``lazy_exact``: caught up in fp32 without being stored), and the step dequantizes
+each touched row once, catches it up, steps it and requantizes it by stochastic rounding. With ``method.dense_8bit``
+the moments are 8-bit (``RowAdamState(eight_bit=True)``) for either table.
 """
 
 from __future__ import annotations
@@ -19,17 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hmt_core.int8_weights.codec import dequantize
+from hmt_core.int8_weights.embedding import Int8Embedding, Int8Rows
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
-from hmt_core.optim.row_adam import RowAdamConfig, RowAdamState, segment_rows
+from hmt_core.optim.row_adam import RowAdamConfig, RowAdamState, TensorRows, segment_rows
 
 
 class _RowSparseLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids: Tensor, weight: Tensor, module: RowSparseEmbedding) -> Tensor:  # ids: (...); -> (..., d)
-        module.rows_update.before_read(ids)
+    def forward(ctx, ids: Tensor, weight: Tensor, module: nn.Embedding) -> Tensor:  # ids: (...); -> (..., d)
         ctx.save_for_backward(ids)
         ctx.module = module
-        return F.embedding(ids, weight, module.padding_idx)
+        return module.rows_update.lookup(ids, weight)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[None, None, None]:  # grad_out: (..., d)
@@ -47,23 +53,50 @@ class RowSparseEmbedding(nn.Embedding):
         return _RowSparseLookup.apply(input, self.weight, self)
 
 
+class Int8RowSparseEmbedding(Int8Embedding):
+    """An ``Int8Embedding`` (same codes, scales and state-dict keys) whose lookup feeds ``rows_update``."""
+
+    rows_update: SparseEmbeddingUpdate
+
+    def forward(self, input: Tensor) -> Tensor:
+        return _RowSparseLookup.apply(input, self.weight, self)
+
+
 class SparseEmbeddingUpdate:
     """The embedding slot's row-sparse AdamW, driven by the per-layer engine's micro-batch index, clipping rule,
     non-finite flag and reducer."""
 
     def __init__(self, opt: LowRankOptimizer, slot: Slot, engine: Any, cfg: RowAdamConfig,
-                 padding_idx: int | None) -> None:
-        self.opt, self.slot, self.engine, self.padding_idx = opt, slot, engine, padding_idx
+                 module: nn.Embedding) -> None:
+        self.opt, self.slot, self.engine, self.padding_idx = opt, slot, engine, module.padding_idx
         w = slot.param
+        self.int8 = module if isinstance(module, Int8Embedding) else None
+        self.rows = Int8Rows(module, opt.writer.rounding_generator) if self.int8 is not None else None
         self.state = RowAdamState(cfg, tuple(w.shape), dtype=opt.dense_state_dtype or (
-            torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32), device=w.device)
+            torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32), device=w.device,
+            eight_bit=opt.cfg.dense_8bit)
+        opt.dense8.pop(slot.name, None)  # dense_8bit: the 8-bit row moments replace bitsandbytes' for this weight
         slot.m, slot.v = self.state.m, self.state.v  # counted and saved with the other slots' moments
         self.pending: list[tuple[Tensor, Tensor]] = []  # lookups' (ids (N,), output gradient (N, d)) of the step
         self._queued = False  # ``_end_of_backward`` is queued on the running backward
 
+    def weight_rows(self) -> Int8Rows | TensorRows:
+        return self.rows if self.rows is not None else TensorRows(self.slot.param.data)
+
     @torch.no_grad()
-    def before_read(self, ids: Tensor) -> None:
-        self.state.catch_up_(self.slot.param.data, ids.reshape(-1), self.slot.adam_t + 1)
+    def lookup(self, ids: Tensor, weight: Tensor) -> Tensor:  # ids: (...) -> (..., d) weight.dtype
+        """The forward's rows, as dense AdamW has them (``lazy_exact``: rows caught up first; a BF16 table stores
+        them, the INT8 one computes them in fp32 and leaves the write to the step)."""
+        if self.int8 is None:
+            self.state.catch_up_(self.slot.param.data, ids.reshape(-1), self.slot.adam_t + 1)
+            return F.embedding(ids, weight, self.padding_idx)
+        layer, flat = self.int8, ids.reshape(-1)
+        if self.state.last is None:  # sparse_adam: the stored rows are current
+            rows = dequantize(layer.weight_codes[flat], layer.weight_scales[flat], layer.block, weight.dtype,
+                              backend=layer.backend)
+        else:
+            rows = self.state.caught_up(self.rows, flat, self.slot.adam_t + 1).to(weight.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
 
     @torch.no_grad()
     def on_grad(self, ids: Tensor, grad: Tensor) -> None:  # ids: (...); grad: (..., d)
@@ -110,7 +143,7 @@ class SparseEmbeddingUpdate:
         s.step += 1
         s.adam_t += 1
         self.opt.skip.count(s)
-        self.state.step_rows_(s.param.data, ids_sorted, rows if coef is None else rows * coef, s.adam_t,
+        self.state.step_rows_(self.weight_rows(), ids_sorted, rows if coef is None else rows * coef, s.adam_t,
                               self.opt.lr, skip=self.opt.skip.flag)
 
     @torch.no_grad()
@@ -118,7 +151,7 @@ class SparseEmbeddingUpdate:
         """lazy_exact: every row brought up to date (what dense AdamW's weight is now), e.g. before the weights are
         exported; the training trajectory does not change (a later catch-up starts from here)."""
         rows = torch.arange(self.slot.param.shape[0], device=self.slot.param.device)
-        self.state.catch_up_(self.slot.param.data, rows, self.slot.adam_t + 1)
+        self.state.catch_up_(self.weight_rows(), rows, self.slot.adam_t + 1)
 
     def discard(self) -> None:
         self.pending = []
@@ -136,10 +169,11 @@ def install(model: nn.Module, opt: LowRankOptimizer, engine: Any, cfg: RowAdamCo
     if shared:
         raise ValueError(f"{key}: the input embedding is tied to {shared[0]} (its gradient is dense); "
                          "use method.embedding_update=dense")
-    slot = next((s for s in opt.slots if s.param is emb.weight), None)
+    param = emb.handle if isinstance(emb, Int8Embedding) else emb.weight  # an INT8 table: its optimizer handle
+    slot = next((s for s in opt.slots if s.param is param), None)
     if slot is None or slot.projected:
         raise ValueError(f"{key}: the input embedding is not a trainable dense parameter of this optimizer")
-    update = SparseEmbeddingUpdate(opt, slot, engine, cfg, emb.padding_idx)
-    emb.__class__ = RowSparseEmbedding
+    update = SparseEmbeddingUpdate(opt, slot, engine, cfg, emb)
+    emb.__class__ = Int8RowSparseEmbedding if isinstance(emb, Int8Embedding) else RowSparseEmbedding
     emb.rows_update = update
     return update

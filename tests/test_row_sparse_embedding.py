@@ -187,8 +187,8 @@ def test_hmt_lazy_exact_embedding_equals_dense_path(clip: float | None) -> None:
 def test_embedding_update_refusals() -> None:
     with pytest.raises(ValueError, match="embedding_update"):
         Config(embedding_update="rows")
-    with pytest.raises(ValueError, match="dense_8bit"):
-        Config(embedding_update="lazy_exact", dense_8bit=True)
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        Config(embedding_update="lazy_exact", stochastic_rounding=True)
     with pytest.raises(ValueError, match="per_layer"):
         Config(embedding_update="sparse_adam", per_layer=False)
     model = _TinyLM()

@@ -11,6 +11,10 @@ al., 2024, §3.3) and updated like them (dequantize → update in fp32 → stoch
   (``hmt_core.fused_ce``) dequantizes it one vocabulary block at a time, never as a whole (V, d) copy.
 
 ``quantize_vocab`` converts both; tied input/output embeddings are refused (one matrix, two layers).
+
+``Int8Rows`` is the table as the row-sparse update rules see it (``method.embedding_update=lazy_exact|sparse_adam``,
+``hmt_core.optim.row_adam``, ``hmt_core.sparse_embedding``): touched rows dequantized to fp32, updated, and written
+back by stochastic rounding (one draw per distinct row), so no (V, d) gradient or copy ever exists.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from collections.abc import Callable
+
+from torch._subclasses.fake_tensor import is_fake
+
 from hmt_core.int8_weights.codec import BLOCK, dequantize, quantize
 from hmt_core.int8_weights.linear import Int8Linear, Int8Storage, Int8Weight, _tagged
-from hmt_core.precision import chunk_rows_for
+from hmt_core.precision import chunk_rows_for, random_halfwords
 
 
 class Int8EmbeddingFunction(torch.autograd.Function):
@@ -81,6 +89,35 @@ class Int8Embedding(Int8Storage, nn.Embedding):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, int8 block={self.block}"
+
+
+class Int8Rows:
+    """An ``Int8Embedding``'s rows for ``hmt_core.optim.row_adam`` (its ``Rows`` protocol): ``read`` dequantizes
+    rows to fp32; ``write`` requantizes fp32 rows by stochastic rounding (``quantize(..., stochastic=True)``) and
+    stores their codes and block scales with ``index_copy_``. The noise is one (n, d) draw of ``generator`` per
+    write, of which position i uses row ``group[i]``: positions of the same row (``group`` equal) round alike, so
+    duplicates write the same codes."""
+
+    def __init__(self, layer: Int8Embedding, generator: Callable[[torch.device], torch.Generator]) -> None:
+        self.layer, self.generator = layer, generator
+        self.shape = tuple(layer.weight_codes.shape)
+
+    def read(self, ids: Tensor) -> Tensor:  # ids: (n,) -> (n, d) fp32
+        layer = self.layer
+        return dequantize(layer.weight_codes[ids], layer.weight_scales[ids], layer.block, torch.float32,
+                          backend=layer.backend)
+
+    def write(self, ids: Tensor, value: Tensor, keep: Tensor | None,  # value: (n, d) fp32; keep: (n, 1) | () bool
+              group: Tensor) -> None:  # group: (n,) int64, equal for equal ids
+        layer, fake = self.layer, is_fake(value)
+        noise = random_halfwords(value.shape, None if fake else self.generator(value.device), device=value.device,
+                                 fake=fake)[group]
+        codes, scales = quantize(value, layer.block, stochastic=True, noise=noise)
+        if keep is not None:
+            codes = torch.where(keep, layer.weight_codes[ids], codes)
+            scales = torch.where(keep, layer.weight_scales[ids], scales)
+        layer.weight_codes.index_copy_(0, ids, codes)
+        layer.weight_scales.index_copy_(0, ids, scales)
 
 
 def plain_embedding_error(module: nn.Module | None, what: str) -> str | None:

@@ -1,7 +1,8 @@
 """8-bit block-wise Adam moments (Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization", §2: the
 dynamic tree map, one absmax per block) for a dense weight HMT updates in row chunks that bitsandbytes' AdamW8bit
 cannot step: the INT8 input embedding (``method.embedding_dtype=int8`` with ``method.dense_8bit=true``; its weight is
-INT8 codes, not a tensor bitsandbytes can write).
+INT8 codes, not a tensor bitsandbytes can write), and the row-updated embedding (``method.embedding_update``,
+``hmt_core.optim.row_adam``: any set of rows is read and written on its own, through ``decode`` / ``encode``).
 
 For a moment x (rows, cols) and blocks of ``block`` consecutive columns of a row (the INT8 weights' layout,
 ``hmt_core.int8_weights.codec``: a row chunk is requantized on its own):
@@ -35,6 +36,20 @@ def dynamic_map(signed: bool) -> Tensor:  # -> (256,) fp32, ascending
     return torch.tensor(sorted(values), dtype=torch.float32)
 
 
+def decode(codes: Tensor, absmax: Tensor, value_map: Tensor, block: int) -> Tensor:
+    """x̂ = M[c]·a: codes (r, cols) uint8, absmax (r, nb) fp32, value_map (256,) -> (r, cols) fp32."""
+    values = value_map[codes.long()]  # M[c]
+    return scaled_op(torch.mul, values, absmax, block, values)
+
+
+def encode(x: Tensor, bounds: Tensor, block: int) -> tuple[Tensor, Tensor]:  # x: (r, cols) fp32
+    """(codes (r, cols) uint8, absmax (r, nb) fp32) of ``x``, round-to-nearest on the map whose midpoints are
+    ``bounds`` (255,)."""
+    absmax = block_absmax(x, block)
+    y = scaled_op(torch.div, x, torch.where(absmax > 0, absmax, 1.0), block, torch.empty_like(x))
+    return torch.bucketize(y, bounds).to(torch.uint8), absmax
+
+
 class Moments8:
     """Adam's m (signed map) and v (unsigned map) of a (rows, cols) weight in 8 bits; see the module docstring."""
 
@@ -52,17 +67,14 @@ class Moments8:
         return (*self.codes, *self.absmax)
 
     def _read(self, k: int, rows: slice) -> Tensor:  # -> (r, cols) fp32
-        values = self.maps[k][self.codes[k][rows].long()]  # M[c]
-        return scaled_op(torch.mul, values, self.absmax[k][rows], self.block, values)
+        return decode(self.codes[k][rows], self.absmax[k][rows], self.maps[k], self.block)
 
     def read(self, rows: slice) -> tuple[Tensor, Tensor]:
         """(m, v) of these rows as fresh fp32 tensors (r, cols)."""
         return self._read(0, rows), self._read(1, rows)
 
     def _write(self, k: int, rows: slice, x: Tensor, keep: Tensor | None) -> None:  # x: (r, cols) fp32
-        absmax = block_absmax(x, self.block)
-        y = scaled_op(torch.div, x, torch.where(absmax > 0, absmax, 1.0), self.block, torch.empty_like(x))
-        codes = torch.bucketize(y, self.bounds[k]).to(torch.uint8)
+        codes, absmax = encode(x, self.bounds[k], self.block)
         if keep is not None:  # a step skipped on the device: the stored codes stay
             codes = torch.where(keep, self.codes[k][rows], codes)
             absmax = torch.where(keep, self.absmax[k][rows], absmax)
