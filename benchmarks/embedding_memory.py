@@ -30,6 +30,13 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
                      ["method.embedding_dtype=int8"]),
     "min-int8-emb-head": ("… + the LM head updated by block in the fused loss (`method.head_update=in_loss`)",
                           ["method.embedding_dtype=int8", "method.head_update=in_loss"]),
+    "min-int8-emb-head-lazy": ("… + the INT8 embedding updated by rows in backward, 8-bit row moments "
+                               "(`method.embedding_update=lazy_exact`)",
+                               ["method.embedding_dtype=int8", "method.head_update=in_loss",
+                                "method.embedding_update=lazy_exact"]),
+    "min-int8-emb-head-sparse": ("… the same with `method.embedding_update=sparse_adam`",
+                                 ["method.embedding_dtype=int8", "method.head_update=in_loss",
+                                  "method.embedding_update=sparse_adam"]),
 }
 MODELS = ("llama3.1-8b", "qwen2.5-7b", "7b")
 

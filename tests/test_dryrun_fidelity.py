@@ -48,6 +48,11 @@ CASES = {  # every method family; Mode A/B x dynamic/fixed x per_layer on/off; e
     # the LM head updated by vocabulary block in the fused loss's backward (two block walks, no (V, d) gradient)
     "hmt-best-head-in-loss": ["method=hmt", *BEST_HMT, "method.update_interval=1", "method.embedding_dtype=int8",
                               "method.head_update=in_loss"],
+    # the INT8 embedding updated by rows inside backward, 8-bit row moments, with the head updated in the loss
+    "hmt-best-int8-lazy-rows": ["method=hmt", *BEST_HMT, "method.update_interval=1", "method.embedding_dtype=int8",
+                                "method.head_update=in_loss", "method.embedding_update=lazy_exact"],
+    "hmt-A-int8-sparse-adam-rows-clip": ["method=hmt", "method.rank=8", "method.embedding_dtype=int8",
+                                         "method.dense_8bit=true", "method.embedding_update=sparse_adam"],
     "hmt-A-sparse-adam-rows-clip": ["method=hmt", "method.rank=8", "method.embedding_update=sparse_adam"],
     "galore": ["method=galore", "method.rank=8", "method.update_proj_gap=1"],
     "apollo": ["method=apollo", "method.update_proj_gap=1"],
