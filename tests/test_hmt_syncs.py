@@ -35,6 +35,11 @@ CONFIGS = {  # (hmt.Config overrides, max_grad_norm, activation preset)
     # the embedding's touched rows (hmt_core.sparse_embedding): sort + segment sums + index_copy_, no unique()
     "rows_lazy_exact": ({"embedding_update": "lazy_exact", "weight_decay": 0.1}, 1.0, None),
     "rows_sparse_adam_unclipped": ({"embedding_update": "sparse_adam"}, None, None),
+    # the INT8 embedding's touched rows: dequantize, catch up, step, stochastic-round requantize (8-bit row moments
+    # come with dense_8bit, whose bitsandbytes norms read the skip flag on the host: tests/test_int8_row_embedding.py)
+    "rows_int8_lazy_exact": ({"embedding_dtype": "int8", "embedding_update": "lazy_exact", "weight_decay": 0.1},
+                             1.0, None),
+    "rows_int8_sparse_adam_unclipped": ({"embedding_dtype": "int8", "embedding_update": "sparse_adam"}, None, None),
 }
 
 
@@ -95,7 +100,8 @@ def test_a_step_has_no_host_sync(name):
 
 
 @pytest.mark.parametrize("name", ["mode_a_clipped", "mode_a_unclipped", "mode_b_rank1", "int8_weights",
-                                  "ordinary_step", "weight_decay", "rows_sparse_adam_unclipped"])
+                                  "ordinary_step", "weight_decay", "rows_sparse_adam_unclipped",
+                                  "rows_int8_sparse_adam_unclipped"])
 def test_a_nonfinite_gradient_skips_the_step_on_the_device_as_before(name):
     """The bad step (counted: no host sync) leaves every weight and state tensor as it was and returns NaN; once the
     host has read the flags (``metrics``, as on a logging step) the counters are those of before the step, and the
@@ -127,7 +133,7 @@ def test_a_nonfinite_gradient_skips_the_step_on_the_device_as_before(name):
         _step(model, method, data[3])
         runs.append(_state(model, method))
     diff = _differ(*runs)
-    if name == "int8_weights":  # the INT8 layers' codes, scales and the weight that stands for them
+    if "int8" in name:  # the INT8 layers' codes, scales and the weight that stands for them
         assert diff and all(k.rsplit(".", 1)[0] + ".weight_codes" in runs[0] for k in diff), diff
     else:
         assert not diff, f"{name}: {diff} differ from the run without the bad step"
