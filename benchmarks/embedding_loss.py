@@ -3,15 +3,18 @@ the local corpus from the same seed, same batches, in the memory-minimal HMT set
 ``BASE``: Mode B rank 1 with lm_head, BF16 state, 8-bit dense moments, INT8 projected weights, no clipping) with
 the BF16 and with the INT8 embedding and head.
 
-    python -m benchmarks.embedding_loss [--steps 200] [--out results/embedding_memory/loss_tiny.json]
+    python -m benchmarks.embedding_loss [--steps 200] [--settings bf16,int8,int8-lazy,int8-sparse]
+                                        [--out results/embedding_memory/loss_tiny.json]
 
-Writes the validation curve, the final train/val losses of both runs and how long it took; prints them.
+Writes the validation curve, the final train/val losses of each run and how long it took; prints them. Runs of
+settings not asked for this time are kept from the existing file (each run records the commit it ran at).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -26,7 +29,13 @@ REPO = Path(__file__).resolve().parent.parent
 MINIMAL = {"name": "hmt", "mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128,
            "target_patterns": ["attn", "mlp", "lm_head"], "state_dtype": "bf16", "dense_8bit": True,
            "weight_dtype": "int8"}
-SETTINGS = {"bf16 embedding and head": {}, "int8 embedding and head": {"embedding_dtype": "int8"}}
+# key -> (label, method overrides); the labels are the JSON's run names
+SETTINGS = {"bf16": ("bf16 embedding and head", {}),
+            "int8": ("int8 embedding and head", {"embedding_dtype": "int8"}),
+            "int8-lazy": ("int8, embedding rows lazy_exact (8-bit row moments)",
+                          {"embedding_dtype": "int8", "embedding_update": "lazy_exact"}),
+            "int8-sparse": ("int8, embedding rows sparse_adam (8-bit row moments)",
+                            {"embedding_dtype": "int8", "embedding_update": "sparse_adam"})}
 
 
 def train(extra: dict, steps: int) -> dict:
@@ -48,10 +57,19 @@ def train(extra: dict, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--out", type=Path, default=REPO / "results" / "embedding_memory" / "loss_tiny.json")
     args = parser.parse_args(argv)
+    keys = args.settings.split(",")
+    if any(k not in SETTINGS for k in keys):
+        parser.error(f"unknown setting in {args.settings!r}; known: {', '.join(SETTINGS)}")
     start = time.perf_counter()
-    runs = {label: train(extra, args.steps) for label, extra in SETTINGS.items()}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    runs = json.loads(args.out.read_text())["runs"] if args.out.exists() else {}
+    for key in keys:
+        label, extra = SETTINGS[key]
+        runs[label] = {**train(extra, args.steps), "commit": commit}
     out = {"steps": args.steps, "model": "tiny (ModelConfig defaults)", "method": MINIMAL, "seed": 0,
            "threads": torch.get_num_threads(), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
