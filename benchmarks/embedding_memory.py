@@ -49,14 +49,19 @@ def run_row(model: str, setting: str, out: Path, *, force: bool, timeout: int = 
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| model | setting | peak | " + " | ".join(CATEGORIES) + " |",
-             "|---|---|---:|" + "---:|" * len(CATEGORIES)]
+    """The itemized table: per model, each setting's peak and categories at it (GiB), and the peak's change from
+    the model's previous row (the settings are cumulative: BF16 → INT8 → + in_loss → + row updates)."""
+    lines = ["| model | setting | peak (GiB) | Δ peak (GiB) | " + " | ".join(f"{c} (GiB)" for c in CATEGORIES) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(CATEGORIES)]
+    prev: dict[str, int] = {}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['setting']} | failed: {r['error']} |" + " |" * len(CATEGORIES))
+            lines.append(f"| {r['model']} | {r['setting']} | failed: {r['error']} | |" + " |" * len(CATEGORIES))
             continue
         cats = " | ".join(gib(r["by_category"].get(c)) for c in CATEGORIES)
-        lines.append(f"| {r['model']} | {r['setting']} | {gib(r['peak_bytes'])} | {cats} |")
+        delta = "" if r["model"] not in prev else f"{(r['peak_bytes'] - prev[r['model']]) / 2**30:+.2f}"
+        prev[r["model"]] = r["peak_bytes"]
+        lines.append(f"| {r['model']} | {r['setting']} | {gib(r['peak_bytes'])} | {delta} | {cats} |")
     return "\n".join(lines)
 
 

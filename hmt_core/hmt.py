@@ -15,7 +15,8 @@ time in forward and backward, and every update is requantized by stochastic roun
 the LM head and the non-projected weights keep the model's dtype. ``embedding_dtype="int8"`` stores the input
 embedding and the LM head the same way (``hmt_core.int8_weights.embedding``; the fused cross-entropy dequantizes the
 head one vocabulary block at a time); with ``dense_8bit`` the dense INT8 embedding's moments are 8-bit block-wise
-(``hmt_core.optim.moments8``) instead of bitsandbytes' (which cannot write INT8 codes).
+(``hmt_core.optim.moments8``) instead of bitsandbytes' (which cannot write INT8 codes); ``embedding_update`` updates
+either table by its touched rows inside backward (``hmt_core.sparse_embedding``; 8-bit row moments with ``dense_8bit``).
 
 Row-sharded parameters (FSDP2 DTensors): ``attach`` builds slots on the local shards and runs per-layer Mode A through
 ``hmt_core.optim.sharded.ShardedEngine`` (its docstring gives the math and the collectives).

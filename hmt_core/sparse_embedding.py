@@ -78,6 +78,7 @@ class SparseEmbeddingUpdate:
         opt.dense8.pop(slot.name, None)  # dense_8bit: the 8-bit row moments replace bitsandbytes' for this weight
         slot.m, slot.v = self.state.m, self.state.v  # counted and saved with the other slots' moments
         self.pending: list[tuple[Tensor, Tensor]] = []  # lookups' (ids (N,), output gradient (N, d)) of the step
+        self._pass_start = 0  # where the running backward pass's lookups begin in ``pending``
         self._queued = False  # ``_end_of_backward`` is queued on the running backward
 
     def weight_rows(self) -> Int8Rows | TensorRows:
@@ -123,10 +124,14 @@ class SparseEmbeddingUpdate:
         the global one, and the update (now, or in ``finish_step`` when clipping defers it)."""
         self._queued = False
         eng = self.engine
+        # autograd runs a pass's later lookups first: put them back in forward order, so that a row's tokens are
+        # summed in the order of the batch (a multi-process step sums rank 0's tokens, then rank 1's: the same)
+        self.pending[self._pass_start:] = self.pending[self._pass_start:][::-1]
+        self._pass_start = len(self.pending)
         if eng.nonfinite or eng.index != eng.count - 1 or not self.pending:
             return
         ids, grad = (torch.cat(x) for x in zip(*self.pending)) if len(self.pending) > 1 else self.pending[0]
-        self.pending = []
+        self.pending, self._pass_start = [], 0
         ids_sorted, rows, sums = segment_rows(ids, grad)
         if eng.reduce_grad is not None:
             rows, sums = rows.div_(eng.reduce_grad.world_size), sums.div_(eng.reduce_grad.world_size)
@@ -154,7 +159,7 @@ class SparseEmbeddingUpdate:
         self.state.catch_up_(self.weight_rows(), rows, self.slot.adam_t + 1)
 
     def discard(self) -> None:
-        self.pending = []
+        self.pending, self._pass_start = [], 0
 
 
 def install(model: nn.Module, opt: LowRankOptimizer, engine: Any, cfg: RowAdamConfig) -> SparseEmbeddingUpdate:
