@@ -92,6 +92,16 @@ def test_group_key_has_no_package_versions_nor_model_name(monkeypatch):
     assert plan_cache.group_key(run) != key
 
 
+def test_group_key_holds_the_traced_device():
+    """``dryrun.device=cuda`` traces CUDA's dispatch decisions (larger row chunks: other bytes), so it is another
+    group; the default cpu is left out of the key (the committed tables keep their names)."""
+    run = planner.run_config(["model=tiny", "train.seq_len=64"])
+    cuda = planner.run_config(["model=tiny", "train.seq_len=64", "dryrun.device=cuda"])
+    cpu = planner.run_config(["model=tiny", "train.seq_len=64", "dryrun.device=cpu"])
+    assert plan_cache.group_key(cpu) == plan_cache.group_key(run) != plan_cache.group_key(cuda)
+    assert "device" not in plan_cache.group_of(run)["run"]["dryrun"], plan_cache.group_of(run)["run"]["dryrun"]
+
+
 def test_each_trace_is_cached_as_it_is_measured(tmp_path, monkeypatch):
     """A planner killed after its third trace keeps those three in the user's cache (written atomically after
     each trace), and the next run traces only the rest."""
