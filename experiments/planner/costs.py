@@ -38,6 +38,7 @@ from experiments.memory.gpu_allowance import traced_step_bytes
 from experiments.models import load_hf_config
 from experiments.planner.cache import Table, entry_key
 from experiments.planner.segments import batch_segments
+from experiments.planner.tracing import trace_points
 from hmt_core.activations.policy import ActivationPolicy, COMPONENTS, LAYER_COMPONENTS
 
 GIB = 2**30
@@ -242,11 +243,12 @@ def sample_run(run: RunConfig, with_layers, layers: int, batch: int, choice: Opt
 
 
 def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None = None, refresh: bool = False,
-            table=None, log: Callable[[str], None] = print) -> dict:
+            table=None, log: Callable[[str], None] = print, workers: int = 1) -> dict:
     """All samples the planner needs for ``run`` (method=hmt; its other settings as given): from the committed cost
     table and the user's cache (``experiments.planner.cache``), traced (and cached at once) where missing or with
-    ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
-    raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
+    ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``);
+    ``workers``: processes the missing traces may use (``experiments.planner.tracing``). Returns the raw record:
+    ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
     table = table or Table(run, run.model.name, cache_dir)
     if refresh:  # measured again from scratch
         table.clear()
@@ -254,25 +256,18 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
     b_a = segments[-1][1]
     base_opt = base_choice(*families(space)[0], space)
     plan = sample_plan(run, space, llama)
-    samples: dict[str, dict] = {}
-    start, traced, total = time.perf_counter(), 0, sum(len(points) for *_, points in plan)
+    start, total = time.perf_counter(), sum(len(points) for *_, points in plan)
     with layer_variants(run) as with_layers:
-        for name, choice, changes, points in plan:
-            samples[name] = {}
-            for layers, batch in points:
-                r = sample_run(run, with_layers, layers, batch, choice, changes, llama)
-                key = entry_key(layers, batch, r.method, r.activation)
-                hit = table.get(key)
-                if hit is None:
-                    if traced == 0:
-                        log(f"costs: tracing small models (1-2 layers at full width, seq {run.train.seq_len}); "
-                            f"each is cached in {table.user_path or 'memory'} as soon as it is measured ...")
-                    hit = trace_sample(r)
-                    table.put(key, hit, {"name": name, "layers": layers, "batch": batch})
-                    traced += 1
-                    if traced % 10 == 0:
-                        log(f"  [{traced} traced] {name} ({time.perf_counter() - start:.0f} s)")
-                samples[name][f"L{layers}b{batch}"] = hit
+        points = [(name, layers, batch, sample_run(run, with_layers, layers, batch, choice, changes, llama))
+                  for name, choice, changes, points in plan for layers, batch in points]
+        keyed = [(name, layers, batch, r, entry_key(layers, batch, r.method, r.activation))
+                 for name, layers, batch, r in points]
+        found = {key: table.get(key) for *_, key in keyed}
+        missing = {key: (name, layers, batch, r) for name, layers, batch, r, key in keyed if found[key] is None}
+        traced = _trace_missing(run, table, missing, found, workers=workers, log=log, start=start)
+    samples: dict[str, dict] = {}
+    for name, layers, batch, _, key in keyed:
+        samples.setdefault(name, {})[f"L{layers}b{batch}"] = found[key]
     for name, choice in opt_pieces(space).items():
         if choice == base_opt:
             samples[name] = {k: v for k, v in samples["ref"].items() if k.endswith(f"b{b_a}")}
@@ -281,6 +276,25 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
     return {"key": table.key, "layers": target_layers(run), "seq_len": run.train.seq_len, "llama": llama,
             "space": dataclasses.asdict(space), "segments": segments, "samples": samples, "traces": traced,
             "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1)}
+
+
+def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers: int, log, start: float) -> int:
+    """Trace ``missing`` ({entry key: (name, layers, batch, run)}), caching each in ``table`` and ``found`` as it
+    finishes; returns how many were traced."""
+    if not missing:
+        return 0
+    log(f"costs: tracing {len(missing)} small models (1-2 layers at full width, seq {run.train.seq_len}"
+        + (f"; up to {workers} processes when long" if workers > 1 else "") + f"); each is cached in "
+        f"{table.user_path or 'memory'} as soon as it is measured ...")
+    traced = 0
+    for key, hit in trace_points([(key, r) for key, (*_, r) in missing.items()], trace_sample, workers=workers,
+                                 ready=table.get):
+        name, layers, batch, _ = missing[key]
+        table.put(key, hit, {"name": name, "layers": layers, "batch": batch})
+        found[key], traced = hit, traced + 1
+        if traced % 10 == 0:
+            log(f"  [{traced} traced] {name} ({time.perf_counter() - start:.0f} s)")
+    return traced
 
 
 # ---- derived costs (pure functions of the record) ---------------------------------------------------------------
