@@ -79,6 +79,7 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
     """``table_type``: the ``experiments.planner.cache.Table`` class to read and trace costs through (a subclass
     may bound the time spent tracing: ``experiments.planner.oom``)."""
     space = space_from(planner)
+    workers = workers_from(planner)  # a bad value refused before anything is traced
     layers = target_layers(run)
     refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
     table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
@@ -98,7 +99,7 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
                         f"{weights + ctx:.2f} GiB")
     table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
     llama = stats["L1"]["llama"]
-    record = measure(run, space, llama=llama, table=table, log=log, workers=workers_from(planner))
+    record = measure(run, space, llama=llama, table=table, log=log, workers=workers)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
     return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
                     load_calibration(planner, run), weights, lowest)
