@@ -92,6 +92,16 @@ def test_group_key_has_no_package_versions_nor_model_name(monkeypatch):
     assert plan_cache.group_key(run) != key
 
 
+def test_group_key_holds_the_traced_device():
+    """``dryrun.device=cuda`` traces CUDA's dispatch decisions (larger row chunks: other bytes), so it is another
+    group; the default cpu is left out of the key (the committed tables keep their names)."""
+    run = planner.run_config(["model=tiny", "train.seq_len=64"])
+    cuda = planner.run_config(["model=tiny", "train.seq_len=64", "dryrun.device=cuda"])
+    cpu = planner.run_config(["model=tiny", "train.seq_len=64", "dryrun.device=cpu"])
+    assert plan_cache.group_key(cpu) == plan_cache.group_key(run) != plan_cache.group_key(cuda)
+    assert "device" not in plan_cache.group_of(run)["run"]["dryrun"], plan_cache.group_of(run)["run"]["dryrun"]
+
+
 def test_each_trace_is_cached_as_it_is_measured(tmp_path, monkeypatch):
     """A planner killed after its third trace keeps those three in the user's cache (written atomically after
     each trace), and the next run traces only the rest."""
@@ -118,3 +128,28 @@ def test_each_trace_is_cached_as_it_is_measured(tmp_path, monkeypatch):
     record = costs.measure(run, space, llama=True, cache_dir=tmp_path, log=lambda _: None)
     total = sum(len(points) for *_, points in sample_plan(run, space, True))
     assert (record["cached"], record["traces"]) == (3, total - 3), (record["cached"], record["traces"], total)
+
+
+def test_samples_traced_in_worker_processes_are_the_bytes_traced_here(tmp_path, monkeypatch):
+    """The missing traces handed to worker processes (``experiments.planner.tracing``; forced here by a zero
+    threshold) give the same record, byte for byte, as tracing them all in this process: each trace is
+    deterministic and counts exact bytes on fake tensors."""
+    import experiments.planner.costs as costs
+    import experiments.planner.tracing as tracing
+
+    run = planner.run_config(["model=tiny", "model.num_layers=2", "train.seq_len=32", "train.fused_ce=false"])
+    space = Space(modes=("A",), state_dtypes=("bf16",), weight_dtypes=("bf16",), dense_8bit=(False,),
+                  project_head=(False,), state_budgets=(0.25,), actions=("keep",), layer_recompute=(False,),
+                  max_batch_size=2)
+    here = costs.measure(run, space, llama=True, cache_dir=tmp_path / "here", log=lambda _: None, workers=1)
+    monkeypatch.setattr(tracing, "PARALLEL_MIN_S", 0.0)
+    spawned = []
+    real_pooled = tracing._pooled
+    monkeypatch.setattr(tracing, "_pooled", lambda points, *a: spawned.extend(points) or real_pooled(points, *a))
+    pooled = costs.measure(run, space, llama=True, cache_dir=tmp_path / "pool", log=lambda _: None, workers=2)
+    assert len(spawned) == pooled["traces"] - 1 >= 2, (len(spawned), pooled["traces"])  # all but the first
+    assert pooled["traces"] == here["traces"] and pooled["samples"] == here["samples"], (
+        {n: {p: v["peak"] for p, v in s.items()} for n, s in here["samples"].items()},
+        {n: {p: v["peak"] for p, v in s.items()} for n, s in pooled["samples"].items()})
+    (a,), (b,) = (tmp_path / "here").glob("*.json"), (tmp_path / "pool").glob("*.json")
+    assert json.loads(a.read_text())["entries"] == json.loads(b.read_text())["entries"]

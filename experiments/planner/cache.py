@@ -2,8 +2,9 @@
 
 A *group* is everything a trace's bytes depend on except the sample's own choices: the model's shape (the
 ``model`` node without its name and depth, or a ``model.path`` model's Hugging Face config without its depth),
-``train``'s step settings (sequence length, autocast, fused loss), the dry run's steps and the run's other nodes
-that reach the step, plus ``METER_VERSION`` — never package versions. Within a group an *entry* is one traced
+``train``'s step settings (sequence length, autocast, fused loss), the dry run's steps and traced device
+(``dryrun.device``, when not cpu), the run's other nodes that reach the step, plus ``METER_VERSION`` — never package
+versions. Within a group an *entry* is one traced
 point: decoder layers L, micro-batch b and the hash of the (method, activation) nodes it ran with; a few entries hold
 what the model's shape alone gives (``weights:…``: parameter counts and bytes of the 1- and 2-layer models;
 ``flops``: forward FLOPs per region), so a planner answering from the table builds no model at all.
@@ -65,7 +66,10 @@ def group_of(run: RunConfig) -> dict:
     for key in _TRAIN_DROP:
         plain["train"].pop(key, None)
     plain["model"] = model_shape(run)
-    plain["dryrun"] = {"steps": run.dryrun.steps}
+    # the traced device decides chunk sizes and kernels (``experiments.dryrun_device``): a cuda trace's bytes are
+    # not a cpu trace's; the default (cpu) stays out of the key, so the tables made before it was keyed stay valid
+    plain["dryrun"] = {"steps": run.dryrun.steps, **({"device": run.dryrun.device} if run.dryrun.device != "cpu"
+                                                      else {})}
     return {"schema": SCHEMA, "meter_version": METER_VERSION, "run": plain}
 
 

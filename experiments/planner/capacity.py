@@ -6,7 +6,7 @@ packages' defaults otherwise; ``hmt`` as planned by ``experiments.planner.plan``
 forward/backward) whose dry-run step fits.
 
 Search, kept to few full-size traces: a baseline's reference is traced on 1- and 2-layer models at full width and
-batch 1, 2 (and past the fused loss's chunk, ``experiments.planner.costs.batch_segments``), giving its peak per phase
+batch 1, 2 (and past the fused loss's chunk, ``experiments.planner.segments.batch_segments``), giving its peak per phase
 as a line in the micro-batch b at the model's depth; the largest predicted b is then traced at full size (a real
 dry-run step) and stepped down until it fits (at most ``MAX_VERIFY`` traces). When not even one sequence of
 ``train.seq_len`` fits, the sequence is shortened instead: the largest multiple of ``SEQ_STEP`` tokens the
@@ -35,7 +35,6 @@ from experiments.planner.costs import (
     GIB,
     PHASES,
     STEP_PHASES,
-    batch_segments,
     derive,
     layer_variants,
     target_layers,
@@ -54,6 +53,7 @@ from experiments.planner.plan import (
     write_plan_yaml,
 )
 from experiments.planner.report import run_command
+from experiments.planner.segments import batch_segments
 from experiments.results import atomic_write_text
 
 SCHEMA = "hmt-capacity/1"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import itertools
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +37,8 @@ from experiments.dryrun import trace_steps
 from experiments.memory.gpu_allowance import traced_step_bytes
 from experiments.models import load_hf_config
 from experiments.planner.cache import Table, entry_key
+from experiments.planner.segments import batch_segments
+from experiments.planner.tracing import trace_points
 from hmt_core.activations.policy import ActivationPolicy, COMPONENTS, LAYER_COMPONENTS
 
 GIB = 2**30
@@ -242,11 +243,12 @@ def sample_run(run: RunConfig, with_layers, layers: int, batch: int, choice: Opt
 
 
 def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None = None, refresh: bool = False,
-            table=None, log: Callable[[str], None] = print) -> dict:
+            table=None, log: Callable[[str], None] = print, workers: int = 1) -> dict:
     """All samples the planner needs for ``run`` (method=hmt; its other settings as given): from the committed cost
     table and the user's cache (``experiments.planner.cache``), traced (and cached at once) where missing or with
-    ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``). Returns the
-    raw record: ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
+    ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``);
+    ``workers``: processes the missing traces may use (``experiments.planner.tracing``). Returns the raw record:
+    ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
     table = table or Table(run, run.model.name, cache_dir)
     if refresh:  # measured again from scratch
         table.clear()
@@ -254,25 +256,18 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
     b_a = segments[-1][1]
     base_opt = base_choice(*families(space)[0], space)
     plan = sample_plan(run, space, llama)
-    samples: dict[str, dict] = {}
-    start, traced, total = time.perf_counter(), 0, sum(len(points) for *_, points in plan)
+    start, total = time.perf_counter(), sum(len(points) for *_, points in plan)
     with layer_variants(run) as with_layers:
-        for name, choice, changes, points in plan:
-            samples[name] = {}
-            for layers, batch in points:
-                r = sample_run(run, with_layers, layers, batch, choice, changes, llama)
-                key = entry_key(layers, batch, r.method, r.activation)
-                hit = table.get(key)
-                if hit is None:
-                    if traced == 0:
-                        log(f"costs: tracing small models (1-2 layers at full width, seq {run.train.seq_len}); "
-                            f"each is cached in {table.user_path or 'memory'} as soon as it is measured ...")
-                    hit = trace_sample(r)
-                    table.put(key, hit, {"name": name, "layers": layers, "batch": batch})
-                    traced += 1
-                    if traced % 10 == 0:
-                        log(f"  [{traced} traced] {name} ({time.perf_counter() - start:.0f} s)")
-                samples[name][f"L{layers}b{batch}"] = hit
+        points = [(name, layers, batch, sample_run(run, with_layers, layers, batch, choice, changes, llama))
+                  for name, choice, changes, points in plan for layers, batch in points]
+        keyed = [(name, layers, batch, r, entry_key(layers, batch, r.method, r.activation))
+                 for name, layers, batch, r in points]
+        found = {key: table.get(key) for *_, key in keyed}
+        missing = {key: (name, layers, batch, r) for name, layers, batch, r, key in keyed if found[key] is None}
+        traced = _trace_missing(run, table, missing, found, workers=workers, log=log, start=start)
+    samples: dict[str, dict] = {}
+    for name, layers, batch, _, key in keyed:
+        samples.setdefault(name, {})[f"L{layers}b{batch}"] = found[key]
     for name, choice in opt_pieces(space).items():
         if choice == base_opt:
             samples[name] = {k: v for k, v in samples["ref"].items() if k.endswith(f"b{b_a}")}
@@ -283,41 +278,23 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
             "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1)}
 
 
-MAIN_TOKENS = 8192  # the activation deltas' lines are measured around this many tokens per micro-batch
-MAX_TOKENS = 32768  # the reference's lines reach this many tokens per micro-batch (or max_batch_size sequences)
-
-
-def batch_segments(run: RunConfig, max_batch: int = 1024) -> list[list[int]]:
-    """Lines [start, b_a, b_b] of the reference's bytes in the micro-batch b, each through its measurements at b_a
-    and b_b; lines with the same start hold together for b ≥ start (the peak is their maximum) up to the next start.
-    The main line (activation deltas, optimizer samples) is the last one listed.
-
-    A phase's peak is the maximum over the step's events (the loss's logits, a basis refresh's workspace, all saved
-    activations at the start of backward, …), each affine in b, so it is convex in b: the secants between
-    successive doublings b = 1, 2, 4, … (up to ``MAX_TOKENS`` tokens) are each above it on their own interval and
-    below it elsewhere, so their maximum is an upper bound that is exact at every measured b. The fused loss
-    (``train.fused_ce``) holds ``min(b·seq_len, ce_chunk_tokens)`` tokens of logits, a kink the other way: past
-    b = k = ⌊chunk / seq_len⌋ + 1 its per-sequence bytes drop, so the pieces before and from k are separate."""
-    t = run.train
-    chunk = getattr(t, "ce_chunk_tokens", None) if getattr(t, "fused_ce", False) else None
-    k = chunk // t.seq_len + 1 if chunk else 1
-    top = max(2, min(max_batch, -(-MAX_TOKENS // t.seq_len)))
-    pieces = [(1, k - 1), (k, None)] if k > 1 else [(1, None)]
-    lines, main = [], None
-    for lo, hi in pieces:
-        points = [lo]
-        while points[-1] < min(hi or top, top) or (hi is None and len(points) < 2):
-            nxt = points[-1] * 2
-            if hi is not None and nxt > hi:
-                break
-            points.append(nxt)
-        if len(points) == 1:
-            lines.append([lo, lo, lo])
-        pairs = list(itertools.pairwise(points))
-        lines += [[lo, b_a, b_b] for b_a, b_b in pairs]
-        if hi is None:
-            main = min(pairs, key=lambda pair: abs(pair[0] * t.seq_len - MAIN_TOKENS))
-    return [line for line in lines if line != [max(1, k), *main]] + [[max(1, k), *main]]
+def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers: int, log, start: float) -> int:
+    """Trace ``missing`` ({entry key: (name, layers, batch, run)}), caching each in ``table`` and ``found`` as it
+    finishes; returns how many were traced."""
+    if not missing:
+        return 0
+    log(f"costs: tracing {len(missing)} small models (1-2 layers at full width, seq {run.train.seq_len}"
+        + (f"; up to {workers} processes when long" if workers > 1 else "") + f"); each is cached in "
+        f"{table.user_path or 'memory'} as soon as it is measured ...")
+    traced = 0
+    for key, hit in trace_points([(key, r) for key, (*_, r) in missing.items()], trace_sample, workers=workers,
+                                 ready=table.get):
+        name, layers, batch, _ = missing[key]
+        table.put(key, hit, {"name": name, "layers": layers, "batch": batch})
+        found[key], traced = hit, traced + 1
+        if traced % 10 == 0:
+            log(f"  [{traced} traced] {name} ({time.perf_counter() - start:.0f} s)")
+    return traced
 
 
 # ---- derived costs (pure functions of the record) ---------------------------------------------------------------

@@ -119,22 +119,35 @@ def _phases(prob: Problem) -> list[str]:
     return list(dict.fromkeys(p for seg in prob.base for p in (*seg.static, *seg.per_seq)))
 
 
-def _rows(prob: Problem, v: _Vars, with_budget: bool) -> tuple[list, list, list]:
-    """Constraint rows (A, lb, ub). Every phase's bytes are ≤ t (the predicted peak); ``with_budget``: t ≤ budget."""
-    n, bmax = len(v.names), prob.max_batch
-    rows, lb, ub = [], [], []
+class _Rows:
+    """Constraint rows (A, lb, ub) of a problem's variables, added one at a time."""
 
-    def add(coef: dict[int, float], lo: float, hi: float) -> None:
-        row = np.zeros(n)
+    def __init__(self, n: int) -> None:
+        self.n, self.rows, self.lb, self.ub = n, [], [], []
+
+    def add(self, coef: dict[int, float], lo: float, hi: float) -> None:
+        row = np.zeros(self.n)
         for i, c in coef.items():
             row[i] += c
-        rows.append(row)
-        lb.append(lo)
-        ub.append(hi)
+        self.rows.append(row)
+        self.lb.append(lo)
+        self.ub.append(hi)
 
-    b, t = v["b",], v["t",]
+
+def _rows(prob: Problem, v: _Vars, with_budget: bool) -> tuple[list, list, list]:
+    """Constraint rows (A, lb, ub). Every phase's bytes are ≤ t (the predicted peak); ``with_budget``: t ≤ budget."""
+    out = _Rows(len(v.names))
     if with_budget:
-        add({t: 1}, -np.inf, prob.budget)
+        out.add({v["t",]: 1}, -np.inf, prob.budget)
+    _choice_rows(prob, v, out)
+    _phase_rows(prob, v, out)
+    return out.rows, out.lb, out.ub
+
+
+def _choice_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
+    """One option, one piece of the reference holding b, one action per component, the batch caps, the exact
+    McCormick products w = b·x, the required pairs and the indicator n of a policy that is not all-keep."""
+    add, b, bmax = out.add, v["b",], prob.max_batch
     add({v["y", i]: 1 for i in range(len(prob.options))}, 1, 1)
     starts = v.starts
     add({v["u", st]: 1 for st in starts}, 1, 1)  # b lies in one piece of the reference
@@ -166,9 +179,14 @@ def _rows(prob: Problem, v: _Vars, with_budget: bool) -> tuple[list, list, list]
             add({v["n",]: 1, v["x", c, a]: -1}, 0, np.inf)
     if ("l",) in v:
         add({v["n",]: 1, v["l",]: -1}, 0, np.inf)
+
+
+def _phase_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
+    """Per phase and per line of the reference: its bytes at the chosen option, actions and b are ≤ t (a line
+    binds only in b's piece; a conditional phase only when n = 1: big-M)."""
     big = _big_m(prob)
     for p in _phases(prob):
-        coef = {t: -1.0}
+        coef = {v["t",]: -1.0}
         for i, o in enumerate(prob.options):
             coef[v["y", i]] = o.static.get(p, 0.0)
         for c, a in v.x:
@@ -181,10 +199,9 @@ def _rows(prob: Problem, v: _Vars, with_budget: bool) -> tuple[list, list, list]
         if p in prob.conditional:
             coef[v["n",]] = big
         for seg in prob.base:  # active in b's piece only
-            row = {**coef, b: seg.per_seq.get(p, 0.0), v["u", seg.start]: big}
+            row = {**coef, v["b",]: seg.per_seq.get(p, 0.0), v["u", seg.start]: big}
             hi = -seg.static.get(p, 0.0) + big + (big if p in prob.conditional else 0.0)
-            add(row, -np.inf, hi)
-    return rows, lb, ub
+            out.add(row, -np.inf, hi)
 
 
 def _big_m(prob: Problem) -> float:

@@ -152,6 +152,7 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     planner = {k: getattr(space, k) for k in ("modes", "state_budgets", "state_dtypes", "weight_dtypes",
                                               "dense_8bit", "project_head", "actions", "layer_recompute",
                                               "max_batch_size")}
+    planner["workers"] = 1  # in the training process, bounded by the deadline its table checks before each trace
     try:
         prep = prepare(run, planner, log=lambda _: None, table_type=timed_table(time.perf_counter() + plan_s))
     except PlanTimeout:

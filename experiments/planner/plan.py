@@ -23,7 +23,7 @@ Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` ano
 ``experiments/conf/plan/`` or ``results/plan/``); the printed commands say which one trains and which one only
 traces. Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``, ``batch_size`` (a fixed
 micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``, ``max_iters``,
-``calibration``, ``refresh_costs`` and the choice space ``modes, state_budgets, state_dtypes, weight_dtypes,
+``calibration``, ``refresh_costs``, ``workers`` (processes for missing cost traces) and the choice space ``modes, state_budgets, state_dtypes, weight_dtypes,
 dense_8bit, project_head, actions, layer_recompute, max_batch_size`` (``experiments.planner.costs.Space``);
 ``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
 committed cost table). Design and measurements: ``docs/planner.md``.
@@ -59,7 +59,7 @@ from experiments.sweeps.sweep import checked, validated_run_config
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
-        "calibration": str, "refresh_costs": bool, "capacity": bool, "calibrate": bool, "table": bool,
+        "calibration": str, "refresh_costs": bool, "workers": int, "capacity": bool, "calibrate": bool, "table": bool,
         "methods": list, "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
 FLAGS = ("--capacity", "--calibrate", "--table")
 

@@ -16,6 +16,7 @@ from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
 from experiments.planner.costs import GIB, Space, derive, measure, target_layers
 from experiments.planner.model import calibrate, param_bytes, region_flops, weight_stats
 from experiments.planner.report import model_label
+from experiments.planner.tracing import default_workers
 
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
               "layer_recompute", "max_batch_size")
@@ -37,6 +38,16 @@ def load_calibration(planner: dict, run) -> dict:
         return {**json.loads(Path(path).read_text()), "source": str(path)}
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"calibration={path}: cannot read a calibration file ({e})") from None
+
+
+def workers_from(planner: dict) -> int:
+    """``workers=``: processes the missing cost traces may use (default: this process's CPUs, at most 8)."""
+    workers = planner.get("workers")
+    if workers is None:
+        return default_workers()
+    if workers < 1:
+        raise UserError(f"workers={workers}: the processes tracing missing costs, at least 1")
+    return workers
 
 
 @dataclass
@@ -68,6 +79,7 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
     """``table_type``: the ``experiments.planner.cache.Table`` class to read and trace costs through (a subclass
     may bound the time spent tracing: ``experiments.planner.oom``)."""
     space = space_from(planner)
+    workers = workers_from(planner)  # a bad value refused before anything is traced
     layers = target_layers(run)
     refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
     table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
@@ -87,7 +99,7 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
                         f"{weights + ctx:.2f} GiB")
     table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
     llama = stats["L1"]["llama"]
-    record = measure(run, space, llama=llama, table=table, log=log)
+    record = measure(run, space, llama=llama, table=table, log=log, workers=workers)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
     return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
                     load_calibration(planner, run), weights, lowest)
