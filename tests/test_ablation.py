@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis import ablation
+from analysis import ablation, rows
 from analysis.load import load_results
+from analysis.settings import _flatten
 from experiments.errors import UserError
 
 CAMPAIGN = Path(__file__).resolve().parent.parent / "results" / "campaign"
@@ -21,8 +22,8 @@ CAMPAIGN = Path(__file__).resolve().parent.parent / "results" / "campaign"
 def _hmt_default_runs() -> list[Path]:
     out = []
     for d in sorted(CAMPAIGN.glob("hmt-tiny-train-s*")):
-        flat = ablation._flatten(yaml.safe_load((d / "config.yaml").read_text()))
-        if ablation._matches(flat, ablation.HMT):
+        flat = _flatten(yaml.safe_load((d / "config.yaml").read_text()))
+        if rows.matches(flat, ablation.HMT):
             out.append(d)
     return out
 
@@ -42,8 +43,8 @@ def _variant(src: Path, root: Path, name: str, method: dict, shift: float) -> fl
 
 
 def _table(controls: Path) -> dict[str, list[str]]:
-    sources = {ablation.CONTROLS: (load_results(controls), ablation._configs(controls)),
-               ablation.CAMPAIGN: (load_results(CAMPAIGN), ablation._configs(CAMPAIGN))}
+    sources = {ablation.CONTROLS: (load_results(controls), rows.run_configs(controls)),
+               ablation.CAMPAIGN: (load_results(CAMPAIGN), rows.run_configs(CAMPAIGN))}
     return {row[0]: row for row in ablation.ablation_table(sources).rows}
 
 
