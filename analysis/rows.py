@@ -17,11 +17,11 @@ from typing import Any
 
 import pandas as pd
 
+from analysis import stats
 from analysis.load import Results
 from analysis.rundirs import find_run_dirs, read_run
 from analysis.settings import _flatten
 from analysis.tables import MIB, fmt, fmt_mean_std
-from analysis import stats
 from experiments.errors import UserError
 from experiments.sweeps.tuning import select_lr
 
