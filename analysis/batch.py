@@ -29,9 +29,10 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from analysis.ablation import HMT, PRETRAIN  # noqa: E402
 from analysis.figures import FIXED_COLORS, save  # noqa: E402
-from analysis.load import load_results  # noqa: E402
-from analysis.rows import Source, bracketed, loss_cells, row_runs, run_configs, tuned_rate  # noqa: E402
-from analysis.tables import Table, lr_search_table, to_latex, to_markdown  # noqa: E402
+from analysis.load import Results, load_results  # noqa: E402
+from analysis.rows import Source, bracketed, loss_cells, row_runs, run_configs, search_best, tuned_rate  # noqa: E402
+from analysis.rundirs import find_run_dirs, read_status  # noqa: E402
+from analysis.tables import DASH, Table, fmt, lr_search_table, to_latex, to_markdown  # noqa: E402
 from experiments.errors import OneLineErrorParser, one_line_errors  # noqa: E402
 from experiments.results import atomic_write_text  # noqa: E402
 from experiments.sweeps.tuning import search_results_dir  # noqa: E402
@@ -60,13 +61,23 @@ METHODS = (
 )
 
 
+def _load(folder: Path, *, may_be_empty: bool) -> Source:
+    """(runs, configs) of ``folder``; with ``may_be_empty``, a folder not made yet or without a finished run (the
+    batch campaign while its searches run) reads as no runs, so its rows say "not run"."""
+    if may_be_empty and not any(read_status(d) in ("completed", "failed") for d in find_run_dirs(folder)):
+        runs = pd.DataFrame(columns=["run_id", "status", "setting", "lr", "steps", "val_loss"])
+        return Results(runs=runs, metrics=pd.DataFrame(), ranks=pd.DataFrame(), rank_hist=pd.DataFrame(),
+                       activations=pd.DataFrame()), {}
+    return load_results(folder), run_configs(folder)
+
+
 def _sources(batch: Path, campaign: Path, controls: Path) -> dict[str, tuple[Source, Source | None]]:
     """name -> ((final runs, configs), (search runs, configs) or None)."""
     out = {}
     for name, folder in ((BATCH, batch), (CAMPAIGN, campaign), (CONTROLS, controls)):
         search = Path(search_results_dir(str(folder)))
-        out[name] = ((load_results(folder), run_configs(folder)),
-                     (load_results(search), run_configs(search)) if search.is_dir() else None)
+        out[name] = (_load(folder, may_be_empty=name == BATCH),
+                     _load(search, may_be_empty=False) if search.is_dir() else None)
     return out
 
 
@@ -90,13 +101,19 @@ def batch_table(found: Mapping[tuple[str, int], tuple]) -> Table:
         for method in METHODS:
             runs, keys, (final, search) = found[(method.label, batch)]
             steps = str(int(runs["steps"].iloc[0])) if len(runs) else "—"
-            rows.append([method.label, str(batch), steps, tuned_rate(runs, final[1]), bracketed(runs, keys, search),
-                         str(len(runs)), *loss_cells(runs, None if method is METHODS[0] else reference)])
+            best = search_best(keys, search)
+            searched = [DASH, DASH] if best is None else [f"{best[0]:g}" + ("" if best[2] else " (edge)"),
+                                                         fmt(best[1], ".3f")]
+            rows.append([method.label, str(batch), steps, *searched, tuned_rate(runs, final[1]),
+                         bracketed(runs, keys, search), str(len(runs)),
+                         *loss_cells(runs, None if method is METHODS[0] else reference)])
     return Table("batch", "Batch size at equal tokens (tiny Llama, 307,200 training tokens; each row retuned at each "
-                 "batch: learning rate searched at seed 0, validation loss mean ± std over seeds 1-3; Δ against "
+                 "batch: learning rate searched at seed 0, the best search point shown, \"(edge)\" where it is an end of "
+                 "its grid; validation loss mean ± std over seeds 1-3 at the tuned rate; Δ against "
                  "AdamW split at the same batch, a difference counting only when Welch's t-test gives p < 0.05)",
-                 ["Method", "Batch", "Steps", "Tuned lr", "Bracketed", "Seeds", "Val loss", "Δ vs AdamW split",
-                  "Differs?"], rows, ["l", "r", "r", "l", "r", "r", "r", "r", "r"], sections=sections)
+                 ["Method", "Batch", "Steps", "Search: best lr", "Search: loss (seed 0)", "Tuned lr", "Bracketed",
+                  "Seeds", "Val loss", "Δ vs AdamW split", "Differs?"], rows,
+                 ["l", "r", "r", "l", "r", "l", "r", "r", "r", "r", "r"], sections=sections)
 
 
 def batch_figure(found: Mapping[tuple[str, int], tuple]) -> Figure:

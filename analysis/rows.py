@@ -49,7 +49,7 @@ def row_runs(label: str, keys: Mapping[str, Any], source: Source) -> pd.DataFram
     naming the row ``label``."""
     results, configs = source
     runs = results.completed()
-    runs = runs[[matches(configs.get(r, {}), keys) for r in runs["run_id"]]]
+    runs = runs[runs["run_id"].map(lambda r: matches(configs.get(r, {}), keys)).astype(bool)]
     if runs["setting"].nunique() > 1:
         raise UserError(f"campaign row {label!r} matches {runs['setting'].nunique()} settings "
                         f"({', '.join(sorted(runs['run_id']))}); narrow its keys")
@@ -66,20 +66,30 @@ def tuned_rate(runs: pd.DataFrame, configs: Mapping[str, dict]) -> str:
     return rate if scale == 1 else f"{rate} (×{scale:g} dense)"
 
 
-def bracketed(runs: pd.DataFrame, keys: Mapping[str, Any], search: Source | None) -> str:
-    """Whether the search runs of ``keys``'s setting (every rate, the other keys as the row's) put the row's
-    tuned rate strictly inside their grid, by ``select_lr``: "yes" / "no" / "—" (no search or no final runs)."""
-    if search is None or runs.empty:
-        return "—"
+def search_best(keys: Mapping[str, Any], search: Source | None) -> tuple[float, float, bool] | None:
+    """(best rate, its metric, bracketed) of the search runs of ``keys``'s setting (every rate, the other keys as
+    the row's) by ``select_lr``; None without a search of at least 3 finished rates."""
+    if search is None:
+        return None
     results, configs = search
-    found = results.runs[[matches(configs.get(r, {}), keys) for r in results.runs["run_id"]]]
+    found = results.runs[results.runs["run_id"].map(lambda r: matches(configs.get(r, {}), keys)).astype(bool)]
+    found = found[found["status"].isin(["completed", "failed"])]
     losses = {float(configs[r]["method.lr"]): (v if s == "completed" else math.inf)
               for r, v, s in zip(found["run_id"], found["val_loss"], found["status"])}
     if len(losses) < 3:
-        return "—"
+        return None
     best, inside = select_lr(losses)
-    tuned = float(runs["lr"].iloc[0]) if "lr" in runs and pd.notna(runs["lr"].iloc[0]) else best
-    return "yes" if inside and math.isclose(best, tuned) else "no"
+    return best, float(losses[best]), inside
+
+
+def bracketed(runs: pd.DataFrame, keys: Mapping[str, Any], search: Source | None) -> str:
+    """Whether the row's search puts its tuned rate strictly inside the grid (``search_best``): "yes" / "no" /
+    "—" (no search or no final runs)."""
+    best = search_best(keys, search)
+    if best is None or runs.empty:
+        return "—"
+    tuned = float(runs["lr"].iloc[0]) if "lr" in runs and pd.notna(runs["lr"].iloc[0]) else best[0]
+    return "yes" if best[2] and math.isclose(best[0], tuned) else "no"
 
 
 def loss_cells(runs: pd.DataFrame, reference: pd.DataFrame | None) -> list[str]:

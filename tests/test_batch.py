@@ -58,20 +58,20 @@ def test_rows_deltas_missing_rows_and_brackets(tmp_path: Path) -> None:
     for d in hmt:
         _copy(d, root, batch_size=32, shift=0.1)
     search = tmp_path / "campaign-batch-lr-search"  # HMT's search at batch 32: the tuned 1e-2 wins, inside the grid
-    for lr, shift in ((1e-3, 0.5), (3e-3, 0.2), (1e-2, 0.0), (3e-2, 0.2), (1e-1, 0.5)):
-        _copy(hmt[0], search, batch_size=32, shift=shift, lr=lr)
+    searched = {lr: _copy(hmt[0], search, batch_size=32, shift=shift, lr=lr)
+                for lr, shift in ((1e-3, 0.5), (3e-3, 0.2), (1e-2, 0.0), (3e-2, 0.2), (1e-1, 0.5))}
     rows = _table(root)
     # a difference of means of the same runs shifted by constants: exact up to the rounding to 3 decimals
-    delta8 = float(rows[("HMT default", "8")][7])
-    assert abs(float(rows[("HMT default", "32")][7]) - (delta8 - 0.2)) <= 0.0015, rows
-    assert rows[("GaLore rank 64", "32")][3:8] == ["not run", "—", "0", "—", "—"], rows
-    assert all(rows[(m.label, "64")][3] == "not run" for m in batch.METHODS), rows
+    delta8 = float(rows[("HMT default", "8")][9])
+    assert abs(float(rows[("HMT default", "32")][9]) - (delta8 - 0.2)) <= 0.0015, rows
+    assert rows[("GaLore rank 64", "32")][5:10] == ["not run", "—", "0", "—", "—"], rows
+    assert all(rows[(m.label, "64")][5] == "not run" for m in batch.METHODS), rows
     # the committed batch-8 rows: three seeds each, at the rate their searches bracket
-    assert all(rows[(m.label, "8")][4:6] == ["yes", "3"] for m in batch.METHODS), rows
-    assert rows[("HMT default", "32")][3:6] == ["0.01", "yes", "3"], rows
-    assert rows[("AdamW split (×64 dense)", "32")][3:6] == ["0.001 (×64 dense)", "—", "3"], rows  # no search
+    assert all(rows[(m.label, "8")][6:8] == ["yes", "3"] for m in batch.METHODS), rows
+    assert rows[("HMT default", "32")][3:8] == ["0.01", f"{searched[1e-2]:.3f}", "0.01", "yes", "3"], rows
+    assert rows[("AdamW split (×64 dense)", "32")][3:8] == ["—", "—", "0.001 (×64 dense)", "—", "3"], rows  # no search
     # HMT default at batch 32 is below AdamW split there by ~0.3 nats ≈ 10 seed std: Welch says lower
-    assert rows[("HMT default", "32")][8] == "lower", rows
+    assert rows[("HMT default", "32")][10] == "lower", rows
 
 
 def test_a_winner_at_the_grid_edge_is_not_bracketed(tmp_path: Path) -> None:
@@ -79,6 +79,6 @@ def test_a_winner_at_the_grid_edge_is_not_bracketed(tmp_path: Path) -> None:
     hmt = _final("campaign", HMT_DEFAULT)
     for d in hmt:
         _copy(d, root, batch_size=64, shift=0.0, lr=3e-3)
-    for lr, shift in ((3e-3, -0.1), (1e-2, 0.0), (3e-2, 0.2), (1e-1, 0.5), (3e-1, 1.0)):
-        _copy(hmt[0], search, batch_size=64, shift=shift, lr=lr)
-    assert _table(root)[("HMT default", "64")][3:5] == ["0.003", "no"]
+    edge = [_copy(hmt[0], search, batch_size=64, shift=shift, lr=lr)
+            for lr, shift in ((3e-3, -0.1), (1e-2, 0.0), (3e-2, 0.2), (1e-1, 0.5), (3e-1, 1.0))][0]
+    assert _table(root)[("HMT default", "64")][3:7] == ["0.003 (edge)", f"{edge:.3f}", "0.003", "no"]
