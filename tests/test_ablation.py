@@ -89,7 +89,7 @@ def _settings(root: Path) -> list[tuple[dict, int, str, float]]:
     return out
 
 
-@pytest.mark.parametrize("folder", ["campaign-controls"])
+@pytest.mark.parametrize("folder", ["campaign-controls", "campaign-batch"])
 def test_committed_runs_follow_the_tuning_protocol(folder: str) -> None:
     """Every completed final setting of a committed campaign folder (the controls, the batch campaign) ran with
     seeds 1-3 only at the point (rate, and AdamW's dense-rate multiplier) with the lowest validation loss of its
