@@ -22,18 +22,14 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import stats
 from analysis.load import Results, load_results
-from analysis.rundirs import find_run_dirs, read_run
-from analysis.settings import _flatten
-from analysis.tables import DASH, MIB, Table, fmt, fmt_mean_std, lr_search_table, to_latex, to_markdown
-from experiments.errors import OneLineErrorParser, UserError, one_line_errors
+from analysis.rows import loss_cells, mean_mib, row_runs as _row_runs, run_configs, tuned_rate
+from analysis.tables import Table, lr_search_table, to_latex, to_markdown
+from experiments.errors import OneLineErrorParser, one_line_errors
 from experiments.results import atomic_write_text
 from experiments.sweeps.tuning import search_results_dir
 
 CONTROLS, CAMPAIGN = "controls", "campaign"
-# what a key reads as where a run's config lacks it (added later with this default: experiments.config)
-ABSENT = {"method.dense_lr_scale": 1.0}
 PRETRAIN = {"model.name": "tiny", "method.eight_bit": False}
 HMT = {"model.name": "tiny", "method.name": "hmt", "method.mode": "A", "method.weight_dtype": "bf16",
        "method.state_dtype": "fp32", "train.max_grad_norm": 1.0, "activation.attn_out": "keep",
@@ -75,35 +71,9 @@ ROWS = (
 )
 
 
-def _configs(results_dir: Path) -> dict[str, dict]:
-    """run id -> flattened config.yaml of every run under ``results_dir``."""
-    out = {}
-    for path in find_run_dirs(results_dir):
-        run = read_run(path, lambda _: None)
-        if run is not None:
-            out[str(run.summary.get("run_id") or path.name)] = _flatten(run.config)
-    return out
-
-
-def _matches(config: Mapping[str, Any], keys: Mapping[str, Any]) -> bool:
-    return all(config.get(k, ABSENT.get(k)) == v for k, v in keys.items())
-
-
 def row_runs(row: Row, results: Results, configs: Mapping[str, dict]) -> pd.DataFrame:
     """The completed runs of ``row``'s one setting (empty if none); two matching settings are a ``UserError``."""
-    runs = results.completed()
-    runs = runs[[_matches(configs.get(r, {}), row.keys) for r in runs["run_id"]]]
-    if runs["setting"].nunique() > 1:
-        raise UserError(f"ablation row {row.label!r} matches {runs['setting'].nunique()} settings "
-                        f"({', '.join(sorted(runs['run_id']))}); narrow its keys in analysis.ablation.ROWS")
-    return runs
-
-
-def _rate(runs: pd.DataFrame, configs: Mapping[str, dict]) -> str:
-    config = configs[runs["run_id"].iloc[0]]
-    rate = format(float(config["method.lr"]), "g")
-    scale = config.get("method.dense_lr_scale", 1.0)
-    return rate if scale == 1 else f"{rate} (×{scale:g} dense)"
+    return _row_runs(row.label, row.keys, (results, configs))
 
 
 def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Table:
@@ -115,14 +85,8 @@ def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Ta
     for row in ROWS:
         runs = found[row.label]
         ref = found[previous] if row.chain and previous else found[default] if not row.chain else None
-        loss = pd.to_numeric(runs["val_loss"], errors="coerce")
-        ref_loss = pd.to_numeric(ref["val_loss"], errors="coerce") if ref is not None else pd.Series(dtype=float)
-        delta = loss.mean() - ref_loss.mean() if len(loss) and len(ref_loss) else None
-        state = pd.to_numeric(runs.get("optim_state_bytes"), errors="coerce").mean() if len(runs) else None
-        rows.append([row.label, row.adds, _rate(runs, sources[row.source][1]) if len(runs) else "not run",
-                     str(len(runs)), fmt_mean_std(runs["val_loss"], ".3f") if len(runs) else DASH,
-                     fmt(delta, "+.3f"), stats.welch_verdict(list(loss), list(ref_loss)) if delta is not None else DASH,
-                     fmt(state, ".1f", MIB)])
+        rows.append([row.label, row.adds, tuned_rate(runs, sources[row.source][1]), str(len(runs)),
+                     *loss_cells(runs, ref), mean_mib(runs, "optim_state_bytes")])
         previous = row.label if row.chain else previous
     n_chain = sum(row.chain for row in ROWS)
     return Table("ablation", "From AdamW to HMT default, one difference at a time (tiny Llama, 300 steps; each row "
@@ -137,7 +101,7 @@ def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Ta
 
 def write_tables(controls: Path, campaign: Path, out: Path) -> list[Path]:
     """ablation.{md,tex} and, from the controls' learning-rate searches, controls_lr_search.{md,tex}."""
-    sources = {name: (load_results(d), _configs(d)) for name, d in ((CONTROLS, controls), (CAMPAIGN, campaign))}
+    sources = {name: (load_results(d), run_configs(d)) for name, d in ((CONTROLS, controls), (CAMPAIGN, campaign))}
     made = [ablation_table(sources)]
     search = Path(search_results_dir(str(controls)))
     if search.is_dir():

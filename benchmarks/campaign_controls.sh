@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/campaign_controls.sh
 #
-# then the ablation table: python -m analysis.ablation results/campaign-controls results/campaign --out docs/campaign
+# then the ablation table: python -m analysis.ablation results/campaign-controls results/campaign --out docs/campaign/tables
 # Log: results/campaign-logs/controls.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."

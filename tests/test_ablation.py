@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis import ablation
+from analysis import ablation, rows
 from analysis.load import load_results
+from analysis.settings import _flatten
 from experiments.errors import UserError
 
 CAMPAIGN = Path(__file__).resolve().parent.parent / "results" / "campaign"
@@ -21,8 +22,8 @@ CAMPAIGN = Path(__file__).resolve().parent.parent / "results" / "campaign"
 def _hmt_default_runs() -> list[Path]:
     out = []
     for d in sorted(CAMPAIGN.glob("hmt-tiny-train-s*")):
-        flat = ablation._flatten(yaml.safe_load((d / "config.yaml").read_text()))
-        if ablation._matches(flat, ablation.HMT):
+        flat = _flatten(yaml.safe_load((d / "config.yaml").read_text()))
+        if rows.matches(flat, ablation.HMT):
             out.append(d)
     return out
 
@@ -42,8 +43,8 @@ def _variant(src: Path, root: Path, name: str, method: dict, shift: float) -> fl
 
 
 def _table(controls: Path) -> dict[str, list[str]]:
-    sources = {ablation.CONTROLS: (load_results(controls), ablation._configs(controls)),
-               ablation.CAMPAIGN: (load_results(CAMPAIGN), ablation._configs(CAMPAIGN))}
+    sources = {ablation.CONTROLS: (load_results(controls), rows.run_configs(controls)),
+               ablation.CAMPAIGN: (load_results(CAMPAIGN), rows.run_configs(CAMPAIGN))}
     return {row[0]: row for row in ablation.ablation_table(sources).rows}
 
 
@@ -88,16 +89,21 @@ def _settings(root: Path) -> list[tuple[dict, int, str, float]]:
     return out
 
 
-def test_committed_controls_follow_the_tuning_protocol() -> None:
-    """Every completed final setting of results/campaign-controls ran with seeds 1-3 only at the point (rate, and
-    AdamW's dense-rate multiplier) with the lowest validation loss of its finished search at seed 0, which
-    holds ≥ 5 points (the 2-D search: 3 × 3)."""
+@pytest.mark.parametrize("folder", ["campaign-controls", "campaign-batch"])
+def test_committed_runs_follow_the_tuning_protocol(folder: str) -> None:
+    """Every completed final setting of a committed campaign folder (the controls, the batch campaign) ran with
+    seeds 1-3 only at the point (rate, and AdamW's dense-rate multiplier) with the lowest validation loss of its
+    finished search at seed 0, which holds ≥ 5 points (the 2-D search: 3 × 3) and has that point inside its grid
+    on every axis searched (bracketed)."""
     root = CAMPAIGN.parent
-    finals, search = _settings(root / "campaign-controls"), _settings(root / "campaign-controls-lr-search")
-    assert finals and search, "no committed controls"
+    finals, search = _settings(root / folder), _settings(root / f"{folder}-lr-search")
+    assert finals and search, f"no committed runs under results/{folder}"
     for setting in {f[0] for f in finals}:
         points = {s[1]: (s[4] if s[3] == "completed" else float("inf")) for s in search if s[0] == setting}
         assert len(points) >= 5 and all(s[3] in ("completed", "failed") for s in search if s[0] == setting), points
         best = min(sorted(points), key=lambda p: points[p])
         mine = [f for f in finals if f[0] == setting]
         assert {f[1] for f in mine} == {best} and {f[2] for f in mine} <= {1, 2, 3}, (setting, points, mine)
+        for axis in (0, 1):  # the rate, then the multiplier (a single value where it was not searched)
+            values = sorted({p[axis] for p in points})
+            assert len(values) == 1 or values[0] < best[axis] < values[-1], (setting, axis, best, points)

@@ -1,0 +1,34 @@
+"""docs/campaign's tables are what the committed runs give: the report (``analysis.report``), the ablation table
+(``analysis.ablation``) and the batch table (``analysis.batch``), regenerated from results/ into a temporary
+folder, match the committed files byte for byte (the figures are left out: their pixels depend on the font
+library, and the report's own determinism test covers them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from analysis import ablation, batch, report
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS, DOCS = REPO / "results", REPO / "docs" / "campaign"
+
+
+def _differing(made: Path, committed: Path) -> list[str]:
+    files = sorted(p.relative_to(made) for p in made.rglob("*") if p.is_file() and p.suffix in (".md", ".tex"))
+    assert files, f"nothing written under {made}"
+    return [str(f) for f in files if not (committed / f).exists()
+            or (made / f).read_bytes() != (committed / f).read_bytes()]
+
+
+def test_report_tables_regenerate_byte_identical(tmp_path: Path) -> None:
+    assert report.main([str(RESULTS / "campaign"), "--timing", str(RESULTS / "campaign-timing"), "--memory-results",
+                        str(RESULTS / "paper_memory"), "--out", str(tmp_path), "--no-figures"]) == 0
+    assert _differing(tmp_path / "tables", DOCS / "tables") == []
+
+
+def test_ablation_and_batch_tables_regenerate_byte_identical(tmp_path: Path) -> None:
+    assert ablation.main([str(RESULTS / "campaign-controls"), str(RESULTS / "campaign"), "--out",
+                          str(tmp_path / "tables")]) == 0
+    assert batch.main([str(RESULTS / "campaign-batch"), str(RESULTS / "campaign"), str(RESULTS / "campaign-controls"),
+                       "--out", str(tmp_path)]) == 0
+    assert _differing(tmp_path / "tables", DOCS / "tables") == []
