@@ -162,6 +162,14 @@ class OptimizerMethod:
         self.built = self._build(model)
         self.driver = OptimizerDriver(self.built.optimizer, max_grad_norm=max_grad_norm)
 
+    def set_parallel(self, context: ParallelContext) -> bool:
+        """Nothing to take: ``torch.optim`` steps after backward, on gradients the caller's wrapper (DDP, FSDP2)
+        has reduced (False)."""
+        if context.refresh_mode != "gather":
+            raise ValueError(f"dist.refresh={context.refresh_mode} needs method=hmt on FSDP2 shards "
+                             "(its sharded engine)")
+        return False
+
     def start_micro_batch(self, index: int, count: int) -> None:
         pass  # gradients accumulate in .grad; the optimizer steps once after the last micro-batch
 

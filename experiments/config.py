@@ -20,12 +20,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import methods
-from experiments.model_cards import CARD_FIELDS, card_dir, card_fields, card_names
+from experiments.config_checks import check_folder, one_of, positive
+from experiments.model_cards import card_fields, card_names
+from experiments.model_config import MODEL_PHASES, ModelConfig
 from experiments.sweeps import cluster
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
 from hmt_core.hmt import Config as HMTConfig
 
-DTYPES = ("bf16", "fp32", "fp16")
 RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
 MODES = ("train", "dryrun")
 RESERVE_MODES = ("modeled", "flat")
@@ -36,102 +37,6 @@ DIST_MODES = ("none", "ddp", "fsdp2")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 DIST_REFRESH = ("gather", "sketch")
 OOM_POLICIES = ("fail", "replan")
-
-
-def _positive(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is None or not value > 0:
-            raise ValueError(f"{section}.{name} must be > 0, got {value}")
-
-
-def _check_folder(key: str, folder: str) -> None:
-    """``folder`` (``~`` expanded) must be a directory or creatable as one: no part of it may be a file."""
-    path = Path(folder).expanduser()
-    for part in (path, *path.parents):
-        if part.exists():
-            if not part.is_dir():
-                what = "is a file" if part == path else f"lies under {part}, which is a file"
-                raise ValueError(f"{key}={folder} {what}, not a folder; point {key} at a folder (it is created "
-                                 "if missing)")
-            return
-
-
-def _one_of(section: str, name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{section}.{name} must be one of {list(allowed)}, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    name: str = "tiny"
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    intermediate_size: int = 688
-    vocab_size: int = 4096
-    max_position_embeddings: int = 4096
-    path: str | None = None  # a local Hugging Face model directory (config + weights); overrides the shape
-    dtype: str = "bf16"  # weight storage dtype
-    attn_implementation: str = "sdpa"
-    tie_embeddings: bool = False
-    card: str | None = None  # a committed config-only folder, experiments/model_cards/<card> (model=<card>)
-
-    def __post_init__(self) -> None:
-        _positive("model", self, "hidden_size", "num_layers", "num_heads", "intermediate_size", "vocab_size")
-        if self.card is not None:
-            _check_card(self)
-        _one_of("model", "dtype", self.dtype, DTYPES)
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} not divisible by model.num_heads={self.num_heads}")
-        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
-            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must be > 0 and divide model.num_heads="
-                             f"{self.num_heads} (grouped-query attention: each key/value head serves "
-                             "num_heads/num_kv_heads query heads)")
-        if self.path is not None:
-            if not (Path(self.path).expanduser() / "config.json").exists():
-                raise FileNotFoundError(f"model.path has no Hugging Face model (config.json): {self.path}")
-
-    @property
-    def hf_dir(self) -> str | None:
-        """The Hugging Face folder the model is built from: ``model.path``, or the card's committed folder; None
-        for the harness's own Llama shape (the fields above)."""
-        if self.path:
-            return self.path
-        return str(card_dir(self.card)) if self.card else None
-
-
-def _check_card(model: ModelConfig) -> None:
-    """A card is built from its folder: a shape field overridden on the command line would be silently ignored,
-    so it is refused, as is a card together with ``model.path``."""
-    if model.path is not None:
-        raise ValueError(f"model.card={model.card} and model.path={model.path} both name the model; use one")
-    for key, value in card_fields(model.card).items():
-        if key in CARD_FIELDS and getattr(model, key) != value:  # the shape, not the name or attention kernel
-            raise ValueError(f"model.{key}={getattr(model, key)} differs from card {model.card}'s {CARD_FIELDS[key]}="
-                             f"{value} ({card_dir(model.card)}/config.json): a card's shape is its config.json; "
-                             "copy that folder, edit it and pass model.path=<folder>")
-
-
-MODEL_PHASES: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(),
-    "small": ModelConfig(name="small", hidden_size=384, num_layers=6, num_heads=6, intermediate_size=1024),
-    "125m": ModelConfig(name="125m", hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
-                        vocab_size=32000),
-    "350m": ModelConfig(name="350m", hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=2736,
-                        vocab_size=32000),
-    "1b": ModelConfig(name="1b", hidden_size=2048, num_layers=24, num_heads=32, intermediate_size=5461,
-                      vocab_size=32000),
-    "3b": ModelConfig(name="3b", hidden_size=3200, num_layers=26, num_heads=32, intermediate_size=8640,
-                      vocab_size=32000),
-    "7b": ModelConfig(name="7b", hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008,
-                      vocab_size=32000),
-    "13b": ModelConfig(name="13b", hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824,
-                       vocab_size=32000),
-    "70b": ModelConfig(name="70b", hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                       intermediate_size=28672, vocab_size=32000),
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +58,7 @@ class DataConfig:
         if self.path is not None:
             if not Path(self.path).expanduser().exists():
                 raise FileNotFoundError(f"data.path does not exist: {self.path}")
-        _check_folder("data.cache_dir", self.cache_dir)
+        check_folder("data.cache_dir", self.cache_dir)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +92,7 @@ class TrainConfig:
     confirm: bool = False  # train on a CPU even when the time model says a step takes > experiments.step_time.CONFIRM_S
 
     def __post_init__(self) -> None:
-        _positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
+        positive("train", self, "steps", "seq_len", "batch_size", "grad_accum", "eval_every", "eval_batches",
                   "log_every", "ce_chunk_tokens")
         if self.seq_len < 2:
             raise ValueError(f"train.seq_len={self.seq_len} must be >= 2: the next-token loss needs at least one "
@@ -201,14 +106,14 @@ class TrainConfig:
         for name in ("checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        _positive("train", self, "max_bad_steps")
+        positive("train", self, "max_bad_steps")
         if not self.resume:
             raise ValueError("train.resume must be 'auto', 'never' or a checkpoint path")
         deterministic = str(self.deterministic).lower()  # Hydra hands `train.deterministic=true` over as "True"
         if deterministic not in ("auto", "true", "false"):
             raise ValueError(f"train.deterministic must be auto, true or false, got {self.deterministic}")
         object.__setattr__(self, "deterministic", deterministic)
-        _one_of("train", "on_oom", self.on_oom, OOM_POLICIES)
+        one_of("train", "on_oom", self.on_oom, OOM_POLICIES)
         if self.max_replans < 0:
             raise ValueError(f"train.max_replans must be >= 0, got {self.max_replans}")
         if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
@@ -267,10 +172,10 @@ class DryrunConfig:
     device: str = "cpu"  # target whose dispatch is traced: cuda | cpu (experiments.dryrun_device)
 
     def __post_init__(self) -> None:
-        _positive("dryrun", self, "steps", "top_modules")
-        _one_of("dryrun", "reserve", self.reserve, RESERVE_MODES)
-        _one_of("dryrun", "gpu_arch", self.gpu_arch, GPU_ARCHS)
-        _one_of("dryrun", "device", self.device, ("cuda", "cpu"))
+        positive("dryrun", self, "steps", "top_modules")
+        one_of("dryrun", "reserve", self.reserve, RESERVE_MODES)
+        one_of("dryrun", "gpu_arch", self.gpu_arch, GPU_ARCHS)
+        one_of("dryrun", "device", self.device, ("cuda", "cpu"))
         if self.cuda_context_gib < 0:
             raise ValueError(f"dryrun.cuda_context_gib must be >= 0, got {self.cuda_context_gib}")
         object.__setattr__(self, "gpu_sizes_gib", tuple(self.gpu_sizes_gib))
@@ -285,7 +190,7 @@ class WandbConfig:
     entity: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of("wandb", "mode", self.mode, WANDB_MODES)
+        one_of("wandb", "mode", self.mode, WANDB_MODES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,14 +206,14 @@ class DistConfig:
     bucket_mb: float = 25.0  # ddp + per-layer hmt: fp32 gradient bucket size (MiB) of its async all-reduces (DDP's)
 
     def __post_init__(self) -> None:
-        _one_of("dist", "mode", self.mode, DIST_MODES)
-        _one_of("dist", "backend", self.backend, DIST_BACKENDS)
-        _one_of("dist", "refresh", self.refresh, DIST_REFRESH)
-        _positive("dist", self, "timeout_s")
+        one_of("dist", "mode", self.mode, DIST_MODES)
+        one_of("dist", "backend", self.backend, DIST_BACKENDS)
+        one_of("dist", "refresh", self.refresh, DIST_REFRESH)
+        positive("dist", self, "timeout_s")
         if not self.bucket_mb >= 0:
             raise ValueError(f"dist.bucket_mb must be >= 0 (0: one all-reduce per gradient), got {self.bucket_mb}")
         if self.world_size is not None:
-            _positive("dist", self, "world_size")
+            positive("dist", self, "world_size")
             if self.mode == "none":
                 raise ValueError(f"dist.world_size={self.world_size} needs dist=ddp or dist=fsdp2")
         if self.lowrank_comm and self.mode != "ddp":
@@ -334,8 +239,8 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
-        _one_of("run", "mode", self.mode, MODES)
-        _one_of("run", "device", self.device, DEVICES)
+        one_of("run", "mode", self.mode, MODES)
+        one_of("run", "device", self.device, DEVICES)
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not self.results_dir.strip():

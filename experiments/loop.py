@@ -18,6 +18,7 @@ at read steps, after that check, so none holds the state of a tripped run."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import resource
 import statistics
@@ -164,93 +165,99 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                  extra_metrics: Callable[[], dict] | None = None, checkpointer: Checkpointer | None = None,
                  state: LoopState | None = None, sync=None) -> LoopResult:
     """Train from ``state.next_step`` (0 for a fresh run) to ``cfg.steps``. ``sync`` (multi-process:
-    ``experiments.dist.parallel.DistContext``): the logged loss is the mean over ranks, a step is skipped on every
+    ``experiments.dist.context.DistContext``): the logged loss is the mean over ranks, a step is skipped on every
     rank or none, and per-rank peak memory is reduced to ``memory/peak_max(GiB)``/``memory/peak_mean(GiB)``.
 
     Values reach the host only on read steps (module docstring): logging (``step % log_every == 0``), eval, last,
     checkpoint and preemption steps; every other step runs without a host sync."""
     from tqdm.auto import tqdm
 
-    def autocast() -> contextlib.AbstractContextManager:
-        return autocast_context(device, cfg.autocast)
-
     check_lm_loss(model, cfg)
     state = state or LoopState()
-    start = state.next_step
-    run = _Run(cfg=cfg, method=method, model=model, device=device, sync=sync, log=log, wandb_run=wandb_run,
-               extra_metrics=extra_metrics, checkpointer=checkpointer, state=state,
-               val_batches=corpus.val.fixed_batches(cfg.eval_batches), autocast=autocast,
-               tally=StepTally(state, device, max_bad_steps=cfg.max_bad_steps), clock=StepClock(device))
-    pcie = gpu_stats.PcieSampler.for_device(device)  # None on CPU or without NVML
-    bar = tqdm(range(start, cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name,
-               initial=start, total=cfg.steps)
+    autocast = functools.partial(autocast_context, device, cfg.autocast)
+    run = _Run(cfg=cfg, method=method, model=model, device=device, sync=sync, meter=meter, state=state,
+               start=state.next_step, checkpointer=checkpointer, autocast=autocast,
+               metrics=MetricsLogger(log=log, wandb_run=wandb_run, method=method, device=device, sync=sync,
+                                     extra=extra_metrics),
+               validator=Validator(model, corpus.val.fixed_batches(cfg.eval_batches), device, autocast, cfg),
+               tally=StepTally(state, device, max_bad_steps=cfg.max_bad_steps), clock=StepClock(device),
+               pcie=gpu_stats.PcieSampler.for_device(device))  # pcie: None on CPU or without NVML
+    bar = tqdm(range(run.start, cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name,
+               initial=run.start, total=cfg.steps)
     with profiler or contextlib.nullcontext():
         for step in bar:
             method.set_lr_scale(lr_scale(step, cfg))
             micro = [to_device(corpus.train.batch(step * cfg.grad_accum + k), device) for k in range(cfg.grad_accum)]
-            metered = step - start < METERED_STEPS
-            evals = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
-            logged = step % cfg.log_every == 0 or evals
-            # PCIe counters are sampled only through the steps that are logged anyway (a sampler costs the host up
-            # to one NVML window per step)
-            sampled = pcie is not None and logged
-            if sampled:
-                pcie.start()
-            try:
-                run.clock.start()
-                with meter if metered else contextlib.nullcontext():
-                    loss_t, grad_norm = train_step(model, method, micro, meter=meter if metered else None,
-                                                   autocast=autocast, skip_nonfinite=True, fused_ce=cfg.fused_ce,
-                                                   ce_chunk_tokens=cfg.ce_chunk_tokens)
-                run.tally.add(loss_t, grad_norm)
-                run.clock.stop()
-            finally:
-                pcie_metrics = pcie.stop() if sampled else {}
-            run.metered.append(metered)
-            run.has_norm = grad_norm is not None
-            if sync is not None:
-                sync.count_step()
-            state.next_step = step + 1
-            if metered:
-                run.peak_mib = meter.report().peak_bytes / 2**20
-            preempt = checkpointer is not None and checkpointer.preempt_requested()
-            save = checkpointer is not None and checkpointer.due(step + 1) and step + 1 < cfg.steps
-            if logged or preempt or save:
-                dt = run.read_step(step, evals=evals, logged=logged, pcie_metrics=pcie_metrics)
-                if preempt:
-                    checkpointer.preempt(state)
-                if save:
-                    checkpointer.save(state)
-                if state.loss_ema is not None:
-                    bar.set_postfix(loss=f"{state.loss_ema:.3f}", tok_s=f"{run.tokens_per_step / dt:.0f}",
-                                    mem=f"{run.peak_mib:.0f}MiB")
+            run.step(step, micro, bar)
             if profiler is not None and hasattr(profiler, "step"):
                 profiler.step()
     if checkpointer is not None:
         checkpointer.stop_preempt_checks()
-    if checkpointer is not None and checkpointer.every > 0:
-        checkpointer.save(state)  # the final checkpoint
-    return run.result(start, meter)
+        if checkpointer.every > 0:
+            checkpointer.save(state)  # the final checkpoint
+    return run.result()
+
+
+@dataclass
+class Validator:
+    """The validation loss on the same fixed batches at every eval step."""
+
+    model: nn.Module
+    batches: list[torch.Tensor]
+    device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    cfg: TrainConfig
+
+    def __call__(self) -> float:
+        return evaluate(self.model, self.batches, self.device, self.autocast, fused_ce=self.cfg.fused_ce,
+                        ce_chunk_tokens=self.cfg.ce_chunk_tokens)
+
+
+@dataclass
+class MetricsLogger:
+    """A logged step's record completed (memory, device and method figures) and written: to ``log`` (the results
+    store) and to W&B."""
+
+    log: Callable[[dict], None]
+    wandb_run: object
+    method: Method
+    device: torch.device
+    sync: object  # DistContext | None: per-rank peaks reduced over ranks
+    extra: Callable[[], dict] | None
+
+    def write(self, step: int, record: dict, peak_mib: float, pcie_metrics: dict) -> None:
+        record["memory/peak(GiB)"] = peak_mib / 1024
+        if self.sync is not None:
+            record.update(self.sync.memory_metrics(peak_mib * 2**20))
+        record.update(gpu_stats.step_metrics(self.device), **pcie_metrics)
+        record.update(self.method.metrics())
+        if self.extra is not None:
+            record.update(self.extra())
+        self.log(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
 
 @dataclass
 class _Run:
-    """``run_training``'s state between read steps, and what a read step does with it."""
+    """``run_training``'s state between read steps: one step (timed, metered on the first ``METERED_STEPS``), and
+    what a read step does (tallies, eval, log record, checkpoint)."""
 
     cfg: TrainConfig
     method: Method
     model: nn.Module
     device: torch.device
     sync: object
-    log: Callable[[dict], None]
-    wandb_run: object
-    extra_metrics: Callable[[], dict] | None
-    checkpointer: Checkpointer | None
+    meter: MemoryMeter
     state: LoopState
-    val_batches: list[torch.Tensor]
+    start: int
+    checkpointer: Checkpointer | None
     autocast: Callable[[], contextlib.AbstractContextManager]
+    metrics: MetricsLogger
+    validator: Validator
     tally: StepTally
     clock: StepClock
+    pcie: gpu_stats.PcieSampler | None
     metered: list[bool] = field(default_factory=list)  # per step since the last read
     has_norm: bool = False
     peak_mib: float = 0.0
@@ -260,6 +267,50 @@ class _Run:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.seq_len * self.cfg.grad_accum
+
+    def step(self, step: int, micro: list[torch.Tensor], bar) -> None:
+        """Train one step; at a read step read its figures, then checkpoint (preemption, ``checkpoint_every``)."""
+        cfg, state, ckpt = self.cfg, self.state, self.checkpointer
+        evals = (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps
+        logged = step % cfg.log_every == 0 or evals
+        pcie_metrics = self._train(micro, metered=step - self.start < METERED_STEPS, sampled=logged)
+        state.next_step = step + 1
+        preempt = ckpt is not None and ckpt.preempt_requested()
+        save = ckpt is not None and ckpt.due(step + 1) and step + 1 < cfg.steps
+        if not (logged or preempt or save):
+            return
+        dt = self.read_step(step, evals=evals, logged=logged, pcie_metrics=pcie_metrics)
+        if preempt:
+            ckpt.preempt(state)
+        if save:
+            ckpt.save(state)
+        if state.loss_ema is not None:
+            bar.set_postfix(loss=f"{state.loss_ema:.3f}", tok_s=f"{self.tokens_per_step / dt:.0f}",
+                            mem=f"{self.peak_mib:.0f}MiB")
+
+    def _train(self, micro: list[torch.Tensor], *, metered: bool, sampled: bool) -> dict:
+        """``train_step`` timed, under the meter when ``metered``; PCIe counters are sampled only through the steps
+        that are logged anyway (``sampled``: a sampler costs the host up to one NVML window per step)."""
+        meter, pcie = self.meter, self.pcie if sampled else None
+        if pcie is not None:
+            pcie.start()
+        try:
+            self.clock.start()
+            with meter if metered else contextlib.nullcontext():
+                loss_t, grad_norm = train_step(self.model, self.method, micro, meter=meter if metered else None,
+                                               autocast=self.autocast, skip_nonfinite=True,
+                                               fused_ce=self.cfg.fused_ce, ce_chunk_tokens=self.cfg.ce_chunk_tokens)
+            self.tally.add(loss_t, grad_norm)
+            self.clock.stop()
+        finally:
+            pcie_metrics = pcie.stop() if pcie is not None else {}
+        self.metered.append(metered)
+        self.has_norm = grad_norm is not None
+        if self.sync is not None:
+            self.sync.count_step()
+        if metered:
+            self.peak_mib = meter.report().peak_bytes / 2**20
+        return pcie_metrics
 
     def read_step(self, step: int, *, evals: bool, logged: bool, pcie_metrics: dict) -> float:
         """The one host read of the steps since the previous read: their times, the tallies (``state`` updated),
@@ -275,8 +326,7 @@ class _Run:
         dt, metered, self.metered = times[-1], self.metered[-1], []
         if evals:
             with sync.counted_as("eval") if sync is not None else contextlib.nullcontext():
-                state.val_loss = evaluate(self.model, self.val_batches, self.device, self.autocast,
-                                          fused_ce=cfg.fused_ce, ce_chunk_tokens=cfg.ce_chunk_tokens)
+                state.val_loss = self.validator()
         if logged:
             record = {"step": step, "loss/train": reading.loss, "lr_scale": lr_scale(step, cfg), "time/step_s": dt,
                       "throughput/tokens_per_s": self.tokens_per_step / dt, "metered": metered}
@@ -287,7 +337,7 @@ class _Run:
             record["skipped_steps"] = state.skipped_steps
             if evals:
                 record["loss/val"] = state.val_loss
-            self._log(step, record, pcie_metrics)
+            self.metrics.write(step, record, self.peak_mib, pcie_metrics)
         if reading.tripped_at is not None:
             saved = self.checkpointer.saved if self.checkpointer is not None else []
             last = saved[-1]["path"] if saved else "none written"
@@ -296,19 +346,7 @@ class _Run:
                                   f"{end}, each skipped; train.max_bad_steps={n}); last checkpoint: {last}")
         return dt
 
-    def _log(self, step: int, record: dict, pcie_metrics: dict) -> None:
-        record["memory/peak(GiB)"] = self.peak_mib / 1024
-        if self.sync is not None:
-            record.update(self.sync.memory_metrics(self.peak_mib * 2**20))
-        record.update(gpu_stats.step_metrics(self.device), **pcie_metrics)
-        record.update(self.method.metrics())
-        if self.extra_metrics is not None:
-            record.update(self.extra_metrics())
-        self.log(record)
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=step)
-
-    def result(self, start: int, meter: MemoryMeter) -> LoopResult:
+    def result(self) -> LoopResult:
         cfg, state, n = self.cfg, self.state, len(self.step_times)
         step_time = self.timed_s / n if n else float("nan")
         return LoopResult(train_loss=state.last_loss, val_loss=state.val_loss, steps=cfg.steps,
@@ -316,4 +354,4 @@ class _Run:
                           tokens_per_s=self.tokens_per_step / step_time if n else float("nan"),
                           step_time_s=step_time,
                           step_time_median_s=statistics.median(self.step_times) if n else float("nan"),
-                          meter=meter, skipped_steps=state.skipped_steps, start_step=start)
+                          meter=self.meter, skipped_steps=state.skipped_steps, start_step=self.start)

@@ -77,7 +77,7 @@ class StepTally:
 
     def read(self, state: LoopState, sync=None) -> Reading:
         """The one host read: fills ``state``'s counters and loss figures and returns the last step's values.
-        ``sync`` (``experiments.dist.parallel.DistContext``): losses averaged over ranks first; the counters are this
+        ``sync`` (``experiments.dist.context.DistContext``): losses averaged over ranks first; the counters are this
         rank's (every rank skips the same steps: the gradients a non-finite loss makes NaN are reduced across
         ranks, so every rank's grad norm is non-finite)."""
         losses = torch.stack([self.loss, self.loss_ema, self.last_loss])  # (3,) fp64

@@ -6,18 +6,23 @@ import contextlib
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from experiments import methods
-from experiments.checkpoint.manager import Checkpointer, Preempted, checkpoint_root, clear_checkpoints, find_resume
+from experiments.checkpoint.manager import (Checkpointer, LoopState, Preempted, ResumePoint, checkpoint_root,
+                                            clear_checkpoints, find_resume)
 from experiments.config import RunConfig
-from experiments.data.corpus import build_corpus, has_tokenizer
+from experiments.data.corpus import Corpus, build_corpus, has_tokenizer
 from experiments.dist import parallel as distributed
+from experiments.dist.context import DistContext
 from experiments.dryrun import metered_probe
 from experiments.errors import UserError, exit_with_error
-from experiments.loop import METERED_STEPS, autocast_context, check_lm_loss, cpu_rss_peak_bytes, run_training
+from experiments.loop import (METERED_STEPS, LoopResult, autocast_context, check_lm_loss, cpu_rss_peak_bytes,
+                              run_training)
 from experiments.memory import gpu_stats
 from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.models import count_params, has_weights, model_vocab_size
@@ -25,6 +30,7 @@ from experiments.replan import Attempt, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
 from hmt_core.activations import apply_policy
 from hmt_core.hmt import HMTMethod
+from hmt_core.method import Method
 from experiments.dist import checks as dist_checks
 
 
@@ -103,25 +109,158 @@ def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
 def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                   build_summary, print_summary, *, attempt: Attempt | None = None) -> dict:
     """Set up (data, model, method: every check that needs them fails here, before any compute and before
-    anything is written), then train and write ``run_dir``. Under torchrun (``dist=ddp|fsdp2``) every rank runs
-    this; rank 0 alone writes (``experiments.dist.parallel``)."""
-    ctx = distributed.setup(run, device)  # None for dist=none; validates the launch before anything else
-    device = ctx.device if ctx is not None else device
-    main = ctx is None or ctx.is_main
-    run_dir = distributed.rank_run_dir(run_dir, ctx)
-    ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
-    resume_point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
-    recorded = (resume_point.manifest.get("meta") or {}).get("replan") if resume_point else None
-    run, replanned = resumed_plan(run, recorded, attempt)  # train.on_oom=replan's steps down, kept in checkpoints
-    if attempt is not None:  # where the next attempt resumes unless this one saves a checkpoint
-        attempt.failed(checkpoint=str(resume_point.path) if resume_point else None,
-                       checkpoint_step=resume_point.step if resume_point else None, peak_bytes=None)
-    seed_everything(run.seed)
-    set_deterministic(run.train.deterministic, device)
-    t = run.train
-    corpus = rank_corpus(run, ctx)
+    anything is written), then train and write ``run_dir``. One trainer for every launch: a single process is
+    world size 1 (``DistContext.single``); under torchrun (``dist=ddp|fsdp2``) every rank runs this, rank 0 alone
+    writes (``DistContext.run_dir``)."""
+    ctx = distributed.setup(run, device)  # validates the launch before anything else
+    try:
+        trainer = Trainer.build(run, config_dict, method, ctx, ctx.run_dir(run_dir), attempt=attempt)
+        return trainer.train(build_summary, print_summary)
+    finally:
+        ctx.teardown()
+
+
+@dataclass
+class Trainer:
+    """One attempt's components, built and checked by ``build``; ``train`` runs the loop and writes the results."""
+
+    run: RunConfig
+    config_dict: dict
+    method: Method
+    ctx: DistContext
+    run_dir: RunDir
+    corpus: Corpus
+    model: nn.Module
+    forward_model: nn.Module  # ddp: the DDP wrapper (or the model, where the method reduces its own gradients)
+    meter: MemoryMeter
+    startup_peak_bytes: int
+    checkpointer: Checkpointer
+    resume_point: ResumePoint | None
+    attempt: Attempt | None
+
+    @classmethod
+    def build(cls, run: RunConfig, config_dict: dict, method: Method, ctx: DistContext, run_dir: RunDir, *,
+              attempt: Attempt | None) -> Trainer:
+        ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
+        point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
+        recorded = (point.manifest.get("meta") or {}).get("replan") if point else None
+        run, replanned = resumed_plan(run, recorded, attempt)  # train.on_oom=replan's steps down, kept in checkpoints
+        if attempt is not None:  # where the next attempt resumes unless this one saves a checkpoint
+            attempt.failed(checkpoint=str(point.path) if point else None,
+                           checkpoint_step=point.step if point else None, peak_bytes=None)
+        seed_everything(run.seed)
+        set_deterministic(run.train.deterministic, ctx.device)
+        corpus = rank_corpus(run, ctx)
+        model, meter, startup_peak = build_model(run, method, ctx, corpus.vocab_size)
+        forward_model = distributed.wrap_for_forward(model, method, ctx)  # ddp: DDP (or the method's own reduce)
+        t = run.train
+        checkpointer = ctx.checkpointer(ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model,
+                                        method=method, meta={"run_id": run_dir.run_id, "config": config_dict,
+                                                             **({"replan": replanned} if replanned else {})})
+        if point is not None:
+            checkpointer.check_resume(point)  # dist: a world-size change only where DCP reshards the state
+        if ctx.is_main:
+            announce_start(run, run_dir, ckpt_root, point)
+        return cls(run=run, config_dict=config_dict, method=method, ctx=ctx, run_dir=run_dir, corpus=corpus,
+                   model=model, forward_model=forward_model, meter=meter, startup_peak_bytes=startup_peak,
+                   checkpointer=checkpointer, resume_point=point, attempt=attempt)
+
+    def train(self, build_summary, print_summary) -> dict:
+        """Train to ``train.steps`` and write the summary; on failure the run directory says why (status
+        ``preempted`` with a checkpoint, ``failed`` with the traceback) and a dead peer is one line."""
+        point = self.resume_point
+        self.run_dir.start(self.config_dict, keep_metrics_before=point.step if point else None)
+        wandb_run = None
+        try:
+            activation_summary, act_handle = activations_on(self.run, self.model, self.corpus, self.meter, self.ctx)
+            params = count_params(self.model)
+            state = self.checkpointer.restore(point, self.ctx.device) if point else None  # last: sets the RNGs
+            if state is not None:  # the restored optimizer state is live from the first step on (counts to the cap)
+                self.meter.mark(self.method.state_tensors(), "optimizer")
+            self.checkpointer.install_signal_handlers()
+            wandb_run = open_wandb(self.run, self.run_dir, self.config_dict) if self.ctx.is_main else None
+            result = self._loop(state, wandb_run, act_handle)
+            summary = self._summary(build_summary, result, params, _with_saved(activation_summary, act_handle))
+            self._finish(summary, result, wandb_run, print_summary)
+            return summary
+        except BaseException as e:
+            self._failed(e)
+            raise
+        finally:
+            self.checkpointer.restore_signal_handlers()
+            if wandb_run is not None:
+                with contextlib.suppress(Exception):
+                    wandb_run.finish()
+
+    def _loop(self, state: LoopState | None, wandb_run, act_handle) -> LoopResult:
+        run, ctx, device = self.run, self.ctx, self.ctx.device
+        gpu_stats.reset_peaks(device)
+        profiler = make_profiler(self.run_dir, device) if run.profile and ctx.is_main else None
+        result = run_training(self.forward_model, self.method, self.corpus, ctx.train_config(run.train), device,
+                              log=_logger(self.run_dir), meter=self.meter, sync=ctx.loop_sync, wandb_run=wandb_run,
+                              profiler=profiler, extra_metrics=act_handle.metrics if act_handle else None,
+                              checkpointer=self.checkpointer, state=state)
+        self.meter.remove_hooks()
+        return result
+
+    def _summary(self, build_summary, result: LoopResult, params: tuple[int, int], activation_summary) -> dict:
+        run, ctx, device = self.run, self.ctx, self.ctx.device
+        rep = self.meter.report()
+        memory = memory_summary(rep, self.startup_peak_bytes, device)
+        return build_summary(
+            run, self.run_dir.run_id, device, params_total=params[0], params_trainable=params[1],
+            steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
+            step_time_s=result.step_time_s, step_time_median_s=result.step_time_median_s,
+            train_loss=result.train_loss, val_loss=result.val_loss, memory=memory,
+            cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
+            data=self.corpus.stats, method_summary=self.method.summary(), activation_summary=activation_summary,
+            skipped_steps=result.skipped_steps, resume=_resume_summary(self.resume_point),
+            checkpoints=self.checkpointer.summary(),
+            **ctx.summary_block(memory["peak_bytes"], self.startup_peak_bytes),
+            **({"replans": self.attempt.replans} if self.attempt is not None else {}))
+
+    def _finish(self, summary: dict, result: LoopResult, wandb_run, print_summary) -> None:
+        if self.run.train.save_model and self.ctx.is_main:
+            if isinstance(self.method, HMTMethod):  # method.embedding_update=lazy_exact: every row brought up to date
+                self.method.materialize_weights()
+            save_model(self.model, self.corpus.tokenizer, self.run_dir.path / "model")
+        self.run_dir.finish(summary)
+        if wandb_run is not None:
+            wandb_run.summary.update({"memory/peak(GiB)": summary["memory"]["peak_bytes"] / 2**30,
+                                      "loss/val": result.val_loss})
+        if self.ctx.is_main:
+            print_summary(summary, self.run_dir.path)
+
+    def _failed(self, e: BaseException) -> None:
+        """What a run directory, the next attempt and the other ranks learn of a failure."""
+        ctx, saved = self.ctx, self.checkpointer.saved
+        if isinstance(e, Preempted):  # checkpoint written: resumable, status 'preempted'; exit 75 (130 after Ctrl-C)
+            self.run_dir.preempt()
+            if ctx.is_main:  # every rank stops alike (DistCheckpointer agrees on the flag); rank 0 says so, once
+                print(e, file=sys.stderr)
+            ctx.barrier()  # no rank exits before rank 0 has written the status: torchrun stops the others
+            return  # (SIGTERM) as soon as one worker exits non-zero
+        if isinstance(e, KeyboardInterrupt):
+            self.run_dir.fail("interrupted (a second Ctrl-C): stopped without a final checkpoint\n")
+            return
+        self.run_dir.fail("".join(traceback.format_exception(e)))
+        if self.attempt is not None and isinstance(e, torch.OutOfMemoryError):  # what the next attempt starts from
+            last = saved[-1] if saved else None
+            self.attempt.failed(checkpoint=last["path"] if last else self.attempt.checkpoint,
+                                checkpoint_step=last["step"] if last else self.attempt.checkpoint_step,
+                                peak_bytes=_oom_peak(self.meter, ctx.device))
+        if ctx.is_peer_failure(e):  # another rank died: one line, not this rank's traceback
+            last = saved[-1]["path"] if saved else None
+            exit_with_error(ctx.peer_failure_message(e, last), code=1, every_rank=True)
+
+
+def build_model(run: RunConfig, method: Method, ctx: DistContext, vocab_size: int) -> tuple[nn.Module, MemoryMeter,
+                                                                                             int]:
+    """The model, prepared by ``method``, sharded as ``ctx`` says, metered and with the method attached:
+    (model, meter, start-up peak bytes: build + shard + init, before the first step)."""
+    device, t = ctx.device, run.train
     with StartupPeak(device) as startup:  # fsdp2: built on meta, fully_shard per layer + root, shards initialised
-        model = distributed.build_sharded(run.model, method, ctx, vocab_size=corpus.vocab_size, device=device)
+        model = distributed.build_sharded(run.model, method, ctx, vocab_size=vocab_size, device=device)
     model.train()
     meter = MemoryMeter(source="cuda" if device.type == "cuda" else "tracker", device=device,
                         cap_bytes=None if t.memory_cap_gib is None else int(t.memory_cap_gib * 2**30))
@@ -132,95 +271,20 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     except ValueError as e:  # the method's settings do not fit this model (rank > dims, no weight matched, ...)
         raise UserError(str(e)) from None
     check_lm_loss(model, t)  # an architecture the fused loss cannot stand in for: refused before any write
-    forward_model = distributed.wrap_for_forward(model, method, ctx)  # ddp: the DDP wrapper (or hmt's own reduce)
-    checkpointer = distributed.checkpointer_class(ctx, Checkpointer)(  # DCP under torchrun
-        ckpt_root, every=t.checkpoint_every, keep=t.keep_checkpoints, model=model, method=method,
-        meta={"run_id": run_dir.run_id, "config": config_dict,
-              **({"replan": replanned} if replanned else {})})
-    if resume_point is not None:
-        checkpointer.check_resume(resume_point)  # dist: a world-size change only where DCP reshards the state
-    if main:
-        announce_start(run, run_dir, ckpt_root, resume_point)
-    run_dir.start(config_dict, keep_metrics_before=resume_point.step if resume_point else None)
-    wandb_run = None
-    try:
-        activation_summary, act_handle = activations_on(run, model, corpus, meter, device, ctx)
-        params_total, params_trainable = count_params(model)
-        state = checkpointer.restore(resume_point, device) if resume_point else None  # last: sets the RNGs
-        if state is not None:  # the restored optimizer state is live from the first step on (and counts to the cap)
-            meter.mark(method.state_tensors(), "optimizer")
-        checkpointer.install_signal_handlers()
-        wandb_run = open_wandb(run, run_dir, config_dict) if main else None
-        gpu_stats.reset_peaks(device)
-        profiler = make_profiler(run_dir, device) if run.profile and main else None
-        result = run_training(forward_model, method, corpus, distributed.for_rank(t, ctx), device,
-                              log=_logger(run_dir), meter=meter, sync=ctx,
-                              wandb_run=wandb_run, profiler=profiler,
-                              extra_metrics=act_handle.metrics if act_handle else None, checkpointer=checkpointer,
-                              state=state)
-        meter.remove_hooks()
-        rep = meter.report()
-        memory, dist_summary = memory_summary(rep, startup.peak_bytes, device, ctx)
-        summary = build_summary(
-            run, run_dir.run_id, device, params_total=params_total, params_trainable=params_trainable,
-            steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
-            step_time_s=result.step_time_s, step_time_median_s=result.step_time_median_s, train_loss=result.train_loss, val_loss=result.val_loss, memory=memory,
-            cpu_rss_peak_bytes=cpu_rss_peak_bytes(), host_device_bytes=rep.host_device_bytes,
-            data=corpus.stats, method_summary=method.summary(),
-            activation_summary=_with_saved(activation_summary, act_handle), skipped_steps=result.skipped_steps,
-            resume=_resume_summary(resume_point), checkpoints=checkpointer.summary(), **dist_summary,
-            **({"replans": attempt.replans} if attempt is not None else {}))
-        if t.save_model and main:
-            if isinstance(method, HMTMethod):  # method.embedding_update=lazy_exact: every row brought up to date
-                method.materialize_weights()
-            save_model(model, corpus.tokenizer, run_dir.path / "model")
-        run_dir.finish(summary)
-        if wandb_run is not None:
-            wandb_run.summary.update({"memory/peak(GiB)": memory["peak_bytes"] / 2**30, "loss/val": result.val_loss})
-        if main:
-            print_summary(summary, run_dir.path)
-        return summary
-    except Preempted as e:  # checkpoint written: resumable, status 'preempted'; exit 75 (130 after Ctrl-C)
-        run_dir.preempt()
-        if main:  # every rank stops alike (DistCheckpointer agrees on the flag); rank 0 says so, once
-            print(e, file=sys.stderr)
-        if ctx is not None:  # no rank exits before rank 0 has written the status: torchrun stops the others
-            ctx.barrier()    # (SIGTERM) as soon as one worker exits non-zero
-        raise
-    except KeyboardInterrupt:
-        run_dir.fail("interrupted (a second Ctrl-C): stopped without a final checkpoint\n")
-        raise
-    except BaseException as e:
-        run_dir.fail("".join(traceback.format_exception(e)))
-        if attempt is not None and isinstance(e, torch.OutOfMemoryError):  # what the next attempt starts from
-            last = checkpointer.saved[-1] if checkpointer.saved else None
-            attempt.failed(checkpoint=last["path"] if last else attempt.checkpoint,
-                           checkpoint_step=last["step"] if last else attempt.checkpoint_step,
-                           peak_bytes=_oom_peak(meter, device))
-        if distributed.is_peer_failure(e, ctx):  # another rank died: one line, not this rank's traceback
-            last = checkpointer.saved[-1]["path"] if checkpointer.saved else None
-            exit_with_error(distributed.peer_failure_message(e, ctx, last), code=1, every_rank=True)
-        raise
-    finally:
-        if checkpointer is not None:
-            checkpointer.restore_signal_handlers()
-        if wandb_run is not None:
-            with contextlib.suppress(Exception):
-                wandb_run.finish()
-        distributed.teardown(ctx)
+    return model, meter, startup.peak_bytes
 
 
-def rank_corpus(run: RunConfig, ctx):
+def rank_corpus(run: RunConfig, ctx: DistContext) -> Corpus:
     """This rank's corpus (rank 0 fills the token cache, the others read it), checked against the model's
     embedding rows before any weight is read."""
     t = run.train
-    with distributed.rank_zero_first(ctx):
+    with ctx.rank_zero_first():
         corpus = build_corpus(path=run.data.path, text_field=run.data.text_field, val_fraction=run.data.val_fraction,
                               vocab_size=model_vocab_size(run.model), seq_len=t.seq_len, batch_size=t.batch_size,
                               seed=run.seed, cache_dir=run.data.cache_dir, min_year=run.data.min_year,
                               max_year=run.data.max_year, tokenizer_path=model_tokenizer(run.model.hf_dir),
                               chunk_chars=run.data.chunk_chars)
-    corpus = distributed.shard_corpus(corpus, ctx)  # this rank's rows of each global batch
+    corpus = ctx.shard(corpus)  # this rank's rows of each global batch
     rows = model_vocab_size(run.model) if run.model.hf_dir else corpus.vocab_size
     if corpus.vocab_size > rows:
         raise UserError(f"model.path={run.model.path}: its tokenizer ({corpus.stats['tokenizer_path']}) has "
@@ -229,13 +293,14 @@ def rank_corpus(run: RunConfig, ctx):
     return corpus
 
 
-def activations_on(run: RunConfig, model, corpus, meter: MemoryMeter, device: torch.device, ctx):
+def activations_on(run: RunConfig, model, corpus, meter: MemoryMeter, ctx: DistContext):
     """The activation policy applied to ``model``: (summary, handle), (None, None) for the identity policy.
     Single-process runs first probe it (one short sequence, one layer's gradients, taken with autograd.grad so no
     update hook fires) under its own meter; a dry run traces the same call. dist=ddp|fsdp2: the policy, no probe."""
     if run.activation.is_identity():
         return None, None
-    if ctx is not None:
+    device = ctx.device
+    if ctx.distributed:
         summary = {"policy": run.activation.to_dict(), "probe": None,
                    "probe_skipped": dist_checks.probe_skipped(ctx.mode)}
         return summary, apply_policy(model, run.activation)
@@ -248,18 +313,16 @@ def activations_on(run: RunConfig, model, corpus, meter: MemoryMeter, device: to
     return summary, apply_policy(model, run.activation)
 
 
-def memory_summary(rep, startup_peak_bytes: int, device: torch.device, ctx) -> tuple[dict, dict]:
-    """The summary's ``memory`` (the meter's report, the device's statistics, the start-up peak: build + shard +
-    init, before the first step) and, under dist, its ``dist`` block."""
+def memory_summary(rep, startup_peak_bytes: int, device: torch.device) -> dict:
+    """The summary's ``memory``: the meter's report, the device's statistics, the start-up peak (build + shard +
+    init, before the first step)."""
     memory = rep.to_dict()
     memory.update(gpu_stats.summary(device))
     memory["startup_peak_bytes"] = startup_peak_bytes
     if device.type == "cuda":  # the allocator's peak is the authoritative total on a GPU
         memory["tracker_peak_bytes"] = memory["peak_bytes"]
         memory["peak_bytes"] = memory["cuda_max_allocated_bytes"]
-    dist_summary = {} if ctx is None else {"dist": {**ctx.summary(), **ctx.memory_summary(memory["peak_bytes"]),
-                                                    "startup_peak_max_bytes": ctx.max_int(startup_peak_bytes)}}
-    return memory, dist_summary
+    return memory
 
 
 def _oom_peak(meter: MemoryMeter, device: torch.device) -> int:

@@ -63,6 +63,7 @@ from hmt_core.optim.row_adam import RowAdamConfig
 from hmt_core.sparse_embedding import SparseEmbeddingUpdate
 from hmt_core.sparse_embedding import install as install_sparse_embedding
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
+from hmt_core.parallel import ParallelContext
 from hmt_core.projection import SIDES, SOURCES
 from hmt_core.rank import FALLBACKS
 from hmt_core.rank_budget import normalize_state_budget
@@ -326,15 +327,16 @@ class HMTMethod:
                 variant=c.embedding_update, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
                 style=c.adam_style))
 
+    def set_parallel(self, context: ParallelContext) -> bool:  # hmt_core.method; the engine's part: sh.take_parallel
+        return sh.take_parallel(self.engine, self.opt, context)
+
     def start_micro_batch(self, index: int, count: int) -> None:
         if self.engine is not None:
             self.engine.start_micro_batch(index, count)
 
     def step(self) -> torch.Tensor | None:  # () fp32 on the device, NaN for a step skipped on the device
-        if self.engine is not None:
-            self.last_grad_norm = self.engine.finish_step()
-        else:
-            self.last_grad_norm = self.opt.step_all(self.max_grad_norm)
+        self.last_grad_norm = (self.engine.finish_step() if self.engine is not None
+                               else self.opt.step_all(self.max_grad_norm))
         return self.last_grad_norm
 
     def zero_grad(self) -> None:
@@ -374,9 +376,7 @@ class HMTMethod:
 
     def cache_stats(self) -> dict[str, float]:
         cache = self.engine.cache if self.engine is not None else None
-        if cache is None:
-            return {}
-        return cache.stats(sum(basis_bytes(s.basis) for s in self.opt.slots))
+        return {} if cache is None else cache.stats(sum(basis_bytes(s.basis) for s in self.opt.slots))
 
     def summary(self) -> dict[str, Any]:
         out = self.opt.history.summary()

@@ -8,7 +8,11 @@ The training loop (``experiments.loop``) asks a method exactly these things and 
    backward. After ``attach`` a call to ``loss.backward()`` followed by ``step()`` performs one update, whether
    the update happens in ``step`` (ordinary optimizer) or inside backward (per-layer hooks): the loop does
    not care which.
-3. ``metrics()`` / ``summary()``: what it reports, as flat dicts whose keys carry units
+3. ``set_parallel(context)`` (multi-process only; one process is world size 1, the state ``attach`` leaves): the
+   job's ``hmt_core.parallel.ParallelContext``. The method takes what it uses (a gradient reducer it runs inside
+   backward, a rank agreement, a refresh mode) and says whether it reduces the gradients itself; nothing outside
+   a method reaches into its optimizer or engine.
+4. ``metrics()`` / ``summary()``: what it reports, as flat dicts whose keys carry units
    (``optim/grad_norm``, ``rank/mean``), and ``state_tensors()`` so the memory meter can attribute optimizer
    state bytes.
 
@@ -31,6 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from hmt_core.parallel import ParallelContext
+
 
 @runtime_checkable
 class Method(Protocol):
@@ -42,6 +48,13 @@ class Method(Protocol):
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
         """Create optimizer state / per-parameter hooks for the trainable parameters of ``model``."""
+        ...
+
+    def set_parallel(self, context: ParallelContext) -> bool:
+        """After ``attach``: the job's parallel context. Returns True when the method takes charge of
+        ``context.reduce_grad`` (it averages the gradients across ranks itself, inside backward: the caller must not
+        wrap the model in DDP), False when the caller's wrapper (DDP, FSDP2) reduces them. A context the method
+        cannot honour (``refresh_mode="sketch"`` without row-sharded weights, ...) is a ``ValueError``."""
         ...
 
     def start_micro_batch(self, index: int, count: int) -> None:

@@ -337,7 +337,7 @@ def join_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) 
 
 def spawn_gloo(worker: Callable, args: tuple, nprocs: int) -> None:
     """``mp.spawn(worker, args, nprocs)``, and each process then releases its process groups
-    (``experiments.dist.parallel.release_process_groups``) once ``worker``'s frame, with the models and wrappers
+    (``experiments.dist.context.release_process_groups``) once ``worker``'s frame, with the models and wrappers
     that hold them, is gone: gloo's threads are joined before the interpreter finalizes, not during it (SIGABRT)."""
     import torch.multiprocessing as mp
 

@@ -58,7 +58,8 @@ from experiments.dist import dtensor_state
 from experiments.checkpoint.manager import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from experiments.checkpoint import store as ck
-from hmt_core.optim import sharded, sharded_state
+from hmt_core.hmt import HMTMethod
+from hmt_core.optim import sharded_state
 
 
 PAUSE_SEALED_ENV = "HMT_DIST_CHECKPOINT_PAUSE_S"
@@ -154,7 +155,7 @@ class DistCheckpointer(Checkpointer):
 
     def _row_sharded(self) -> bool:
         """FSDP2 + hmt: some moments are per-rank row shards (``hmt_core.optim.sharded_state``)."""
-        return isinstance(getattr(self.method, "engine", None), sharded.ShardedEngine)
+        return self.ctx.mode == "fsdp2" and isinstance(self.method, HMTMethod)  # hmt on shards: its sharded engine
 
     def _mesh(self):
         """The device mesh FSDP2 shards this model's parameters on."""

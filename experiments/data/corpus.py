@@ -303,7 +303,6 @@ def write_tokens(encoder: Encoder, docs: Iterable[tuple[str, str]], plan: SplitP
         os.replace(tmp[split], p)
 
 
-# ---------------------------------------------------------------------------------------------------- corpus
 @dataclass
 class Corpus:
     train: PackedTokens
@@ -325,7 +324,6 @@ def build_corpus(*, path: str | None, text_field: str, val_fraction: float, voca
     if path and (min_year is not None or max_year is not None):
         raise UserError("data.min_year/data.max_year select addresses of the built-in corpus; a local "
                         f"corpus (data.path={path}) has no years")
-
     encoder = load_model_tokenizer(tokenizer_path) if tokenizer_path is not None else None  # fails fast
     if encoder is not None:
         print(f"data: tokenizer of {encoder.source} ({type(encoder.tokenizer).__name__}, {encoder.vocab_size} "
@@ -366,14 +364,18 @@ def build_corpus(*, path: str | None, text_field: str, val_fraction: float, voca
     train_ids, val_ids = (_open_tokens(paths[split], encoder.dtype) for split in ("train", "val"))
     stats = {"train_docs": n_train, "val_docs": n_val, "train_tokens": int(len(train_ids)),
              "val_tokens": int(len(val_ids)), **encoder.describe()}
-    where = f"data.path={path}" if path else "the built-in corpus"
+    _check_lengths(f"data.path={path}" if path else "the built-in corpus", train_ids, val_ids, seq_len)
+    return Corpus(PackedTokens(train_ids, seq_len, batch_size, seed), PackedTokens(val_ids, seq_len, batch_size, seed),
+                  encoder.vocab_size, encoder.tokenizer, stats)
+
+
+def _check_lengths(where: str, train_ids: np.ndarray, val_ids: np.ndarray, seq_len: int) -> None:
+    """Each split holds at least one sequence of ``seq_len`` tokens, else a ``UserError`` naming ``where``."""
     for split, tokens in (("training", train_ids), ("validation", val_ids)):
         if len(tokens) < seq_len:
             raise UserError(f"{where}: the {split} split has {len(tokens)} tokens, fewer than one sequence of "
                             f"train.seq_len={seq_len}; lower train.seq_len or add text"
                             + (" (or raise data.val_fraction)" if split == "validation" else ""))
-    return Corpus(PackedTokens(train_ids, seq_len, batch_size, seed), PackedTokens(val_ids, seq_len, batch_size, seed),
-                  encoder.vocab_size, encoder.tokenizer, stats)
 
 
 def _scan(docs: Iterator[tuple[str, str]], val_fraction: float) -> tuple[SplitPlan, int, int, str] | None:

@@ -1,6 +1,6 @@
 """What a multi-process launch must agree on, checked before anything runs: ``dist``, torchrun's environment, the
 world size, the method and its options (one ``UserError`` line each, raised on every rank alike). Used by
-``experiments.dist.parallel.setup``, the per-rank dry run and the Slurm launcher (before it submits)."""
+``experiments.dist.context.setup``, the per-rank dry run and the Slurm launcher (before it submits)."""
 
 from __future__ import annotations
 

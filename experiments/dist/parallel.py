@@ -1,206 +1,30 @@
-"""Multi-process training on PyTorch's own engine, launched by ``torchrun``: ``dist=ddp`` (``torch.nn.parallel.
-DistributedDataParallel``) or ``dist=fsdp2`` (``torch.distributed.fsdp.fully_shard`` per decoder layer + root).
-
-Each rank reads torchrun's environment and joins the default process group (gloo on CPU, nccl on CUDA);
-``train.batch_size`` is the global batch, rank r training on its rows of each global batch; rank 0 alone writes
-the results. The semantics and the collectives each method issues per step are in docs/distributed-collectives.md.
-"""
+"""Building and wrapping the model to train across processes: ``dist=fsdp2`` shards it with
+``torch.distributed.fsdp.fully_shard`` per decoder layer + root, ``dist=ddp`` wraps it in
+``torch.nn.parallel.DistributedDataParallel`` unless the method reduces its own gradients (``Method.set_parallel``).
+The process's place in the job is ``experiments.dist.context.DistContext``; design notes and measurements are in
+docs/design/distributed.md."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
-import os
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments.checkpoint.dcp import DistCheckpointer
 from experiments.config import ModelConfig
 from experiments.dist import meta_init
-from experiments.dist.checks import check_launch, resolve_backend
-from experiments.dist.comm import CommCounter, GradAverager, MIB, StepBytes, row_sparse_names
+from experiments.dist.comm import GradAverager, MIB, row_sparse_names
+from experiments.dist.context import (  # noqa: F401  (the launch API, reached through this module by its callers)
+    DistContext, dryrun_context, for_rank, release_process_groups, setup, shard_corpus, teardown)
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
 from hmt_core.int8_weights import is_phantom
-from hmt_core.optim.sharded import ShardedEngine, rank_from_root
-
-GIB = 2**30
-
-
-@dataclass
-class DistContext:
-    """This process's place in the job, and the reductions the loop needs."""
-
-    mode: str
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: torch.device
-    lowrank_comm: bool = False  # dist.lowrank_comm: per-layer hmt reduces Ĝ between refreshes
-    comm: CommCounter | None = None  # bytes handed to collectives (experiments.dist.comm), installed by setup
-    mesh: object | None = None  # fsdp2's DeviceMesh (None: fully_shard builds the default one)
-    refresh: str = "gather"  # dist.refresh: fsdp2 + hmt basis refresh, "gather" | "sketch" (hmt_core.optim.sharded)
-    bucket_mb: float = 25.0  # dist.bucket_mb: ddp + per-layer hmt's gradient buckets (experiments.dist.comm)
-
-    def __post_init__(self) -> None:
-        self.step_bytes = StepBytes(self.comm) if self.comm is not None else None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def _control(self):
-        """The loop's own collectives are counted apart from gradient traffic."""
-        return self.counted_as("control")
-
-    def counted_as(self, scope: str):
-        """Collectives inside are counted under ``scope`` (``experiments.dist.comm``), not as training traffic."""
-        return self.comm.scope(scope) if self.comm is not None else contextlib.nullcontext()
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def count_step(self) -> None:
-        """The loop calls it once per step: how ``comm/grad_bytes_per_step`` counts steps (host only)."""
-        if self.step_bytes is not None:
-            self.step_bytes.step()
-
-    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean over ranks of ``values`` (1-D: each rank's loss figures, whose mean is the global batch's), on
-        the device: one all-reduce, no host read (the loop reads the result with its other values)."""
-        t = values.detach().to(self.device, torch.float64, copy=True)
-        with self._control():
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.div_(self.world_size)
-
-    def any_rank(self, value: bool) -> bool:
-        flag = torch.tensor([float(value)], device=self.device)
-        with self._control():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def gather_floats(self, value: float) -> list[float]:
-        """Every rank's ``value`` (a logged step's figure): a fill kernel, not a host-to-device copy, and one read."""
-        t = torch.full((1,), float(value), dtype=torch.float64, device=self.device)
-        out = [torch.zeros_like(t) for _ in range(self.world_size)]
-        with self._control():
-            dist.all_gather(out, t)
-        return torch.cat(out).tolist()
-
-    def memory_metrics(self, peak_bytes: float) -> dict[str, float]:
-        """The per-rank figures of a logged step: peak memory over ranks, and (counted) gradient bytes per step
-        since the previous logged step (``comm/grad_bytes_per_step``, ``comm/grad(MiB)``)."""
-        peaks = self.gather_floats(peak_bytes)
-        out = {"memory/peak_max(GiB)": max(peaks) / GIB, "memory/peak_mean(GiB)": sum(peaks) / len(peaks) / GIB}
-        if self.step_bytes is not None:
-            out.update(self.step_bytes.metrics())
-        return out
-
-    def max_int(self, value: int) -> int:
-        """The largest of the ranks' ``value`` (e.g. the start-up peak bytes)."""
-        return int(max(self.gather_floats(value)))
-
-    def memory_summary(self, peak_bytes: int) -> dict:
-        peaks = [int(p) for p in self.gather_floats(peak_bytes)]
-        return {"peak_bytes_by_rank": peaks, "peak_max_bytes": max(peaks), "peak_mean_bytes": sum(peaks) // len(peaks)}
-
-    def summary(self) -> dict:
-        out = {"mode": self.mode, "world_size": self.world_size, "backend": self.backend,
-               "batch_semantics": "global", "device": str(self.device), "lowrank_comm": self.lowrank_comm,
-               "refresh": self.refresh}
-        if self.step_bytes is not None:
-            out["comm"] = self.step_bytes.summary()
-        return out
+from hmt_core.optim.sharded import rank_from_root
+from hmt_core.parallel import ParallelContext
 
 
-# ---- launch ------------------------------------------------------------------------------------------------
-def setup(run, device: torch.device) -> DistContext | None:
-    """Validate the launch, then join the process group (None for ``dist=none``)."""
-    check_launch(run, device)
-    if run.dist.mode == "none":
-        return None
-    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    backend = resolve_backend(run.dist.backend, device)
-    if device.type == "cuda":
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=run.dist.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    return DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=local, backend=backend,
-                       device=device, lowrank_comm=run.dist.lowrank_comm, comm=CommCounter().install(),
-                       refresh=run.dist.refresh, bucket_mb=run.dist.bucket_mb)
-
-
-def teardown(ctx: DistContext | None) -> None:
-    if ctx is not None and ctx.comm is not None:
-        ctx.comm.uninstall()
-    if ctx is not None:
-        release_process_groups()
-
-
-def release_process_groups() -> None:
-    """Destroys the process groups and collects what still holds them (DDP reducers and FSDP2 states sit in
-    reference cycles), so gloo's worker threads are joined now, while the interpreter is alive. Left to the
-    interpreter's final collection, a worker thread that drops the last reference to a collective's tensor needs
-    the GIL during finalization and aborts the process (SIGABRT, "terminate called without an active exception")
-    after a run that succeeded."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-
-
-@contextlib.contextmanager
-def rank_zero_first(ctx: DistContext | None):
-    """Rank 0 runs the body first (it builds the token cache and tokenizer), the others after it (cache hits)."""
-    if ctx is None:
-        yield
-        return
-    if not ctx.is_main:
-        ctx.barrier()
-    yield
-    if ctx.is_main:
-        ctx.barrier()
-
-
-def for_rank(train_cfg, ctx: DistContext | None):
-    """The loop's train config on this rank: progress bar on rank 0 only."""
-    return train_cfg if ctx is None or ctx.is_main else replace(train_cfg, progress=False)
-
-
-# ---- data --------------------------------------------------------------------------------------------------
-class RankShard:
-    """This rank's rows of every global batch of a ``PackedTokens`` stream (validation batches are whole)."""
-
-    def __init__(self, tokens, rank: int, world_size: int) -> None:
-        if tokens.batch_size % world_size:
-            raise ValueError(f"batch size {tokens.batch_size} not divisible by world size {world_size}")
-        self.tokens, self.rank, self.world_size = tokens, rank, world_size
-        self.rows = tokens.batch_size // world_size
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def batch(self, step: int) -> torch.Tensor:  # -> (batch_size / world_size, seq_len) int64
-        return self.tokens.batch(step)[self.rank * self.rows:(self.rank + 1) * self.rows]
-
-    def fixed_batches(self, count: int) -> list[torch.Tensor]:
-        return self.tokens.fixed_batches(count)
-
-
-def shard_corpus(corpus, ctx: DistContext | None):
-    if ctx is None:
-        return corpus
-    return replace(corpus, train=RankShard(corpus.train, ctx.rank, ctx.world_size))
-
-
-# ---- model -------------------------------------------------------------------------------------------------
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: the longest ``nn.ModuleList`` in the model."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
@@ -254,63 +78,36 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
         raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
 
 
-@contextlib.contextmanager
-def dryrun_context(run):
-    """``mode=dryrun`` with ``dist=ddp|fsdp2``: rank 0's ``DistContext`` in one process. Joins PyTorch's fake
-    process group (``world_size=dist.world_size``: collectives return at once, tensors keep their shapes), unless
-    a group already exists (a real multi-process trace, which is how the fake figures are validated). The FSDP2
-    mesh is built here, before the caller enters ``FakeTensorMode`` (``DeviceMesh`` reads values)."""
-    if run.dist.mode == "none":
-        yield None
-        return
-    own = not dist.is_initialized()
-    if own:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=run.dist.world_size)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    try:
-        if run.dist.world_size is not None and world != run.dist.world_size:
-            raise UserError(f"dist.world_size={run.dist.world_size} but the process group has {world} ranks")
-        mesh = None
-        if run.dist.mode == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (world,))
-        yield DistContext(mode=run.dist.mode, rank=rank, world_size=world, local_rank=rank,
-                          backend=dist.get_backend(), device=torch.device("cpu"), mesh=mesh, refresh=run.dist.refresh,
-                          bucket_mb=run.dist.bucket_mb)
-    finally:
-        if own:
-            dist.destroy_process_group()
+def parallel_context(model: nn.Module, ctx: DistContext) -> ParallelContext:
+    """What the method is told (``Method.set_parallel``): under ``ddp`` a gradient averager it may run inside
+    backward (row-sparse embedding gradients travel sparse on gloo; NCCL has no sparse all-reduce) and rank 0's
+    dynamic-rank decisions; under ``fsdp2`` the basis refresh mode (FSDP2 reduces the gradients)."""
+    if ctx.mode != "ddp":
+        return ParallelContext(world_size=ctx.world_size, refresh_mode=ctx.refresh)
+    sparse = row_sparse_names(model) if ctx.backend == "gloo" else frozenset()
+    return ParallelContext(world_size=ctx.world_size, refresh_mode=ctx.refresh, agree_rank=rank_from_root(),
+                           reduce_grad=GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm, row_sparse=sparse,
+                                                    bucket_bytes=int(ctx.bucket_mb * MIB)))
 
 
 def wrap_for_forward(model: nn.Module, method, ctx: DistContext | None, *, init_sync: bool = True,
                      rebuild_buckets: bool = True) -> nn.Module:
     """The module the loop calls forward on. ``ddp``: a ``DistributedDataParallel`` wrapper, except for per-layer
-    HMT, whose engine all-reduces each gradient in its own hook (see the module docstring). ``init_sync=False``
+    HMT, whose engine all-reduces each gradient in its own hook (``Method.set_parallel`` says so). ``init_sync=False``
     (a dry run on fake tensors, which have no values to compare or broadcast): skip the initial broadcast of
     rank 0's weights, an in-place copy that allocates nothing. ``rebuild_buckets=False`` (the dry run, on real
     and fake tensors alike): keep the construction-time gradient buckets; DDP's re-bucketing in the second forward
-    reads bucket indices that a fake tensor has no values for. ``fsdp2`` + hmt: the model itself; the sharded
-    engine is told ``dist.refresh``."""
-    if ctx is not None and ctx.mode == "fsdp2" and ctx.refresh != "gather":
-        engine = getattr(method, "engine", None)
-        if not isinstance(engine, ShardedEngine):  # check_launch refuses it first; a direct caller gets a message
-            raise ValueError(f"dist.refresh={ctx.refresh} needs method=hmt on FSDP2 shards (its sharded engine)")
-        engine.refresh_mode = ctx.refresh
-    if ctx is None or ctx.mode != "ddp":
+    reads bucket indices that a fake tensor has no values for. ``fsdp2``: the model itself (already sharded); the
+    method is told ``dist.refresh``."""
+    if ctx is None or not ctx.distributed:
         return model
-    engine = getattr(method, "engine", None)  # hmt with per_layer=true
     setup_scope = ctx.comm.scope("setup") if ctx.comm is not None else contextlib.nullcontext()
-    if engine is not None:
+    if method.set_parallel(parallel_context(model, ctx)):  # ddp + per-layer hmt: its engine reduces
         if init_sync:
             with setup_scope:
                 broadcast_module(model)
-        sparse = row_sparse_names(model) if ctx.backend == "gloo" else frozenset()  # NCCL: no sparse all-reduce
-        engine.opt.agree_rank = rank_from_root()  # one rank decision for every process (lowrank_comm's shapes)
-        engine.reduce_grad = GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm, row_sparse=sparse,
-                                          bucket_bytes=int(ctx.bucket_mb * MIB))
+        return model
+    if ctx.mode != "ddp":
         return model
     if ctx.lowrank_comm:  # check_launch refuses it first; a direct caller gets the same message
         raise ValueError("dist.lowrank_comm=true needs per-layer hmt (its engine reduces the gradients)")
@@ -378,54 +175,3 @@ def broadcast_module(model: nn.Module) -> None:
             dist.broadcast(t.data, src=0)
 
 
-def checkpointer_class(ctx: DistContext | None, single):
-    """``single`` (``experiments.checkpoint.manager.Checkpointer``) or, under torchrun, the DCP one."""
-    if ctx is None:
-        return single
-    import functools
-
-    return functools.partial(DistCheckpointer, ctx=ctx)
-
-
-# ---- results -----------------------------------------------------------------------------------------------
-class NullRunDir:
-    """Ranks other than 0 write nothing: the same interface as ``experiments.results.RunDir``, doing nothing."""
-
-    def __init__(self, run_dir) -> None:
-        self.path, self.run_id = run_dir.path, run_dir.run_id
-
-    def start(self, config: dict, *, keep_metrics_before: int | None = None) -> None: ...
-
-    def set_status(self, status: str) -> None: ...
-
-    def log(self, metrics: dict) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def finish(self, summary: dict) -> None: ...
-
-    def preempt(self) -> None: ...
-
-    def fail(self, message: str) -> None: ...
-
-
-def rank_run_dir(run_dir, ctx: DistContext | None):
-    return run_dir if ctx is None or ctx.is_main else NullRunDir(run_dir)
-
-
-def is_peer_failure(error: BaseException, ctx: DistContext | None) -> bool:
-    """A collective failed because another rank died or hung (gloo: connection closed; nccl: DistBackendError)."""
-    if ctx is None:
-        return False
-    if isinstance(error, dist.DistError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Timed out", "timed out",
-        "Broken pipe", "ProcessGroup"))
-
-
-def peer_failure_message(error: BaseException, ctx: DistContext, last_checkpoint: str | None) -> str:
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return (f"rank {ctx.rank} of {ctx.world_size}: a collective failed, another rank died or hung ({first}); "
-            f"last checkpoint: {last_checkpoint or 'none written'}; the same torchrun command resumes from it")

@@ -33,17 +33,15 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from experiments.memory.report import CATEGORIES, PHASES, SPACES, MemoryReport, PeakWindow, Record, Space
 from hmt_core.state_bytes import iter_state_tensors, same_device
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "other")
-PHASES = ("forward", "backward", "optimizer")
 _METADATA_OPS = {
     torch.ops.prim.device.default,
     torch.ops.prim.layout.default,
@@ -57,80 +55,6 @@ _METADATA_OPS = {
     torch.ops.aten.is_contiguous.memory_format,
     torch.ops.aten.dim.default,
 }
-
-
-SPACES = ("device", "host")  # the training device; every other device (the host)
-
-
-@dataclass(eq=False)
-class _Record:
-    nbytes: int
-    category: str
-    born: int  # op tick at allocation
-    phase: str | None
-    space: str  # one of SPACES
-    died: int | None = None
-    serial: int = 0  # the storage's key in the event log
-    device: str = ""
-
-
-@dataclass
-class _PeakWindow:
-    """The peak of total live bytes within one phase (or overall), and the records alive at that moment."""
-
-    bytes: int = -1
-    tick: int = -1
-    died_after_peak: list[_Record] = field(default_factory=list)  # records alive at the peak, freed since
-
-
-@dataclass
-class _Space:
-    """Live total, peak windows (overall and per phase) and released bytes x ticks of one memory space."""
-
-    total: int = 0
-    windows: dict[str, _PeakWindow] = field(default_factory=lambda: {k: _PeakWindow() for k in ("all", *PHASES)})
-    avg_accum: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryReport:
-    """Un-prefixed figures: the training device (``device``; all memory when it is None). ``host_*``: storages
-    on every other device (the host), measured the same way."""
-
-    source: str
-    device: str | None
-    peak_bytes: int
-    avg_bytes: int
-    peak_by_category_bytes: dict[str, int]
-    avg_by_category_bytes: dict[str, int]
-    peak_by_phase_bytes: dict[str, int]
-    peak_by_phase_category_bytes: dict[str, dict[str, int]]
-    current_by_category_bytes: dict[str, int]
-    host_device_bytes: int  # bytes copied between devices (traffic, not residency)
-    host_peak_bytes: int
-    host_avg_bytes: int
-    host_peak_by_category_bytes: dict[str, int]
-    host_avg_by_category_bytes: dict[str, int]
-    host_peak_by_phase_bytes: dict[str, int]
-    host_current_by_category_bytes: dict[str, int]
-
-    def to_dict(self) -> dict:
-        return {
-            "source": self.source,
-            "device": self.device,
-            "peak_bytes": self.peak_bytes,
-            "avg_bytes": self.avg_bytes,
-            "peak_by_category_bytes": dict(self.peak_by_category_bytes),
-            "avg_by_category_bytes": dict(self.avg_by_category_bytes),
-            "peak_by_phase_bytes": dict(self.peak_by_phase_bytes),
-            "peak_by_phase_category_bytes": {k: dict(v) for k, v in self.peak_by_phase_category_bytes.items()},
-            "host_device_bytes": self.host_device_bytes,
-            "host_peak_bytes": self.host_peak_bytes,
-            "host_avg_bytes": self.host_avg_bytes,
-            "host_peak_by_category_bytes": dict(self.host_peak_by_category_bytes),
-            "host_avg_by_category_bytes": dict(self.host_avg_by_category_bytes),
-            "host_peak_by_phase_bytes": dict(self.host_peak_by_phase_bytes),
-        }
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -170,10 +94,10 @@ class MemoryMeter(TorchDispatchMode):
         self.device = None if device is None else torch.device(device)
         self._skip_meta = self.device is None or self.device.type != "meta"
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._live: dict[int, _Record] = {}  # id(record) -> record, for storages still alive
+        self._live: dict[int, Record] = {}  # id(record) -> record, for storages still alive
         self._tick = 0
         self._phase: str | None = None
-        self._spaces = {space: _Space() for space in SPACES}
+        self._spaces = {space: Space() for space in SPACES}
         self._start_tick: int | None = None
         self._in_op = False
         self.host_device_bytes = 0
@@ -233,13 +157,13 @@ class MemoryMeter(TorchDispatchMode):
         """"device" for the training device (any index when it names none), "host" for every other device."""
         return "device" if self.device is None or same_device(device, self.device) else "host"
 
-    def _register(self, storage: torch.UntypedStorage, category: str, device: torch.device) -> _Record:
+    def _register(self, storage: torch.UntypedStorage, category: str, device: torch.device) -> Record:
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
         record = self._records.get(storage)
         if record is not None:
             return record
-        record = _Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase,
+        record = Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase,
                          space=self.space_of(device), serial=len(self.events), device=str(device))
         if record.space == "device":  # the allocator model replays what the training device's allocator sees
             self.events.append((self._tick, record.nbytes, record.serial, record.device))
@@ -249,7 +173,7 @@ class MemoryMeter(TorchDispatchMode):
         weakref.finalize(storage, self._release, record)
         return record
 
-    def _release(self, record: _Record) -> None:
+    def _release(self, record: Record) -> None:
         if record.died is not None:
             return
         # alive through the current tick unless released inside the op that defines it
@@ -380,7 +304,7 @@ class MemoryMeter(TorchDispatchMode):
                                          f"{self.cap_bytes:,} bytes (train.memory_cap_gib)")
 
     # ---- reporting ----------------------------------------------------------------------------------
-    def _by_category_at(self, space: str, window: _PeakWindow) -> dict[str, int]:
+    def _by_category_at(self, space: str, window: PeakWindow) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
         if window.tick < 0:
             return out

@@ -63,6 +63,7 @@ from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.rows import rank_rows
 from hmt_core.optim.sharded_sketch import RowSketch
+from hmt_core.parallel import ParallelContext
 
 
 @contextlib.contextmanager
@@ -114,6 +115,24 @@ def sharded_config_error(cfg) -> str | None:
     return None
 
 
+def take_parallel(engine: PerLayerEngine | None, opt: LowRankOptimizer, context: ParallelContext) -> bool:
+    """``HMTMethod.set_parallel`` (``hmt_core.method``): row shards (FSDP2) take ``context.refresh_mode`` and leave
+    the gradients to FSDP2 (False); the per-layer engine on whole weights takes ``context.reduce_grad`` and
+    ``agree_rank`` (True: it averages every gradient across ranks inside backward); ``per_layer=false``: the
+    caller's wrapper reduces (False)."""
+    on_shards = isinstance(engine, ShardedEngine)
+    if context.refresh_mode != "gather":
+        if not on_shards:
+            raise ValueError(f"dist.refresh={context.refresh_mode} needs method=hmt on FSDP2 shards "
+                             "(its sharded engine)")
+        engine.refresh_mode = context.refresh_mode
+    if on_shards or engine is None or context.reduce_grad is None:
+        return False
+    opt.agree_rank = context.agree_rank
+    engine.reduce_grad = context.reduce_grad
+    return True
+
+
 def rank_from_root(group=None):
     """``LowRankOptimizer.agree_rank`` across the ranks of ``group`` (None: the default group): group rank 0's
     (rank, τ-rank), broadcast (one 2-element int64 broadcast per refresh of a dynamic-rank weight). Every process
@@ -160,7 +179,7 @@ class ShardedEngine(PerLayerEngine):
         super().__init__(opt, max_grad_norm=max_grad_norm)
         mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
-        self.refresh_mode = "gather"  # dist.refresh (set by experiments.dist.parallel): "gather" | "sketch"
+        self.refresh_mode = "gather"  # dist.refresh (set by take_parallel): "gather" | "sketch"
         if self.group is not None:
             opt.agree_rank = rank_from_root(self.group)
 

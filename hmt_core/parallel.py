@@ -1,0 +1,42 @@
+"""A training method's parallel context: what a method needs to know about the other processes of a job, handed
+to it by ``Method.set_parallel`` (``hmt_core.method``) after ``attach``. One process is world size 1
+(``SINGLE_PROCESS``), which every method accepts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hmt_core.optim.hooks import GradReducer
+
+RankAgreement = Callable[[int, int, torch.device], tuple[int, int]]  # (rank, τ-rank, device) -> the agreed pair
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelContext:
+    """``world_size``: processes training the one model (1: a single process). ``refresh_mode``: how a method on
+    row-sharded weights (FSDP2) refreshes a projection basis, ``"gather"`` (the full gradient, gathered) or
+    ``"sketch"`` (a distributed range finder; ``hmt_core.optim.sharded``). ``reduce_grad``: a gradient reducer a
+    method may take charge of (the mean over ranks inside backward, ``hmt_core.optim.hooks.GradReducer``); None
+    where the caller's wrapper (DDP, FSDP2) reduces the gradients. ``agree_rank``: makes a dynamic-rank decision
+    the same on every process (rank 0's, ``hmt_core.optim.sharded.rank_from_root``)."""
+
+    world_size: int = 1
+    refresh_mode: str = "gather"
+    reduce_grad: GradReducer | None = None
+    agree_rank: RankAgreement | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be at least 1")
+        if self.refresh_mode not in ("gather", "sketch"):
+            raise ValueError(f"refresh_mode={self.refresh_mode!r} is not one of 'gather', 'sketch'")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+SINGLE_PROCESS = ParallelContext()
