@@ -112,6 +112,7 @@ class PerLayerEngine:
         self.lagged_coef: Tensor | None = None
         self.nonfinite = False  # a refresh met a non-finite gradient (known on the host): the step is dropped
         self.found_inf: Tensor | None = None  # () bool on the device: a non-finite gradient was seen in this step
+        self.poison: Tensor | None = None  # () float on the device: NaN once a non-finite norm was seen (``_flag``)
         self.reduce_grad: GradReducer | None = None  # in place, across ranks (multi-process)
         self._flush_queued = False  # the reducer's flush is queued for the end of the running backward
         self.handles = [(s.param if s.grad_param is None else s.grad_param).register_post_accumulate_grad_hook(
@@ -125,6 +126,7 @@ class PerLayerEngine:
         if not 0 <= index < count:
             raise ValueError(f"micro-batch index {index} not in [0, {count})")
         self.index, self.count = index, count
+        self.opt.skip.count_later()  # the step's skip counts in one op, in ``finish_step``
 
     @property
     def clipping(self) -> bool:
@@ -209,7 +211,9 @@ class PerLayerEngine:
         if self.nonfinite:
             param.grad = None
             return
-        self.norms[s.index] = torch.linalg.vector_norm(g)
+        # Mode B: ‖G‖ also makes the limiter's ‖s ⊙ G‖ = s‖G‖ (``update.apollo_coefficient``), accumulated in fp32
+        acc = torch.float32 if s.projected and g.dtype.itemsize < 4 else None
+        self.norms[s.index] = torch.linalg.vector_norm(g, dtype=acc)
         if s.projected:  # Mode B
             if opt.refresh_due(s):
                 if not self._finite(self.norms[s.index]):  # () on the host: a refresh step synchronizes anyway
@@ -217,7 +221,7 @@ class PerLayerEngine:
                     return
                 opt.refresh(s, g)
             with opt.skipping(self._flag(self.norms[s.index])):
-                opt.update_full(s, g, self.lagged_coef)
+                opt.update_full(s, g, self.lagged_coef, grad_norm=self.norms[s.index])
             param.grad = None
         elif self.clipping:
             self.deferred_dense.append(s)
@@ -259,10 +263,11 @@ class PerLayerEngine:
     def _flag(self, norm: Tensor) -> Tensor:
         """The step's ``found_inf`` after seeing ``norm`` (() of a gradient, non-finite iff the gradient has a
         non-finite value or its norm overflows): a new () bool device tensor, no host synchronization. Updates
-        issued earlier keep the flag they were issued under. A norm is ≥ 0 or NaN, so ``not (norm < inf)`` is
-        ``not isfinite(norm)`` in two ops (``isfinite`` is four: abs, ne, eq, mul)."""
-        bad = torch.lt(norm, math.inf).logical_not_()
-        self.found_inf = bad if self.found_inf is None else bad.logical_or_(self.found_inf)
+        issued earlier keep the flag they were issued under. Two ops per norm: the step's ``poison``, a () float,
+        becomes ``poison + 0·norm``, which is NaN from the first non-finite norm on (0·∞ and 0·NaN are NaN; ``add``
+        with ``alpha=0``), and the flag is ``poison ≠ poison`` (``isfinite`` alone is four: abs, ne, eq, mul)."""
+        self.poison = norm * 0.0 if self.poison is None else torch.add(self.poison, norm, alpha=0.0)
+        self.found_inf = torch.ne(self.poison, self.poison)
         return self.found_inf
 
     def _no_norm(self, value: float) -> Tensor | None:  # () on the weights' device: a step with nothing to measure
@@ -275,7 +280,8 @@ class PerLayerEngine:
         for s in self.deferred_dense:
             s.param.grad = s.pending = None
         self.norms, self.deferred_low, self.deferred_dense, self.deferred_rows = {}, [], [], []
-        self.index, self.count, self.nonfinite, self.found_inf = 0, 1, False, None
+        self.index, self.count, self.nonfinite, self.found_inf, self.poison = 0, 1, False, None, None
+        self.opt.skip.flush_counts()
 
     def _global_norm(self) -> Tensor:  # () fp32: ‖g‖ over every parameter (a sharded engine also over ranks)
         return global_norm([self.norms[i] for i in sorted(self.norms)])
@@ -284,6 +290,12 @@ class PerLayerEngine:
     def finish_step(self) -> Tensor | None:
         """After the last micro-batch's backward: the global norm, then any deferred (clipped) updates, skipped on
         the device if a gradient was not finite. Returns the norm (() fp32 on the device), NaN for a skipped step."""
+        try:
+            return self._finish()
+        finally:
+            self.opt.skip.flush_counts()
+
+    def _finish(self) -> Tensor | None:
         self._flush()  # normally done at the end of backward already
         if self.nonfinite:
             self.discard_step()
@@ -303,7 +315,7 @@ class PerLayerEngine:
         if self.cache is not None and self.order and not self.next_in_order:
             self.next_in_order = {a.name: b for a, b in zip(self.order, self.order[1:])}
         self.norms, self.deferred_low, self.deferred_dense, self.deferred_rows = {}, [], [], []
-        self.index, self.count, self.found_inf = 0, 1, None
+        self.index, self.count, self.found_inf, self.poison = 0, 1, None, None
         return total.masked_fill(found, math.nan)
 
     def _apply_deferred(self, coef: Tensor | None) -> None:

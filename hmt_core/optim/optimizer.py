@@ -379,12 +379,12 @@ class LowRankOptimizer:
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
-                    reduce: Callable[[Tensor], Tensor] | None = None) -> None:
-        """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (APOLLO scaling of ``grad``). ``reduce``
-        (Mode B on a row shard, ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k
-        and the tensor-scaling and limiter norms are summed over ranks; the update touches this rank's rows."""
+                    reduce: Callable[[Tensor], Tensor] | None = None, grad_norm: Tensor | None = None) -> None:
+        """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (``mode_b_coefficient``). ``reduce`` (Mode B on a
+        row shard, ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k and the
+        tensor-scaling and limiter norms are summed; the update touches this rank's rows."""
         c = self.cfg
-        if coef is not None:
+        if coef is not None and not (s.projected and c.mode == "B"):
             grad = grad * coef
         if not s.projected:
             if s.name in self.dense8:
@@ -405,34 +405,34 @@ class LowRankOptimizer:
         if self.cfg.mode == "A":
             self.update_low_rank(s, low)
             return
-        coef, step_size, keep = self.mode_b_coefficient(s, low, grad, reduce=reduce)
+        coef, step_size, keep = self.mode_b_coefficient(s, low, grad, reduce=reduce, clip=coef, grad_norm=grad_norm)
         rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
         spans = (row_spans(grad.shape[0], rows) if rows < grad.shape[0]
                  else self.writer.spans(s.param, s.master, like=grad))
         for index in spans:
             self.mode_b_rows(s, index, grad[index], coef, step_size, keep)
 
-    def mode_b_coefficient(self, s: Slot, low: Tensor, grad: Tensor | None, *,  # low: Pᵀ G; grad: (out, in)
-                           reduce: Callable[[Tensor], Tensor] | None = None,
-                           row_norms: Tensor | None = None) -> tuple[Tensor, float, Tensor | None]:
-        """Mode B's moments step on ``low`` and APOLLO's coefficient (``upd.apollo_coefficient``; ``row_norms``
-        (out,) stand in for ``grad``). Returns (coef, zero on a skipped step; step size; the writer's keep flag)."""
+    def mode_b_coefficient(self, s: Slot, low: Tensor, grad: Tensor | None, *, reduce: Callable | None = None,
+                           row_norms: Tensor | None = None, clip: Tensor | None = None,  # low: Pᵀ G; grad: (out, in)
+                           grad_norm: Tensor | None = None) -> tuple[Tensor, float, Tensor | None]:
+        """Mode B's moments step on ``clip·low``, APOLLO's coefficient of ``grad`` (``upd.apollo_coefficient``; its
+        ``row_norms``, ``grad_norm``) → (coef: clip in, 0 if skipped; step size·√scale; the writer's keep flag)."""
         c = self.cfg
         if reduce is not None and s.basis.left is not None:
             low = reduce(low.float())  # Pᵀ G = Σ_k P_kᵀ G_k, replicated
-        direction, step_size = self._adam(s, low.float(), for_scaling=True)
+        low = upd.fp32_clipped(low, clip)
+        direction, step_size = self._adam(s, low, for_scaling=True)
         factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
                                     kind=c.scaling, reduce=reduce)
-        prev = s.limiter_prev
-        coef, s.limiter_prev = upd.apollo_coefficient(grad, factor, prev_norm=s.limiter_prev, sqrt_scale=math.sqrt(
-            c.scale), gamma=c.limiter_gamma if c.norm_limiter else None, reduce=reduce, row_norms=row_norms)
-        s.limiter_prev = self.skip.limiter(prev, s.limiter_prev)
-        return self.skip.zero(coef), step_size, self._keep(s)  # a skipped step: a zero coefficient (rows kept)
+        coef, s.limiter_prev = upd.apollo_coefficient(  # a skipped step: coef 0 (rows kept), the memory kept
+            grad, factor if clip is None else factor * clip, prev_norm=s.limiter_prev, reduce=reduce,
+            row_norms=row_norms, grad_norm=grad_norm, gamma=c.limiter_gamma if c.norm_limiter else None,
+            found_inf=self.skip.flag)
+        return coef, step_size * math.sqrt(c.scale), self._keep(s)
 
     def mode_b_rows(self, s: Slot, index: Any, g: Tensor, coef: Tensor, step_size: float,  # g: G[index], (rows, in)
                     keep: Tensor | None) -> None:
         """W[index] ← W[index] − step·(g ⊙ coef[index]) (``mode_b_coefficient``'s coef, step size and keep)."""
-        c = self.cfg
         # 0 · NaN is NaN: where the writer does not keep the rows, a skipped step's gradient rows are zeroed too
         g = g if keep is not None else self.skip.zero(g)
         if self.writer.fused(s.param.data, g):  # an INT8 weight: one kernel writes the rows
@@ -440,7 +440,7 @@ class LowRankOptimizer:
             return
         with self.writer.rows(s.param.data, s.master, index, keep) as w:
             upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
-                                     weight_decay=c.weight_decay, style=c.adam_style)
+                                     weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> Tensor | None:

@@ -14,7 +14,6 @@ tensor as it was where it is True, without the host reading it (the device-side 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +30,7 @@ class DeviceSkip:
         self.flag: Tensor | None = None  # () bool on the device while updates run ``under`` it; None: no decision
         self._factors: Tensor | None = None  # (3,) fp32: ``moment_factors`` under ``flag`` (made on first use)
         self._choices: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}  # (run, skip) factors by betas, device
+        self._later: list[tuple[Any, Tensor]] | None = None  # (slot, flag) counted by ``flush_counts``; None: at once
 
     @contextmanager
     def under(self, found_inf: Tensor | None) -> Iterator[None]:
@@ -68,12 +68,6 @@ class DeviceSkip:
     def keep(self, needed: bool) -> Tensor | None:  # the writer's ``keep``: only where a zero direction is not enough
         return self.flag if needed else None
 
-    def limiter(self, prev: Tensor | None, new: Tensor | None) -> Tensor | None:  # (): Mode B's ‖u‖ memory
-        if self.flag is None or new is None:
-            return new
-        # no memory yet: +inf divides by exactly 1 on the next step (update.growth_divisor), as None does
-        return torch.where(self.flag, torch.full_like(new, math.inf) if prev is None else prev, new)
-
     def on_host(self) -> bool:  # for an update that cannot skip on the device (bitsandbytes): one host read
         return self.flag is not None and not is_fake(self.flag) and bool(self.flag)
 
@@ -88,8 +82,33 @@ class DeviceSkip:
                 s.skipped = self.flag.to(torch.int32)
 
     def count(self, slot: Any) -> None:  # slot.skipped: () int32 on the device, updates skipped not yet reconciled
-        if self.flag is not None:
-            slot.skipped = self.flag.to(torch.int32) if slot.skipped is None else slot.skipped.add_(self.flag)
+        if self.flag is None:
+            return
+        if self._later is not None:
+            self._later.append((slot, self.flag))
+            return
+        slot.skipped = self.flag.to(torch.int32) if slot.skipped is None else slot.skipped.add_(self.flag)
+
+    def count_later(self) -> None:
+        """Keep each ``count`` until ``flush_counts``, which adds the flags of many slots in one ``_foreach_add_``
+        (the per-layer engine's step: its in-backward updates each run under their own flag)."""
+        if self._later is None:
+            self._later = []
+
+    def flush_counts(self) -> None:
+        later, self._later = self._later, None
+        live, flags, seen = [], [], set()
+        for slot, flag in later or ():
+            if slot.skipped is None:
+                slot.skipped = flag.to(torch.int32)
+            elif id(slot) in seen:  # twice in one list: the multi-tensor kernel would race
+                slot.skipped.add_(flag)
+            else:
+                seen.add(id(slot))
+                live.append(slot.skipped)
+                flags.append(flag)
+        if live:
+            torch._foreach_add_(live, flags)
 
 
 def reconcile(slots: Iterable[Any]) -> None:

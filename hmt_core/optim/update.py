@@ -29,6 +29,7 @@ Two AdamW formula styles (``style``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -147,19 +148,59 @@ def scaled_norm_of_rows(row_norms: Tensor, factor: Tensor) -> Tensor:  # row_nor
     return torch.linalg.vector_norm(row_norms * factor.reshape(-1))
 
 
+def fp32_clipped(low: Tensor, clip: Tensor | None) -> Tensor:  # low: Ĝ (any float dtype); clip: () fp32
+    """fp32 ``clip · low`` (``low.float()`` when ``clip`` is None) in one op for an fp32 or narrower ``low``: a (1,)
+    view of the clip coefficient takes part in type promotion (a 0-dim one does not), so bf16 × fp32 is fp32."""
+    if clip is None:
+        return low.float()
+    return low * clip.reshape(1) if low.dtype.itemsize <= 4 else low.float() * clip
+
+
 def apollo_coefficient(grad: Tensor | None, factor: Tensor, *, prev_norm: Tensor | None,  # grad: (out, in)
-                       gamma: float | None, sqrt_scale: float,
-                       reduce: Callable[[Tensor], Tensor] | None = None,
-                       row_norms: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """Mode B's update ``limit(G ⊙ s)·√scale`` as ``G ⊙ coef`` with ``coef = s·√scale / limiter`` (factor-shaped:
-    0-d, (out, 1) or (in,)), and the norm to remember for the next step's limiter (Fira, Eq. 9: ‖u‖ after
-    limiting). ``gamma`` None: no limiter (``prev_norm`` passes through). ``reduce``: see ``scaled_norm``;
-    ``row_norms`` ((out,) ‖G_r‖, ``grad`` None): the limiter's norm from them. Only factor-sized tensors are made."""
+                       gamma: float | None, reduce: Callable[[Tensor], Tensor] | None = None,
+                       row_norms: Tensor | None = None, grad_norm: Tensor | None = None,
+                       found_inf: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Mode B's update ``limit(G ⊙ s)`` as ``G ⊙ coef`` with ``coef = s / limiter`` (factor-shaped: 0-d, (out, 1)
+    or (in,); APOLLO's √scale is the caller's, a Python factor of the step size), and the norm to remember for the
+    next step's limiter (Fira, Eq. 9: ‖u‖ after limiting). ``gamma`` None: no limiter (``prev_norm`` passes
+    through). ``reduce``: see ``scaled_norm``; ``row_norms`` ((out,) ‖G_r‖, ``grad`` None): the limiter's norm
+    from them; ``grad_norm`` (() ‖G‖, known to the caller): a tensor factor's ‖G ⊙ s‖ = s‖G‖ without reading G.
+    ``found_inf`` (() bool, a step skipped on the device): coef 0 and ``prev_norm`` kept where it is True.
+    Only factor-sized tensors are made."""
     if gamma is None:
-        return factor * sqrt_scale, prev_norm
-    norm = scaled_norm(grad, factor, reduce) if row_norms is None else scaled_norm_of_rows(row_norms, factor)
-    limiter, remembered = growth_divisor(norm, prev_norm, gamma)
-    return (factor * sqrt_scale if limiter is None else factor * sqrt_scale / limiter), remembered
+        coef, remembered = factor, prev_norm
+    elif factor.dim() == 0 and grad_norm is not None and reduce is None:
+        coef, remembered = _tensor_limit(factor, grad_norm, prev_norm, gamma)
+    else:
+        norm = scaled_norm(grad, factor, reduce) if row_norms is None else scaled_norm_of_rows(row_norms, factor)
+        coef, remembered = _limit(factor, norm, prev_norm, gamma)
+    if found_inf is None:
+        return coef, remembered
+    if remembered is not None:  # no memory yet: +inf keeps the next step unlimited (``_limit``), as None does
+        keep = torch.full_like(remembered, math.inf) if prev_norm is None else prev_norm
+        remembered = torch.where(found_inf, keep, remembered)
+    return coef.masked_fill(found_inf, 0.0), remembered
+
+
+def _tensor_limit(factor: Tensor, grad_norm: Tensor, prev: Tensor | None,  # factor, grad_norm, prev: ()
+                  gamma: float) -> tuple[Tensor, Tensor]:
+    """(s / limiter, ‖u‖ after limiting) for a tensor factor s from ‖G‖: with ‖u‖ = s‖G‖ the limiter
+    max(‖u‖/(prev + ε), γ)/γ gives s / limiter = min(γ(prev + ε)/‖G‖, s) and ‖u‖/limiter = that·‖G‖ (‖G‖ = 0:
+    γ(prev + ε)/0 = ∞, so s; ``fmin`` takes s where the quotient is NaN: a skipped step's coefficient is masked)."""
+    if prev is None:
+        return factor, factor * grad_norm
+    coef = torch.fmin(torch.add(prev, 1e-8).mul_(gamma).div_(grad_norm), factor)
+    return coef, coef * grad_norm
+
+
+def _limit(factor: Tensor, norm: Tensor, prev: Tensor | None,  # factor: () | (out, 1) | (in,); norm, prev: ()
+           gamma: float) -> tuple[Tensor, Tensor]:
+    """(s / limiter, ‖u‖ / limiter) from ‖u‖ = ‖G ⊙ s‖: 1/limiter = min(γ(prev + ε)/‖u‖, 1) (Fira, Eq. 9;
+    ‖u‖ = 0: ∞, so 1)."""
+    if prev is None:
+        return factor, norm
+    inv = torch.add(prev, 1e-8).mul_(gamma).div_(norm).clamp_(max=1.0)
+    return factor * inv, norm * inv
 
 
 def rows_of(coef: Tensor, index) -> Tensor:  # coef: () | (out, 1) | (in,); index: a row slice or ``...``
@@ -183,10 +224,10 @@ def scaled_update_rows_(param: Tensor, grad: Tensor, factor: Tensor, *,  # param
     """Mode B's ``W ← W − step·(limit(G ⊙ s) · √scale)`` in row chunks of ``rows`` (``apollo_coefficient`` +
     ``apply_scaled_update_``): no weight-sized temporary. ``factor`` s is 0-d, (out, 1) or (in,); ``gamma`` None:
     no limiter. Returns the norm to remember for the next step's limiter (``‖u‖`` after limiting)."""
-    coef, norm = apollo_coefficient(grad, factor, prev_norm=prev_norm, gamma=gamma, sqrt_scale=sqrt_scale)
+    coef, norm = apollo_coefficient(grad, factor, prev_norm=prev_norm, gamma=gamma)
     for index in row_spans(grad.shape[0], rows):
-        apply_scaled_update_(param[index], grad[index], rows_of(coef, index), step_size=step_size, lr=lr,
-                             weight_decay=weight_decay, style=style)
+        apply_scaled_update_(param[index], grad[index], rows_of(coef, index), step_size=step_size * sqrt_scale,
+                             lr=lr, weight_decay=weight_decay, style=style)
     return norm
 
 
