@@ -63,7 +63,7 @@ class SparseEmbeddingUpdate:
 
     @torch.no_grad()
     def before_read(self, ids: Tensor) -> None:
-        self.state.catch_up_(self.slot.param.data, ids.reshape(-1), self.slot.adam_t + 1)
+        self.state.catch_up_(self.slot.param.data, ids.reshape(-1), self.slot.clock.adam_t + 1)
 
     @torch.no_grad()
     def on_grad(self, ids: Tensor, grad: Tensor) -> None:  # ids: (...); grad: (..., d)
@@ -107,10 +107,10 @@ class SparseEmbeddingUpdate:
 
     def apply(self, ids_sorted: Tensor, rows: Tensor, coef: Tensor | None) -> None:  # (N,), (N, d) fp32
         s = self.slot
-        s.step += 1
-        s.adam_t += 1
-        self.opt.skip.count(s)
-        self.state.step_rows_(s.param.data, ids_sorted, rows if coef is None else rows * coef, s.adam_t,
+        s.clock.step += 1
+        s.clock.adam_t += 1
+        self.opt.skip.count(s.clock)
+        self.state.step_rows_(s.param.data, ids_sorted, rows if coef is None else rows * coef, s.clock.adam_t,
                               self.opt.lr, skip=self.opt.skip.flag)
 
     @torch.no_grad()
@@ -118,7 +118,7 @@ class SparseEmbeddingUpdate:
         """lazy_exact: every row brought up to date (what dense AdamW's weight is now), e.g. before the weights are
         exported; the training trajectory does not change (a later catch-up starts from here)."""
         rows = torch.arange(self.slot.param.shape[0], device=self.slot.param.device)
-        self.state.catch_up_(self.slot.param.data, rows, self.slot.adam_t + 1)
+        self.state.catch_up_(self.slot.param.data, rows, self.slot.clock.adam_t + 1)
 
     def discard(self) -> None:
         self.pending = []
