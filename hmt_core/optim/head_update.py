@@ -22,7 +22,7 @@ from hmt_core.precision import chunk_rows_for
 
 
 class Settings(Protocol):
-    """The keys of HMT's Config (``hmt_core.hmt.Config``) that decide whether the head can be updated by block."""
+    """The keys of HMT's Config (``hmt_core.hmt_config.Config``) that decide whether the head can be updated by block."""
 
     mode: str
     basis: str
