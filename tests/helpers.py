@@ -192,7 +192,8 @@ def state_rows(method, snap: Snapshot, step: int) -> dict[str, list[tuple[str, T
         require((st is None) == (s.m is None), f"{s.name}: optimizer state on one side only")
         if st is None:
             continue
-        require(s.clock.step == s.clock.adam_t == st["step"], f"{s.name}: HMT step {s.clock.step}/{s.clock.adam_t}, reference {st['step']}")
+        require(s.clock.step == s.clock.adam_t == st["step"],
+                f"{s.name}: HMT step {s.clock.step}/{s.clock.adam_t}, reference {st['step']}")
         for key in ("seed", "rank"):
             if key in st:
                 require(getattr(s, key) == st[key], f"{s.name}: {key} {getattr(s, key)} vs {st[key]}")
