@@ -33,7 +33,9 @@ def refresh_bytes(m: int, n: int, world: int, mode: str) -> int:
     from experiments import methods
     from experiments.memory.meter import MemoryMeter
     from hmt_core.kernels import ops as kops
+    from hmt_core.hmt_config import optimizer_settings
     from hmt_core.optim.optimizer import LowRankOptimizer, Slot
+    from hmt_core.optim.slot import ShardRows
     from hmt_core.optim.rows import rank_rows
     from hmt_core.optim.sharded_sketch import RowSketch
 
@@ -42,9 +44,9 @@ def refresh_bytes(m: int, n: int, world: int, mode: str) -> int:
         rows = rank_rows(m, world, 0)
         local = torch.empty(rows.stop - rows.start, n, dtype=torch.bfloat16)
         param = torch.empty_like(local)
-        s = Slot(name="w", param=param, index=1, projected=True, candidates=cfg.rank_candidates, rows=rows,
-                 global_shape=(m, n))
-        opt = LowRankOptimizer([s], cfg)
+        s = Slot(name="w", param=param, index=1, projected=True, candidates=cfg.rank_candidates,
+                 shard=ShardRows(rows=rows, global_shape=(m, n), grad_param=param))
+        opt = LowRankOptimizer([s], optimizer_settings(cfg))
         meter = MemoryMeter(source="fake")
         meter.track([local, param], "params")
         with meter, meter.phase("optimizer"):

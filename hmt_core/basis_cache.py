@@ -1,23 +1,7 @@
-"""Host-memory cache for HMT's projection bases (``method.offload_bases=true``).
-
-A projected weight needs its basis only while its gradient is projected (in its backward hook) and while its
-update is applied (in the hook, or in ``finish_step`` when clipping defers it). Between those moments the basis
-is *parked* in host memory (pinned when the device is CUDA) and the device copy is dropped; the per-layer engine
-fetches it just in time and prefetches the next layer's basis in backward order (recorded during the first
-step), asynchronously on a side CUDA stream. A parked basis that was not refreshed while on the device is simply
-dropped there (the host copy is still valid): host→device traffic is ~one copy per use, device→host traffic only
-after a refresh.
-
-When a refresh replaces a basis, the old host copy is kept as the *previous* basis (for measuring subspace
-drift, ``subspace_drift``; the randomized SVD is warm-started from the basis on the device at refresh time).
-Host memory is bounded (``capacity_bytes``): previous bases are evicted least-recently-used first; if the current
-bases alone exceed the budget, the basis being parked stays on the device instead (never on disk).
-
-Stats (``stats()``): hits (basis already on the device or prefetched when needed), misses (copied on demand),
-host→device and device→host bytes, peak device bytes held by bases through the cache, and the device bytes all
-current bases would hold without it. On a CPU device "host" and "device" are the same memory: the bookkeeping and
-the copies are real, the saving is not.
-"""
+"""Host-memory cache for HMT's projection bases (``method.offload_bases=true``): between its uses (the projection in
+the backward hook, the update) a basis is parked in host memory and fetched just in time, the next layer's
+prefetched in backward order on a side CUDA stream; host memory is bounded (previous bases evicted least-recently
+used first). Design notes and the statistics: docs/design/hmt_core_notes.md."""
 
 from __future__ import annotations
 

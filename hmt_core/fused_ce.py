@@ -1,32 +1,15 @@
 """Fused linear + cross-entropy: the causal-LM loss and its gradients from the final hidden states and the LM
-head's weight, without ever materializing the (tokens x vocab) logits.
-
-The idea is Liger-Kernel's fused linear cross entropy (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for
-LLM Training", Sec. 3.2: chunk the tokens, compute each chunk's logits, loss and gradients in turn) and Apple's Cut
-Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models", Sec. 4: keep only the
-per-token log-sum-exp from the forward pass, recompute logit blocks in backward). With T the tokens whose shifted
-label is not ``ignore_index``, z = φ(h Wᵀ + b) the logits after the architecture's final map φ (identity; a scale
-z·s for Cohere and Granite; a soft-cap c·tanh(z/c) for Gemma 2) and g the incoming gradient of the loss:
+head's weight, without ever materializing the (tokens x vocab) logits (Liger-Kernel's fused linear cross entropy,
+Hsu et al. 2024, Sec. 3.2; Cut Cross-Entropy, Wijmans et al. 2024, Sec. 4). With T the tokens whose shifted label is
+not ``ignore_index``, z = φ(h Wᵀ + b) the logits after the architecture's final map φ (identity; a scale for Cohere
+and Granite; a soft-cap c·tanh(z/c) for Gemma 2) and g the incoming gradient:
 
     loss      = (1/|T|) Σ_{i∈T} (lse_i − z_{i,y_i}),          lse_i = log Σ_v exp z_{iv}
     ∂loss/∂z  = g·[i∈T]/|T| · (exp(z_{iv} − lse_i) − [v = y_i])    (softmax minus one-hot)
-    δ         = ∂loss/∂z ⊙ φ'                                 (φ' = s, or 1 − (z/c)² for the soft-cap)
-    ∂/∂h = δ W,    ∂/∂W = δᵀ h,    ∂/∂b = Σ_i δ_i
+    δ         = ∂loss/∂z ⊙ φ',    ∂/∂h = δ W,    ∂/∂W = δᵀ h,    ∂/∂b = Σ_i δ_i
 
-which is transformers' ``ForCausalLMLoss`` for ``labels=``: labels shifted left by one, the last position
-``ignore_index``, mean over the non-ignored tokens. The matmuls run in the dtype autocast gives the head (the input
-dtype without autocast), the softmax and everything after in fp32, as the plain path does.
-
-Memory, and why backward recomputes: forward walks token chunks of ``chunk_tokens`` rows; a chunk's logits (chunk x
-V, fp32) live only inside the loop, and what is saved for backward is the per-token lse (N fp32) and the shifted
-labels, beside the hidden states that the plain path's ``lm_head`` saves as well. Computing the gradients in
-forward (Liger's choice) would keep a (V x H) weight gradient and an (N x H) hidden gradient alive from the end of
-forward through the whole backward of the decoder; recomputing costs one extra N·H·V matmul (the head is ~2% of a
-7B model's FLOPs). Backward walks vocabulary blocks holding as many logits as a token chunk (N x Vb with
-N·Vb ≤ chunk_tokens·V): each block's rows of the weight gradient are final after one matmul, written once in the
-compute dtype as the plain path's single matmul writes them (no (V x H) accumulator, no extra rounding), and the
-hidden gradient accumulates over blocks in fp32 (N x H x 4 bytes).
-"""
+(transformers' ``ForCausalLMLoss``). Forward keeps only the per-token lse; backward recomputes logit blocks. Design
+notes (dtypes, memory, why backward recomputes): docs/design/hmt_core_notes.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
-"""Update precision for low-precision weights (BF16, and INT8 codes): fp32 master weights and stochastic rounding.
+"""Update precision for low-precision weights (BF16, and INT8 codes): fp32 master weights (Micikevicius et al.,
+2018, "Mixed Precision Training", §3.1) and stochastic rounding (Gupta et al., 2015, Eq. 2: x stored as ⌈x⌉ with
+probability (x − ⌊x⌋)/ε, so E[SR(x)] = x; Q-GaLore, Zhang et al., 2024, §3.3, for INT8 codes).
 
-BF16 keeps 8 significant bits, so a weight w moves under round-to-nearest only if the update exceeds half its
-unit in the last place, ulp(w)/2 = 2^(⌊log₂|w|⌋ − 8). An Adam step is ≈ lr per element; at a fine-tuning lr of 1e-5
-every weight with |w| ≥ 2⁻⁸ ≈ 0.004 (most of a Llama weight initialized with std 0.02) keeps its value and the
-update is lost, step after step. Two remedies, chosen per method (``master_weights`` / ``stochastic_rounding``):
-
-- **fp32 master weights** (Micikevicius et al., 2018, "Mixed Precision Training", §3.1): the optimizer applies its
-  update to an fp32 copy of each low-precision trainable weight and the BF16 weight is refreshed from it by
-  round-to-nearest; small updates accumulate in the copy. Costs 4 bytes per weight element, counted as optimizer
-  state (the methods list the copies in ``state_tensors()``).
-- **stochastic rounding** (Gupta et al., 2015, "Deep Learning with Limited Numerical Precision", Eq. 2; Q-GaLore
-  applies it to INT8 weights, Zhang et al., 2024): the fp32 result x of the update, lying between the adjacent
-  representable values ⌊x⌋ and ⌈x⌉ = ⌊x⌋ + ε, is stored as ⌈x⌉ with probability (x − ⌊x⌋)/ε and as ⌊x⌋ otherwise,
-  so E[SR(x)] = x: small updates survive in expectation, at the price of rounding noise of variance
-  ε²·p(1 − p) ≤ ε²/4. No persistent memory beyond a random generator; the update runs through fp32 row chunks.
-
-``stochastic_round`` is the rounding to BF16 as a pure function (bit arithmetic on the fp32 pattern);
-``stochastic_round_int`` the same rule onto the integer grid, for INT8 weight codes (Q-GaLore, Zhang et al., 2024,
-§3.3: the weight update is applied in high precision, then requantized to INT8 by stochastic rounding). Both draw
-their uniform bits with ``random_bits`` from one seeded generator. ``UpdateWriter`` is the bookkeeping an optimizer
-uses to route its fp32 update to the weight — also to a ``QuantizedWeight`` (``hmt_core.int8_weights``): dequantized
-rows in, the update applied in fp32, requantized by stochastic rounding.
-"""
+``stochastic_round`` rounds to BF16 (bit arithmetic on the fp32 pattern), ``stochastic_round_int`` onto the integer
+grid of INT8 codes, both with bits from one seeded generator (``random_bits``). ``UpdateWriter`` routes an
+optimizer's fp32 update to the weight: in place, into an fp32 master, or through fp32 row chunks rounded
+stochastically (also into a ``QuantizedWeight``). Why BF16 loses small updates: docs/design/hmt_core_notes.md."""
 
 from __future__ import annotations
 

@@ -1,61 +1,12 @@
-"""Dynamic rank under an optimizer-state budget (``method.state_budget``).
+"""Dynamic rank under an optimizer-state budget (``method.state_budget``): at every refresh the ranks solve the
+multiple-choice knapsack
 
-HMT design, "Dynamic rank": each projected layer l picks the smallest candidate rank whose spectral energy
-``E_l(r) = Σ_{i≤r} σᵢ² / ‖G_l‖²_F`` reaches τ (``hmt_core.rank``). Nothing there bounds the total, so the
-optimizer state can climb to full rank. With a budget B (bytes) the ranks solve, at every refresh,
+    maximize Σ_l E_l(r_l)   subject to   Σ_l bytes_l(r_l) ≤ B,   r_l ∈ grid_l,   r_l ≤ τ-rank_l
 
-    maximize Σ_l E_l(r_l)   subject to   Σ_l bytes_l(r_l) ≤ B,   r_l ∈ grid_l,   r_l ≤ τ-rank_l,
-
-a multiple-choice knapsack (one rank per layer; x_{l,j} ∈ {0, 1}, Σ_j x_{l,j} = 1, Σ bytes·x ≤ B). ``allocate``
-solves its LP relaxation (``scipy.optimize.linprog``), rounds the one layer a vertex splits down and spends the
-leftover greedily: feasible always, optimal when the LP vertex is integral, else within that layer's value step
-(the exact MILP, ``scipy.optimize.milp``, is the reference in the tests; at 224 layers it needs up to seconds per
-solve, and a refresh round solves once per layer). The objective is the *relative* captured energy summed over
-layers (Σ_l ‖Π_l G_l‖²/‖G_l‖², i.e. the sum of 1 − squared relative projection errors): each layer's update is
-normalized by Adam anyway, so a layer with a small gradient is not starved. τ keeps its meaning: the budget only
-caps, a layer never gets more than its τ-rank.
-
-Bytes (``layer_state_bytes``): the state the optimizer lists for a projected weight (``state_tensors``, what the
-memory meter counts as ``optimizer``): Adam's two moments of the projected gradient in ``state_dtype`` (Mode A,
-and Mode B's APOLLO moments alike), the basis in the weight's dtype, and Mode B's 0-d limiter norm of G ⊙ s
-(fp32 with channel scaling, the weight's dtype with tensor scaling; fp64 for fp64 weights). For an (out, in)
-weight at rank r, one-sided (GaLore, Zhao et al. 2024, Table 1: optimizer states mr + 2nr for an m×n weight,
-m ≤ n): ``2·out·r·s + r·in·b`` when out ≥ in (else ``2·r·in·s + out·r·b``); two-sided: ``2·r²·s + (out+in)·r·b``.
-tests/test_state_budget.py checks this against the tensors' bytes exactly.
-
-Budget (``parse_state_budget``): a fraction of AdamW's state for the projected weights (``0.25``: torch AdamW
-keeps two moments in the weight's dtype), bytes (``"3GiB"``, ``"500MB"``, ``123456``), or ``"galore"`` (the
-default): what galore-torch's ``GaLoreAdamW`` keeps for the same weights at its default rank
-(``GALORE_DEFAULT_RANK``, baselines/galore.py): two moments of the projected gradient plus the projector, in the
-weight's dtype (``galore_state_bytes``). Dense parameters (embeddings, norms, lm_head) and fp32 master weights do
-not depend on the rank and are outside the budget.
-
-Grid. Each layer chooses among its candidates ≤ min(out, in) (plus full rank with ``rank_fallback="full"``, or
-full rank alone when no candidate fits). If even the smallest ranks exceed B, the grid extends down by halvings
-of the smallest candidate (c/2, c/4, …, 1), so a tight budget gives low ranks instead of an error; a budget
-below rank 1 everywhere is a ``ValueError`` naming ``method.state_budget`` at attach.
-
-When the spectra are known (design decision). A layer refreshes when its own gradient arrives — inside its own
-backward hook with ``per_layer=True``, one layer after the other in ``step_all`` otherwise — so when layer l
-chooses, only its own new spectrum and those of the layers already refreshed this round are known. ``RankBudget``
-therefore re-solves the knapsack at every refresh over the most recent information: layers refreshed at this
-step are fixed at the rank they hold, layer l uses its new curve, the layers still to refresh this round use
-their previous refresh's curve (and τ-rank) as the prediction, and layers never refreshed yet (the first
-round) the mean of the curves seen so far (``prior_curve``; the current layer's at the very first refresh: the
-layers still to come are assumed to look like those already seen), capped at the τ-rank that curve predicts.
-Layer l takes its share of that solution. Measured (tests/test_state_budget.py, two-layer Llamas, binding
-budgets): the first round's Σ E(r) is 96.6–99.7 % of the optimum with every spectrum known in advance; later
-rounds predict from the previous round's spectra. Cost: one LP per refresh, 1.9 s per refresh round for the
-224 projected weights of a 7B model (2 CPU cores). A dry run (shape-only tensors, no spectra) uses
-``E(r) = r / min(out, in)`` (equal singular values) throughout, which spends the budget: the memory it reports is
-the bound.
-
-Guarantee. The total is never exceeded, at any moment, whatever the predictions: the rank layer l takes is also
-capped so that ``bytes_l(r) ≤ B − Σ_{j≠l} held_j − Σ_{j never refreshed} bytes_j(smallest)``. By induction the
-invariant ``Σ held + Σ_{unseen} bytes(smallest) ≤ B`` holds (true at attach, checked there), so the smallest
-rank always fits and every step's projected state is ≤ B (tests/test_state_budget.py measures it from the
-state tensors). A fixed ``method.rank`` or ``sides="identity"`` is the user's explicit choice: no budget applies.
-"""
+(``allocate``: its LP relaxation by ``scipy.optimize.linprog``, rounded, leftover spent greedily), with E_l(r) the
+spectral energy of ``hmt_core.rank`` and bytes_l(r) the projected state (``layer_state_bytes``: GaLore, Zhao et al.
+2024, Table 1). The total is never exceeded. Design notes, the default budget and measurements:
+docs/design/rank_budget.md."""
 
 from __future__ import annotations
 
@@ -71,6 +22,7 @@ from scipy.optimize import linprog
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from hmt_core.optim.settings import Projection
 from hmt_core.projection import which_sides
 from hmt_core.rank import energy_ratios, valid_candidates
 
@@ -362,15 +314,16 @@ class RankBudget:
             layer.step, layer.held = int(st["step"]), None if st["held"] is None else int(st["held"])
 
 
-def make_rank_budget(weights: dict[str, tuple[tuple[int, int], int, tuple[int, ...]]], cfg: Any) -> RankBudget | None:
+def make_rank_budget(weights: dict[str, tuple[tuple[int, int], int, tuple[int, ...]]], cfg: Projection, *,
+                     state_dtype: str, limiter: bool) -> RankBudget | None:
     """The ``RankBudget`` for projected ``weights`` (name -> ((out, in), weight element size, candidates)) under
-    an hmt ``Config``; None without a budget or when the rank is not dynamic (fixed ``rank``, identity)."""
-    budget = parse_state_budget(getattr(cfg, "state_budget", None))
+    HMT's projection settings, ``state_dtype`` moments and Mode B's ``limiter`` (its 0-d norm of G ⊙ s, accumulated
+    in fp32 or wider); None without a budget or when the rank is not dynamic (fixed ``rank``, identity)."""
+    budget = parse_state_budget(cfg.state_budget)
     if budget is None or cfg.rank is not None or cfg.sides == "identity" or not weights:
         return None
     limit = budget_bytes(budget, ((shape, size) for shape, size, _ in weights.values()))
-    state_size = 2 if cfg.state_dtype == "bf16" else 4
-    limiter = cfg.mode == "B" and cfg.norm_limiter  # Mode B's 0-d norm of G ⊙ s, accumulated in fp32 or wider
+    state_size = 2 if state_dtype == "bf16" else 4
 
     def layer(shape, size, grid) -> LayerBudget:
         left, right = which_sides(shape, cfg.sides)

@@ -74,7 +74,7 @@ class SparseEmbeddingUpdate:
         self.rows = Int8Rows(module, opt.writer.rounding_generator) if self.int8 is not None else None
         self.state = RowAdamState(cfg, tuple(w.shape), dtype=opt.dense_state_dtype or (
             torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32), device=w.device,
-            eight_bit=opt.cfg.dense_8bit)
+            eight_bit=opt.rule.dense_8bit)
         opt.dense8.pop(slot.name, None)  # dense_8bit: the 8-bit row moments replace bitsandbytes' for this weight
         slot.m, slot.v = self.state.m, self.state.v  # counted and saved with the other slots' moments
         self.pending: list[tuple[Tensor, Tensor]] = []  # lookups' (ids (N,), output gradient (N, d)) of the step
@@ -89,14 +89,14 @@ class SparseEmbeddingUpdate:
         """The forward's rows, as dense AdamW has them (``lazy_exact``: rows caught up first; a BF16 table stores
         them, the INT8 one computes them in fp32 and leaves the write to the step)."""
         if self.int8 is None:
-            self.state.catch_up_(self.slot.param.data, ids.reshape(-1), self.slot.adam_t + 1)
+            self.state.catch_up_(self.slot.param.data, ids.reshape(-1), self.slot.clock.adam_t + 1)
             return F.embedding(ids, weight, self.padding_idx)
         layer, flat = self.int8, ids.reshape(-1)
         if self.state.last is None:  # sparse_adam: the stored rows are current
             rows = dequantize(layer.weight_codes[flat], layer.weight_scales[flat], layer.block, weight.dtype,
                               backend=layer.backend)
         else:
-            rows = self.state.caught_up(self.rows, flat, self.slot.adam_t + 1).to(weight.dtype)
+            rows = self.state.caught_up(self.rows, flat, self.slot.clock.adam_t + 1).to(weight.dtype)
         return rows.view(*ids.shape, rows.shape[-1])
 
     @torch.no_grad()
@@ -145,10 +145,10 @@ class SparseEmbeddingUpdate:
 
     def apply(self, ids_sorted: Tensor, rows: Tensor, coef: Tensor | None) -> None:  # (N,), (N, d) fp32
         s = self.slot
-        s.step += 1
-        s.adam_t += 1
-        self.opt.skip.count(s)
-        self.state.step_rows_(self.weight_rows(), ids_sorted, rows if coef is None else rows * coef, s.adam_t,
+        s.clock.step += 1
+        s.clock.adam_t += 1
+        self.opt.skip.count(s.clock)
+        self.state.step_rows_(self.weight_rows(), ids_sorted, rows if coef is None else rows * coef, s.clock.adam_t,
                               self.opt.lr, skip=self.opt.skip.flag)
 
     @torch.no_grad()
@@ -156,7 +156,7 @@ class SparseEmbeddingUpdate:
         """lazy_exact: every row brought up to date (what dense AdamW's weight is now), e.g. before the weights are
         exported; the training trajectory does not change (a later catch-up starts from here)."""
         rows = torch.arange(self.slot.param.shape[0], device=self.slot.param.device)
-        self.state.catch_up_(self.weight_rows(), rows, self.slot.adam_t + 1)
+        self.state.catch_up_(self.weight_rows(), rows, self.slot.clock.adam_t + 1)
 
     def discard(self) -> None:
         self.pending, self._pass_start = [], 0

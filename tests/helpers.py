@@ -117,7 +117,7 @@ def hmt_snapshot(method, model: nn.Module) -> Snapshot:
     for s in method.opt.slots:
         if s.m is None:
             continue
-        st = {"step": s.step, "m": s.m.detach().clone(), "v": s.v.detach().clone(), "seed": s.seed, "rank": s.rank}
+        st = {"step": s.clock.step, "m": s.m.detach().clone(), "v": s.v.detach().clone(), "seed": s.seed, "rank": s.rank}
         if s.basis is not None:
             st["basis"] = (s.basis.left if s.basis.left is not None else s.basis.right).detach().clone()
         if s.limiter_prev is not None:
@@ -166,7 +166,7 @@ def force_state(method, model: nn.Module, snap: Snapshot) -> None:
             raise AssertionError(f"{s.name}: optimizer state on one side only (replay from the first snapshot)")
         if st is None:
             continue
-        s.step = s.adam_t = st["step"]
+        s.clock.step = s.clock.adam_t = st["step"]
         _into(s.m, st["m"], f"{s.name} m")
         _into(s.v, st["v"], f"{s.name} v")
         if "basis" in st:
@@ -192,7 +192,8 @@ def state_rows(method, snap: Snapshot, step: int) -> dict[str, list[tuple[str, T
         require((st is None) == (s.m is None), f"{s.name}: optimizer state on one side only")
         if st is None:
             continue
-        require(s.step == s.adam_t == st["step"], f"{s.name}: HMT step {s.step}/{s.adam_t}, reference {st['step']}")
+        require(s.clock.step == s.clock.adam_t == st["step"],
+                f"{s.name}: HMT step {s.clock.step}/{s.clock.adam_t}, reference {st['step']}")
         for key in ("seed", "rank"):
             if key in st:
                 require(getattr(s, key) == st[key], f"{s.name}: {key} {getattr(s, key)} vs {st[key]}")

@@ -151,9 +151,9 @@ def _forced_disagreement(rank: int, ctx, data) -> dict:
     """One step with a dynamic rank where rank 1's ``choose_rank`` answers another candidate than its own."""
     from experiments.dist import parallel as distributed
     from helpers import tiny_llama
-    from hmt_core.optim import optimizer
+    from hmt_core.optim import refresh as rf
 
-    honest, chosen = optimizer.choose_rank, []
+    honest, chosen = rf.choose_rank, []
 
     def choose(*args, **kwargs):  # what this rank answers (rank 1: the next candidate after its own choice)
         r = honest(*args, **kwargs)
@@ -173,11 +173,11 @@ def _forced_disagreement(rank: int, ctx, data) -> dict:
         refresh(s, *args, **kwargs)
         refreshed.append(s.name)
 
-    optimizer.choose_rank, opt.refresh = choose, record_refresh
+    rf.choose_rank, opt.refresh = choose, record_refresh
     try:
         _train_step(forward, method, ctx, _batches(data[0], rank, 1))
     finally:
-        optimizer.choose_rank = honest
+        rf.choose_rank = honest
     assert len(chosen) == len(refreshed), (chosen, refreshed)
     ranks = {s.name: s.rank for s in opt.slots if s.projected}
     return {"chosen": dict(zip(refreshed, chosen)), "ranks": ranks}

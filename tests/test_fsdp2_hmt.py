@@ -93,7 +93,7 @@ def _local_state(state: dict, slots: dict) -> dict:
     for name, st in state["slots"].items():
         s = slots[name]
         if st["m"] is not None and st["basis_left"] is None:
-            st["m"], st["v"] = st["m"][s.rows].clone(), st["v"][s.rows].clone()
+            st["m"], st["v"] = st["m"][s.shard.rows].clone(), st["v"][s.shard.rows].clone()
     return state
 
 

@@ -14,6 +14,7 @@ from hmt_core.adam import apply_update_
 from hmt_core.int8_weights import Int8Embedding, Int8Linear, dequantize, quantize
 from hmt_core.kernels import ops as kops
 from hmt_core.optim.moments8 import Moments8, dynamic_map
+from hmt_core.hmt_config import optimizer_settings
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 
 
@@ -98,7 +99,7 @@ def test_the_dynamic_map_is_bitsandbytes_and_moments_round_to_the_nearest_code()
 
 
 def _dense_step(layer: Int8Embedding, cfg: hmt.Config, grad: torch.Tensor) -> LowRankOptimizer:
-    opt = LowRankOptimizer([Slot(name="embed", param=layer.handle, index=1, projected=False)], cfg)
+    opt = LowRankOptimizer([Slot(name="embed", param=layer.handle, index=1, projected=False)], optimizer_settings(cfg))
     layer.weight.grad = grad
     opt.step_all(None)
     return opt
@@ -141,7 +142,8 @@ def test_a_dense_int8_embedding_update_is_dequantize_adamw_requantize(dense_8bit
             assert not opt.dense8 and opt.slots[0].m is None  # no bitsandbytes state, no 16-bit moments
         else:
             assert torch.equal(opt.slots[0].m, m) and torch.equal(opt.slots[0].v, v), step
-    fresh = LowRankOptimizer([Slot(name="embed", param=layer.handle, index=1, projected=False)], cfg)
+    fresh = LowRankOptimizer([Slot(name="embed", param=layer.handle, index=1, projected=False)],
+                             optimizer_settings(cfg))
     fresh.load_state_dict(opt.state_dict())  # a checkpoint carries the 8-bit moments
     if dense_8bit:
         assert all(torch.equal(a, b) for a, b in zip(fresh.moments8["embed"].tensors(), opt.moments8["embed"].tensors()))

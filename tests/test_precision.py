@@ -97,7 +97,9 @@ def force_hmt_state(dst, src, masters: bool) -> None:
     (BF16 values upcast), seeds, limiter memory."""
     for a, b in zip(dst.opt.slots, src.opt.slots):
         a.param.data.copy_(b.master if masters and b.master is not None else b.param.data.float())
-        for key in ("step", "adam_t", "seed", "rank", "born"):
+        for key in ("step", "adam_t", "born"):
+            setattr(a.clock, key, getattr(b.clock, key))
+        for key in ("seed", "rank"):
             setattr(a, key, getattr(b, key))
         for key in ("m", "v", "limiter_prev"):
             t = getattr(b, key)

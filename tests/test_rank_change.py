@@ -13,6 +13,7 @@ from experiments.dispatch_counter import DispatchCounter
 from hmt_core import hmt
 from hmt_core import projection as proj
 from hmt_core.optim import update as upd
+from hmt_core.optim.refresh import random_capture
 from hmt_core.rank import captured_energy, choose_rank_by_capture, energy_ratios
 
 OUT, IN, T = 32, 16, 5  # weight (out, in): one-sided right basis, rank = columns of Ĝ (out, r); refresh every T
@@ -63,7 +64,7 @@ def test_rank_increase_gives_new_coordinates_a_fresh_clock(mode, policy, per_lay
     grown, method = run(mode, True, policy, per_layer)
     same, _ = run(mode, False, policy, per_layer)
     assert [r[3] for r in grown] == [4] * T + [8] * 5 and [r[3] for r in same] == [4] * (T + 5)
-    assert method.opt.slots[0].born == (0, 0, 0, 0, T, T, T, T)
+    assert method.opt.slots[0].clock.born == (0, 0, 0, 0, T, T, T, T)
     for k in range(T, T + 5):
         before = grown[k - 1][0]
         step = (before - grown[k][0]).diagonal()[4:8]  # new coordinates c = 4..7 only touch W[c, c]
@@ -81,15 +82,15 @@ def test_young_clock_index_tensors_are_built_once_per_born():
     host-to-device copy on CUDA) and holds the very same index tensors; the update is the uncached one's."""
     _, method = run("A", True, steps=T + 2)
     s = method.opt.slots[0]
-    cached = s.clock[1]
-    assert s.born == (0, 0, 0, 0, T, T, T, T) and [g.born for g in cached] == [T]
+    cached = s.clock.born_index[1]
+    assert s.clock.born == (0, 0, 0, 0, T, T, T, T) and [g.born for g in cached] == [T]
     net_w, grad = s.param.detach().clone(), diag(G2)
     counter = DispatchCounter()
     with counter:
         s.param.grad = grad
         method.step()
         method.zero_grad()
-    assert s.clock[1] is cached, "index tensors rebuilt although born did not change"
+    assert s.clock.born_index[1] is cached, "index tensors rebuilt although born did not change"
     counts = counter.report()
     fresh = {k: n for k, n in counts.sync_ops.items() if "lift_fresh" in k}
     assert not fresh, f"a step built tensors from host data: {fresh} at {counts.sync_sites}"
@@ -168,7 +169,7 @@ def test_born_round_trips_through_state_dict():
     net = nn.ModuleDict({"attn": nn.Linear(IN, OUT, bias=False)})
     twin.attach(net, max_grad_norm=None)
     twin.load_state_dict(method.state_dict())
-    assert twin.opt.slots[0].born == method.opt.slots[0].born == (0, 0, 0, 0, T, T, T, T)
+    assert twin.opt.slots[0].clock.born == method.opt.slots[0].clock.born == (0, 0, 0, 0, T, T, T, T)
 
 
 # ------------------------------------------------------------------------------------------- random-basis rank
@@ -238,4 +239,5 @@ def test_random_rank_in_a_dry_run_is_the_largest():
     method.attach(net, max_grad_norm=None)
     with FakeTensorMode():
         grad = torch.empty(128, 96)
-        assert method.opt._random_rank(method.opt.slots[0], grad, False, True) == 16
+        opt = method.opt
+        assert random_capture(opt.projection, opt.slots[0], grad, False, True, opt.budget)[0] == 16

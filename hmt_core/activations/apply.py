@@ -301,6 +301,21 @@ def apply_policy(
 
     ``errors``: when given, every compressed tensor's reconstruction error is accumulated there (probe steps).
     """
+    _check_unwrapped(model)
+    scopes, llama = resolve_scopes(model, policy)
+    state, undo = _State(model, policy, errors), []
+    _wrap_components(model, policy, scopes, llama, state, undo)
+    if llama:
+        _interpose_cores(model, scopes.get("attn_core", []), policy.actions()["attn_core"], state, undo)
+        _register_core_interface()
+    _wrap_root(model, state, undo)
+    model._hmt_activation_policy = True
+    undo.insert(0, lambda: delattr(model, "_hmt_activation_policy"))
+    return ActivationHandle(state, undo)
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    """Refuse a model with transformers' own gradient checkpointing or a policy already applied."""
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"
     if getattr(model, flag, False):
@@ -308,46 +323,52 @@ def apply_policy(
                          "activation.layer_recompute instead")
     if getattr(model, "_hmt_activation_policy", False):
         raise ValueError("activation: a policy is already applied to this model; remove() it first")
-    scopes, llama = resolve_scopes(model, policy)
+
+
+def _wrap_components(model: nn.Module, policy: ActivationPolicy, scopes: dict[str, list[str]], llama: bool,
+                     state: _State, undo: list[Callable[[], None]]) -> None:
+    """Each component module's forward under its action: a saved-tensor scope or a recompute region."""
     modules = dict(model.named_modules())
-    state, undo = _State(model, policy, errors), []
     actions = policy.actions()
     # Order matters only for overlapping names: later wraps see earlier ones as ``orig``; scopes never repeat.
     wrapped: set[str] = set()
-
-    def wrap(name: str, component: str) -> None:
-        module, action = modules[name], actions[component]
-        orig = module.forward
-        if action == "recompute":
-            after = getattr(module, "o_proj", None) if (llama and component == "attn_qkv") else None
-            fn = _recomputed(state, component, orig, after=after)
-        elif component == "residual" and policy.layer_recompute:
-            fn = _recomputed(state, component, orig)
-        else:
-            fn = _scoped(state, module, component, action, orig)
-        _set_forward(module, fn, undo)
-        wrapped.add(name)
-
     for component in ("residual", "attn_qkv", "attn_out", "mlp_intermediate", "norm", "embedding", "lm_head"):
         for name in scopes.get(component, []):
             if name in wrapped:
                 raise ValueError(f"activation.modules.{component}: module {name!r} is already in another component")
-            wrap(name, component)
-    for name in scopes.get("attn_core", []) if llama else []:
+            module, action = modules[name], actions[component]
+            orig = module.forward
+            if action == "recompute":
+                after = getattr(module, "o_proj", None) if (llama and component == "attn_qkv") else None
+                fn = _recomputed(state, component, orig, after=after)
+            elif component == "residual" and policy.layer_recompute:
+                fn = _recomputed(state, component, orig)
+            else:
+                fn = _scoped(state, module, component, action, orig)
+            _set_forward(module, fn, undo)
+            wrapped.add(name)
+
+
+def _interpose_cores(model: nn.Module, names: list[str], action: str, state: _State,
+                     undo: list[Callable[[], None]]) -> None:
+    """Llama attention modules ``names`` call the ``hmt_core`` attention function (a per-module config copy)."""
+    modules = dict(model.named_modules())
+    for name in names:
         attn = modules[name]
-        attn._hmt_attention_core = _core_fn(state, attn, actions["attn_core"])
+        attn._hmt_attention_core = _core_fn(state, attn, action)
         original_config = attn.config
         attn.config = copy.copy(original_config)
         attn.config._attn_implementation_internal = _CORE_IMPL
 
-        def restore(attn: nn.Module = attn, cfg: Any = original_config) -> None:
-            attn.config = cfg
+        def restore(attn: nn.Module = attn, original: object = original_config) -> None:
+            attn.config = original
             del attn._hmt_attention_core
 
         undo.append(restore)
-    if llama:
-        _register_core_interface()
 
+
+def _wrap_root(model: nn.Module, state: _State, undo: list[Callable[[], None]]) -> None:
+    """The model's forward: a new forward's counts, and what no component saves packed as ``OTHER``."""
     root_orig = model.forward
     root_pack = state.pack_fn(OTHER, "keep")
 
@@ -363,9 +384,6 @@ def apply_policy(
             state.cache.clear()  # dedup is per forward; holding packed tensors past it would delay their release
 
     _set_forward(model, root_forward, undo)
-    model._hmt_activation_policy = True
-    undo.insert(0, lambda: delattr(model, "_hmt_activation_policy"))
-    return ActivationHandle(state, undo)
 
 
 __all__ = ["COMPONENTS", "OTHER", "ActivationHandle", "apply_policy", "llama_scopes", "resolve_scopes"]

@@ -61,14 +61,14 @@ def _whole(opt: LowRankOptimizer, s: Slot, grad: Tensor) -> bool:  # update_full
 
 def _adam_many(opt: LowRankOptimizer, slots: list[Slot], gs: list[Tensor]) -> list[tuple[Tensor, float]]:
     """``opt._adam(s, g)`` for each slot (same results), the eligible ones in groups of one clock."""
-    c, out = opt.cfg, [None] * len(slots)
+    c, out = opt.rule, [None] * len(slots)
     groups: dict[tuple, list[int]] = {}
     for i, (s, g) in enumerate(zip(slots, gs)):
         opt._begin_adam_step(s, g, count=False)
-        s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
-        if s.born is None and not kops.adam_fuses(s.m, s.v, g, backend=opt.kernels):
-            groups.setdefault((s.adam_t, g.device), []).append(i)
-    opt.skip.count_many(slots)
+        s.clock.born = upd.retire_born(s.clock.born, s.clock.adam_t, c.beta1, c.beta2)
+        if s.clock.born is None and not kops.adam_fuses(s.m, s.v, g, backend=opt.kernels):
+            groups.setdefault((s.clock.adam_t, g.device), []).append(i)
+    opt.skip.count_many([s.clock for s in slots])
     grouped = {i for idx in groups.values() for i in idx}
     for i in (i for i in range(len(slots)) if i not in grouped):
         out[i] = opt._adam_moments(slots[i], gs[i])

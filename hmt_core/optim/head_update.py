@@ -1,29 +1,9 @@
 """The LM head's Mode B update (APOLLO, Zhu et al., 2024, Alg. 1) by vocabulary block inside the fused loss's backward
-(``method.head_update=in_loss``): the head's (V, d) gradient is never materialized.
-
-The fused loss (``hmt_core.fused_ce.vocab_block_grads``) produces the head's gradient one block of vocabulary rows at
-a time, G[v0:v1] = δ_blockᵀ h. Mode B's update W ← W − step·(G ⊙ coef) is row-wise once ``coef`` is known, but
-``coef`` needs the whole tensor: R = G Qᵀ (a right-sided basis: (V, r), row by row), its moments step, the scaling
-factor (tensor: ‖N‖/‖R‖ over all rows; channel: one per row), the limiter's ‖G ⊙ s‖ (from the row norms ‖G_v‖) and
-‖G‖ for the global norm and the non-finite skip. So the loss walks the blocks twice (``fused_ce.HeadUpdate``):
-
-1. ``observe``: each block's rows of R and ‖G_v‖ (V × r and V fp32, kept), and on a refresh step the rows'
-   squared projection residual ‖G_v − G_v Q̃ᵀ Q̃‖² (Q̃ the orthonormalized basis; exact row by row for a
-   right-sided basis);
-2. ``prepare``: ‖G‖ and the step's non-finite flag, then ``LowRankOptimizer.mode_b_coefficient`` — the moments
-   step and ``coef`` exactly as ``update_full`` computes them from the full gradient;
-3. ``apply``: each block's rows updated from its gradient rows, recomputed by the loss with the same matmuls in
-   the same dtype (the same values), through ``LowRankOptimizer.mode_b_rows``.
-
-The cost is the head's logit and weight-gradient matmuls once more per step (2·N·d·V FLOPs). Global clipping is
-Mode B's lagged coefficient (``hmt_core.optim.hooks``, 3.), known before the step, so it is exact here too. What is
-refused (``check_head_update``): gradient accumulation (the head's gradient would have to be summed over
-micro-batches before the update), bases other than a random one of fixed rank (an SVD or a captured-energy rank
-reads the gradient before the first walk could project it), left-sided bases (V < d: a column statistic), the
-sharded engine and parked bases. A refresh step draws the new random basis (``projection.random_basis``, a pure
-function of the slot's seed) for the first walk, and commits it in ``prepare`` only once the gradient is known to be
-finite (a host read; refresh steps synchronize anyway), as the in-hook path refreshes only from a finite gradient.
-"""
+(``method.head_update=in_loss``): the head's (V, d) gradient is never materialized. The loss walks the vocabulary
+blocks twice (``fused_ce.HeadUpdate``): ``observe`` keeps R = G Qᵀ's rows and the row norms ‖G_v‖; ``prepare`` runs
+``LowRankOptimizer.mode_b_coefficient`` (the moments step and APOLLO's coefficient, as ``update_full`` from the full
+gradient); ``apply`` updates each block's rows from its recomputed gradient rows (``mode_b_rows``). Design notes,
+cost and what is refused: docs/design/hmt_core_notes.md."""
 
 from __future__ import annotations
 
@@ -42,7 +22,7 @@ from hmt_core.precision import chunk_rows_for
 
 
 class Settings(Protocol):
-    """The keys of HMT's Config (``hmt_core.hmt.Config``) that decide whether the head can be updated by block."""
+    """The keys of HMT's Config (``hmt_core.hmt_config.Config``) that decide whether the head can be updated by block."""
 
     mode: str
     basis: str
@@ -128,7 +108,7 @@ class InLossHeadUpdate:
         self.refresh = opt.refresh_due(s)
         self.basis = s.basis
         if self.refresh:  # the basis the refresh will draw (a pure function of the seed), committed in prepare
-            self.basis, _ = proj.random_basis(shape, opt.cfg.rank, False, True, s.seed, s.param.device,
+            self.basis, _ = proj.random_basis(shape, opt.projection.rank, False, True, s.seed, s.param.device,
                                               s.param.dtype)
             self.ortho = torch.linalg.qr(self.basis.right.float().t()).Q.t()  # (r, d), orthonormal rows
             self.residual = torch.zeros((), dtype=torch.float32, device=s.param.device)

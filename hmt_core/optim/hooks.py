@@ -1,66 +1,9 @@
-"""Per-layer updates inside backward, with gradient accumulation and a global-norm clipping rule.
-
-Each trainable parameter gets a ``register_post_accumulate_grad_hook`` (the mechanism of GaLore's
-"per-layer weight updates", Zhao et al. 2024, §4.3, and of torchtune's optimizer-in-backward). When the hook
-of micro-batch ``i`` of ``n`` fires:
-
-- Mode A projected weights: at ``i == 0`` the basis is refreshed if due (from this micro-batch's gradient;
-  the ordinary path refreshes from the accumulated one), then ``Ĝ_i = project(G_i)`` is added to a low-rank
-  accumulator and the full gradient is freed at once (``p.grad = None``). So full gradients of projected
-  weights never coexist, even with accumulation (``Σ_i Pᵀ G_i = Pᵀ Σ_i G_i``, exact for a fixed basis).
-  On the last micro-batch the update is applied in the hook, unless clipping defers it (below).
-- Mode B projected weights and dense parameters (embeddings, norms, lm_head): APOLLO's update ``s ⊙ G``
-  needs the full gradient, so ``p.grad`` accumulates over micro-batches as usual; the update runs in the hook
-  of the last micro-batch and the gradient is freed there.
-
-Global gradient clipping (design decision). The global norm is only known after the last hook, so:
-1. Mode A projected weights: the update is *deferred*: the hook keeps only Ĝ (low-rank, state-sized) and the
-   full gradient's squared norm; ``finish_step`` computes the exact global norm, clips Ĝ by the same
-   coefficient ``min(1, c/(‖g‖+1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` (linear, so clipping Ĝ equals
-   projecting the clipped G; bases and energy ranks are scale-invariant), then applies the update. This equals
-   ordinary clipping + step up to rounding, and full gradients still never coexist.
-2. Dense parameters: their gradient is kept until ``finish_step`` and clipped exactly there.
-3. Mode B projected weights: the update is applied in the hook with the *previous* step's global-norm
-   coefficient (lagged clipping; step 1 is unclipped). APOLLO's norm-growth limiter bounds step-to-step growth
-   in the meantime. Use ``per_layer=False`` for exact clipping in Mode B.
-4. With accumulation (n > 1), a Mode A weight contributes ‖Σ_i Ĝ_i‖ (the gradient the optimizer actually
-   uses) to the global norm instead of ‖Σ_i G_i‖, which is never materialized.
-Without clipping, every update happens inside backward.
-
-Update precision: every write, in a hook or in ``finish_step``, goes through the optimizer's ``UpdateWriter``
-(``hmt_core.precision``), so fp32 master weights and stochastic rounding apply to in-backward updates as well; the
-generator of stochastic rounding is drawn in hook order, which is deterministic for a given model and step.
-
-Non-finite gradients (the step is skipped), decided on the device, without a host synchronization: the engine
-keeps one step-wide 0-dim bool ``found_inf``, or-ed with ``~isfinite(‖G‖)`` of every gradient that an in-hook
-update uses (Mode B, or no clipping) and, in ``finish_step``, with that of the global norm; every update runs under
-``LowRankOptimizer.skipping(found_inf)`` (``torch.where`` on the state, a zero direction), and ``finish_step``
-returns the norm as a device tensor, NaN when skipped. With Mode A + clipping (the default) a skipped step therefore
-changes no weight and no state tensor; when updates happen inside backward, layers updated before the bad gradient
-appeared keep their update. A gradient that is not finite is never used for a basis refresh: that check runs on the
-host, only when a refresh is due (the SVD and the rank choice synchronize anyway). The step counters are corrected
-when the host next reads values (``LowRankOptimizer.reconcile``; docs/host_syncs.md).
-
-Multi-process (``experiments.dist.parallel``): ``reduce_grad`` (set by the harness, None otherwise) averages a
-gradient across ranks in place before it is used — each micro-batch's gradient of a Mode A weight, the accumulated
-gradient of every other parameter on the last micro-batch — so refreshes, norms and updates see the global
-gradient, identically on every rank. The reducer may defer (bucketed asynchronous all-reduces, like DDP's
-``Reducer``): the hook hands the gradient over with the rest of its work as a continuation (``_mode_a``,
-``_full_grad``), which runs once the mean is there, in hook order, at the latest when the backward pass ends (the
-reducer's ``flush`` is queued on autograd's engine). A continuation re-checks the step's non-finite flag, so the
-skip semantics below are those of the unbucketed order; a Mode A weight's full gradient lives until its bucket
-is reduced.
-
-Low-rank gradient communication (``reduce_grad.lowrank``, ``dist.lowrank_comm=true``): a Mode A weight whose
-basis is not refreshed in this hook projects its *local* gradient with the basis every rank holds identically,
-and only ``Ĝ = project(G_local)`` (r × n) is averaged across ranks (``reduce_grad.projected``): by linearity
-``mean_k Pᵀ G_k = Pᵀ mean_k G_k``, so the update equals the full all-reduce up to fp32 summation order. A refresh
-needs the global gradient itself (the basis, the rank and the projection-error diagnostic are computed from it),
-so refresh hooks all-reduce G in full as before; other parameters always do. The full global gradient then
-exists only at refreshes, so a Mode A weight contributes ‖Ĝ‖ (the averaged projected gradient, ≤ ‖G‖) to the
-global norm on every step — the same rule as with accumulation (4. above): clipping and ``optim/grad_norm`` use
-the projected norm for Mode A weights under low-rank communication.
-"""
+"""Per-layer updates inside backward (GaLore's per-layer weight updates, Zhao et al. 2024, §4.3; torchtune's
+optimizer-in-backward): each trainable parameter's ``register_post_accumulate_grad_hook`` runs its update, with
+gradient accumulation (Mode A: Σ_i Pᵀ G_i, full gradients freed at once), ``torch.nn.utils.clip_grad_norm_``'s
+global-norm rule (Mode A and dense: deferred to ``finish_step``; Mode B: the previous step's coefficient), non-finite
+steps skipped on the device, and the multi-process gradient reduction (``reduce_grad``).
+Design notes: docs/design/per_layer_hooks.md."""
 
 from __future__ import annotations
 
@@ -115,7 +58,7 @@ class PerLayerEngine:
         self.poison: Tensor | None = None  # () float on the device: NaN once a non-finite norm was seen (``_flag``)
         self.reduce_grad: GradReducer | None = None  # in place, across ranks (multi-process)
         self._flush_queued = False  # the reducer's flush is queued for the end of the running backward
-        self.handles = [(s.param if s.grad_param is None else s.grad_param).register_post_accumulate_grad_hook(
+        self.handles = [s.grad_holder.register_post_accumulate_grad_hook(
             self._hook_for(s)) for s in opt.slots]
 
     def remove(self) -> None:
@@ -164,7 +107,7 @@ class PerLayerEngine:
         if self.nonfinite:
             param.grad = None
             return
-        if s.projected and opt.cfg.mode == "A":
+        if s.projected and opt.rule.mode == "A":
             refresh = (self.index == 0 or s.basis is None) and opt.refresh_due(s)
             param.grad = None  # the full gradient dies here (or once its reduction has been used)
             if refresh or not self.lowrank_comm:

@@ -1,238 +1,110 @@
-"""Bookkeeping for HMT's low-rank optimizer: per-parameter slots, basis refresh schedule, state (de)serialization.
-
-The math lives in ``hmt_core.optim.update`` (Mode A: GaLore, Zhao et al. 2024, Alg. 2; Mode B: APOLLO, Zhu et
-al. 2024, Alg. 1) and ``hmt_core.projection`` / ``hmt_core.rank``; this class only decides *when* to refresh a
-basis, which state tensors a parameter owns, and routes dense parameters (embeddings, norms, lm_head) to a
-plain AdamW (the same update functions with no projection) or to bitsandbytes' ``AdamW8bit``.
-
-A basis is refreshed before the update whose index ``step`` satisfies ``step % update_interval == 0``
-(galore-torch's schedule: steps 0, T, 2T, ...). ``step`` counts updates; ``adam_t`` counts bias-correction
-steps (equal, except after a ``reset`` of the moments); ``born`` gives rank indices added by a rank increase
-their own bias-correction clock (``hmt_core.optim.update``, "Per-coordinate bias-correction clocks").
-
-With ``basis="random"`` and a dynamic rank, the rank is chosen from what the Gaussian bases themselves capture
-(``random_rank="captured"``, ``hmt_core.rank.choose_rank_by_capture``), not from the gradient's spectrum.
-
-With ``state_budget`` and a dynamic rank, ``hmt_core.rank_budget.RankBudget`` caps each refresh's rank so the
-projected state (moments, basis, limiter) never exceeds the budget; the τ-rank is recorded beside it.
-
-Every weight write goes through ``hmt_core.precision.UpdateWriter``: in place (default), into the slot's fp32
-``master`` copy, or through fp32 row chunks rounded stochastically into the BF16 weight.
-"""
+"""HMT's low-rank optimizer (Mode A: GaLore, Zhao et al. 2024, Alg. 2; Mode B: APOLLO, Zhu et al. 2024, Alg. 1):
+which state each parameter owns (``hmt_core.optim.slot``), when its basis is refreshed and to what
+(``hmt_core.optim.refresh``), and the updates, through the pure math of ``hmt_core.optim.update`` and every weight
+write through ``hmt_core.precision.UpdateWriter``. Dense parameters (embeddings, norms, lm_head) get AdamW (the same
+update functions with no projection) or bitsandbytes' ``AdamW8bit``. Design notes: docs/design/optimizer.md."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
+from torch import Tensor
 
 from hmt_core import projection as proj
 from hmt_core.kernels import ops as kops
+from hmt_core.optim import refresh as rf
 from hmt_core.optim import update as upd
+from hmt_core.optim.clip import clip_coefficient, global_norm
 from hmt_core.optim.moments8 import Moments8
 from hmt_core.optim.rows import row_spans
+from hmt_core.optim.settings import OptimizerSettings
 from hmt_core.optim.skip import DeviceSkip, reconcile
+from hmt_core.optim.slot import Slot, load_slot_state, slot_state
 from hmt_core.precision import QuantizedWeight, UpdateWriter, chunk_rows_for
-from hmt_core.rank import (RankHistory, captured_energy, choose_rank, choose_rank_by_capture, sketch_size,
-                           valid_candidates)
-from hmt_core.rank_budget import energy_curve, make_rank_budget
+from hmt_core.rank import RankHistory
+from hmt_core.rank_budget import make_rank_budget
 
-
-def global_norm(norms: list[Tensor]) -> Tensor:
-    """‖(‖G_1‖, ..., ‖G_n‖)‖ in fp32, the arithmetic of ``torch.nn.utils.clip_grad_norm_``."""
-    return torch.linalg.vector_norm(torch.stack(norms).float())
-
-
-def clip_coefficient(total: Tensor, max_grad_norm: float | None) -> Tensor | None:
-    """``min(1, c / (‖g‖ + 1e-6))`` as a 0-d tensor, like ``clip_grad_norm_``; ``None`` when not clipping."""
-    if not max_grad_norm:
-        return None
-    return torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
-
-
-@dataclass(eq=False)
-class Slot:
-    name: str
-    param: nn.Parameter
-    index: int  # 1-based position among trainable parameters: APOLLO's projection seed
-    projected: bool
-    candidates: tuple[int, ...] = ()
-    basis: proj.Basis | None = None
-    m: Tensor | None = None  # (a, b) low-rank (projected) or full (dense)
-    v: Tensor | None = None
-    step: int = 0
-    adam_t: int = 0
-    seed: int = 0
-    rank: int = 0
-    limiter_prev: Tensor | None = None  # () Mode B norm-growth limiter memory
-    pending: Tensor | None = None  # low-rank gradient accumulated over micro-batches / awaiting clipping
-    master: Tensor | None = None  # fp32 master copy of a low-precision weight (master_weights)
-    born: tuple[int, ...] | None = None  # (r,) adam step at which each rank index started; None: all at 0
-    rows: slice | None = None  # FSDP2 (hmt_core.optim.sharded): ``param`` is the local shard, these global rows
-    global_shape: tuple[int, ...] | None = None  # the whole weight's shape (None: ``param``'s own)
-    grad_param: nn.Parameter | None = None  # the parameter whose ``.grad`` the hooks read (None: ``param``)
-    clock: tuple[Any, tuple[upd.ClockGroup, ...]] | None = None  # (born, device) and its cached index tensors
-    skipped: Tensor | None = None  # () int32 on the device: updates skipped on the device, not yet taken off
-    #                                ``step``/``adam_t`` (``LowRankOptimizer.reconcile``)
-
-    @property
-    def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
-        return self.global_shape if self.global_shape is not None else tuple(self.param.shape)
-
-    def local_basis(self) -> proj.Basis | None:  # P[a:b] for a sharded left basis (Qᵀ is shared by all rows)
-        b = self.basis
-        return b if self.rows is None or b is None or b.left is None else proj.Basis(b.left[self.rows], b.right)
-
-    def state_shape(self, basis: proj.Basis, shape: tuple[int, int]) -> tuple[int, int]:  # moments: local rows
-        rows, cols = upd.low_rank_shape(basis, shape)  # when right-sided and sharded
-        return (self.param.shape[0], cols) if self.rows is not None and basis.left is None else (rows, cols)
+__all__ = ["LowRankOptimizer", "Slot", "clip_coefficient", "global_norm"]
 
 
 class LowRankOptimizer:
-    def __init__(self, slots: list[Slot], cfg: Any) -> None:
+    """Per-parameter state in ``slots``; ``settings`` built once from the method's Config
+    (``hmt_core.hmt_config.optimizer_settings``). Steps run per parameter inside backward (``hmt_core.optim.hooks``)
+    or all at once (``step_all``); docs/design/optimizer.md says why this is not a ``torch.optim.Optimizer``."""
+
+    def __init__(self, slots: list[Slot], settings: OptimizerSettings) -> None:
         self.slots = slots
-        self.cfg = cfg
-        self.lr = cfg.lr
+        self.rule, self.projection = settings.rule, settings.projection
+        self.schedule, self.precision, self.seed = settings.schedule, settings.precision, settings.seed
+        self.lr = self.rule.lr
         self.history = RankHistory()
         # multi-process: (rank, τ-rank, device) -> rank 0's pair, so every process takes one rank decision
         # (``hmt_core.optim.sharded.rank_from_root``); None: this process decides alone
-        self.agree_rank: Callable[[int, int, torch.device], tuple[int, int]] | None = None
+        self.agree_rank: rf.AgreeRank | None = None
         self.refreshes = 0
         self.fallbacks = 0
-        self.state_dtype = torch.bfloat16 if cfg.state_dtype == "bf16" else torch.float32
+        p = self.precision
+        self.state_dtype = torch.bfloat16 if p.state_dtype == "bf16" else torch.float32
         self.dense_state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
-            getattr(cfg, "dense_state_dtype", "fp32"))  # None ("weight"): bf16 for a bf16 weight, else fp32
-        self.kernels = getattr(cfg, "kernels", None)  # "auto" | "triton" | "torch"; None: hmt_core.kernels' global
-        self.writer = UpdateWriter(master_weights=getattr(cfg, "master_weights", False),
-                                   stochastic_rounding=getattr(cfg, "stochastic_rounding", False), seed=cfg.seed)
+            p.dense_state_dtype)  # None ("weight"): bf16 for a bf16 weight, else fp32
+        self.kernels = p.kernels  # "auto" | "triton" | "torch"
+        self.writer = UpdateWriter(master_weights=p.master_weights, stochastic_rounding=p.stochastic_rounding,
+                                   seed=self.seed)
         for s in slots:
-            s.seed = cfg.seed + s.index
+            s.seed = self.seed + s.index
             self.writer.check(s.name, s.param)
             s.master = self.writer.make_master(s.param)
         self.budget = make_rank_budget({s.name: (s.full_shape, s.param.dtype.itemsize, s.candidates)
-                                        for s in slots if s.projected}, cfg)  # None: no state budget
+                                        for s in slots if s.projected}, self.projection, state_dtype=p.state_dtype,
+                                       limiter=self.rule.mode == "B" and self.rule.norm_limiter)  # None: no budget
         self.skip = DeviceSkip()  # the step-wide found_inf while updates run under ``skipping``
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         # dense_8bit for a dense INT8 weight (the embedding, method.embedding_dtype=int8): our own 8-bit moments,
         # created at its first update (as bitsandbytes creates its state)
         self.moments8: dict[str, Moments8] = {}
-        if cfg.dense_8bit:
-            import bitsandbytes as bnb  # optional dependency: only when asked for
+        if self.rule.dense_8bit:
+            self._make_dense8()
 
-            for s in slots:
-                if not s.projected and not isinstance(s.param, QuantizedWeight):
-                    self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                                              eps=cfg.eps, weight_decay=cfg.weight_decay)
+    def _make_dense8(self) -> None:
+        import bitsandbytes as bnb  # optional dependency: only when asked for
+
+        r = self.rule
+        for s in self.slots:
+            if not s.projected and not isinstance(s.param, QuantizedWeight):
+                self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=r.lr, betas=(r.beta1, r.beta2), eps=r.eps,
+                                                          weight_decay=r.weight_decay)
 
     # ------------------------------------------------------------------------------------------------ refresh
     def refresh_due(self, s: Slot) -> bool:
-        return s.projected and (s.basis is None or s.step % self.cfg.update_interval == 0)
+        return s.projected and (s.basis is None or s.clock.step % self.schedule.update_interval == 0)
 
     @torch.no_grad()
     def refresh(self, s: Slot, grad: Tensor | None, *, sketch: Any = None) -> None:  # grad: (out, in), unclipped
-        """New basis (and rank) from ``grad``; moments moved to it per ``moment_policy``. ``sketch`` (FSDP2 with
-        ``dist.refresh=sketch``: ``hmt_core.optim.sharded_sketch.RowSketch``, ``grad`` None) stands in for a gradient
-        that is never gathered: its shape, the randomized SVD's factors and the projection error come from it,
-        computed across ranks (``method.basis=rsvd``), or a random basis of fixed rank (only the shape is read:
-        ``hmt_core.optim.head_update``'s rows)."""
-        c = self.cfg
-        shape_only = c.basis == "random" and c.rank is not None and c.sides != "identity"  # reads no values
-        if sketch is not None and not shape_only and (c.basis != "rsvd" or c.sides == "identity"):
-            raise ValueError(f"a sketched refresh needs method.basis=rsvd or a random basis of fixed rank (got "
-                             f"basis={c.basis}, rank={c.rank}, sides={c.sides})")
+        """New basis (and rank) from ``grad`` (``hmt_core.optim.refresh.choose``); moments moved to it per
+        ``moment_policy``. ``sketch`` (FSDP2 with ``dist.refresh=sketch``: ``hmt_core.optim.sharded_sketch.RowSketch``,
+        ``grad`` None) stands in for a gradient that is never gathered: its shape, the randomized SVD's factors and
+        the projection error come from it, computed across ranks (``method.basis=rsvd``), or a random basis of fixed
+        rank (only the shape is read: ``hmt_core.optim.head_update``'s rows)."""
+        if sketch is not None:
+            rf.check_sketch(self.projection)
         src = grad if sketch is None else sketch
-        shape = tuple(src.shape)
-        use_left, use_right = proj.which_sides(shape, c.sides)
-        max_rank = min(shape)
-        dtype, device = src.dtype, src.device
-        orthonormal = c.basis != "random"
-        factors = curve = tau_rank = None  # curve: E(r) on the budget's rank grid
-        if c.sides == "identity":
-            basis, rank, orthonormal = proj.identity_basis(shape, use_left, device, dtype), max_rank, True
-        else:
-            k = c.rank if c.rank is not None else sketch_size(s.candidates, c.rank_fallback, max_rank)
-            if c.basis == "svd":
-                factors = proj.exact_svd(grad, k)
-            elif c.basis == "rsvd" or (c.rank is None and c.random_rank == "spectrum"):  # legacy: a sketch
-                gen = torch.Generator().manual_seed(c.seed * 1_000_003 + s.index * 7919 + s.step)
-                warm = s.basis if c.basis == "rsvd" else None
-                kw = dict(power_iters=c.power_iters, oversample=c.oversample, warm=warm, generator=gen)
-                factors = proj.randomized_svd(grad, k, **kw) if sketch is None else sketch.randomized_svd(k, **kw)
-            if c.rank is not None:
-                rank = c.rank
-            elif c.basis == "random" and c.random_rank == "captured":
-                rank, curve = self._random_capture(s, grad, use_left, use_right)
-            elif factors is not None:
-                rank = choose_rank(factors.s, factors.total_energy, candidates=s.candidates, tau=c.tau,
-                                   fallback=c.rank_fallback, max_rank=max_rank)
-                if self.budget is not None:
-                    curve = energy_curve(factors.s, factors.total_energy, self.budget.grid(s.name))
-            else:
-                rank = s.rank or (valid_candidates(s.candidates, max_rank) or (max_rank,))[0]
-            tau_rank = rank
-            if self.budget is not None:  # dynamic rank only (a fixed rank has no budget)
-                rank = self.budget.choose(s.name, s.step, tau_rank, curve)
-            if self.agree_rank is not None and c.rank is None:  # a dynamic rank: rank 0's, on every process
-                rank, tau_rank = self.agree_rank(rank, tau_rank, device)
-            if factors is not None and c.basis == "rsvd" and rank > factors.s.numel():  # full rank: every vector
-                exact = proj.exact_svd(grad, rank) if sketch is None else sketch.randomized_svd(rank, **kw)
-                factors = exact or factors
-            if c.basis == "random":
-                basis, s.seed = proj.random_basis(shape, rank, use_left, use_right, s.seed, device, dtype)
-            elif factors is not None and factors.s.numel() >= rank:
-                basis = proj.basis_from_factors(factors, rank, use_left, use_right, dtype)
-            else:  # factorization failed: keep the previous basis, else a seeded orthonormal one
-                self.fallbacks += 1
-                if s.basis is not None:
-                    basis, rank = s.basis, s.basis.rank
-                else:
-                    basis = proj.orthonormal_fallback(shape, rank, use_left, use_right, s.seed, device, dtype)
-        low_shape = s.state_shape(basis, shape)
-        if s.m is None:
-            s.m = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
-            s.v = torch.zeros(low_shape, dtype=self.state_dtype, device=device)
-        elif s.basis is not None and basis is not s.basis:
-            s.born = upd.transfer_born(s.born, s.basis, basis, c.moment_policy, s.adam_t)
-            s.m, s.v = upd.transfer_moments(s.m, s.v, s.basis, basis, c.moment_policy, low_shape)
-            if c.moment_policy == "reset":
-                s.adam_t = 0
+        choice = rf.choose(self.projection, s, grad, sketch, seed=self.seed, budget=self.budget,
+                           agree_rank=self.agree_rank)
+        self.fallbacks += choice.fell_back
+        basis, rank = choice.basis, choice.rank
+        rf.move_moments(s, basis, tuple(src.shape), src.device, policy=self.schedule.moment_policy,
+                        dtype=self.state_dtype)
         s.basis, s.rank = basis, rank
         if self.budget is not None:
             self.budget.commit(s.name, rank)
         self.refreshes += 1
-        error = (proj.relative_projection_error(grad, basis, orthonormal) if sketch is None
-                 else sketch.relative_error(basis, orthonormal))
-        self.history.record(s.name, s.step, rank, error, tau_rank)
-
-    def _random_rank(self, s: Slot, grad: Tensor, use_left: bool, use_right: bool) -> int:  # grad: (out, in)
-        """Smallest rank whose seeded Gaussian basis (the one ``random_basis`` would draw now) captures
-        ≥ τ × what the largest considered rank's basis captures (the largest candidate, or full rank with
-        ``rank_fallback="full"``). Dry run: the largest (no values to measure)."""
-        return self._random_capture(s, grad, use_left, use_right)[0]
-
-    def _random_capture(self, s: Slot, grad: Tensor, use_left: bool,
-                        use_right: bool) -> tuple[int, tuple[float, ...] | None]:  # grad: (out, in)
-        """(``_random_rank``, the energy each budget grid rank's basis captures; None without a budget)."""
-        c, shape = self.cfg, tuple(grad.shape)
-        max_rank = min(shape)
-        ranks = valid_candidates(s.candidates, max_rank)
-        if c.rank_fallback == "full" or not ranks:
-            ranks = tuple(sorted(set(ranks) | {max_rank}))
-        if is_fake(grad):
-            return ranks[-1], None
-        grid = self.budget.grid(s.name) if self.budget is not None else ()
-        captured = {}
-        for r in sorted(set(ranks) | set(grid)):
-            b, _ = proj.random_basis(shape, r, use_left, use_right, s.seed, grad.device, grad.dtype)
-            captured[r] = captured_energy(grad, b.left, b.right)
-        rank = choose_rank_by_capture([captured[r] for r in ranks], ranks, c.tau)
-        return rank, (tuple(captured[r] for r in grid) if grid else None)
+        error = (proj.relative_projection_error(grad, basis, choice.orthonormal) if sketch is None
+                 else sketch.relative_error(basis, choice.orthonormal))
+        self.history.record(s.name, s.clock.step, rank, error, choice.tau_rank)
 
     # ------------------------------------------------------------------------------------- device-side skipping
     def skipping(self, found_inf: Tensor | None) -> AbstractContextManager[None]:
@@ -241,11 +113,11 @@ class LowRankOptimizer:
         return self.skip.under(found_inf)
 
     def _keep(self, s: Slot) -> Tensor | None:  # the writer's keep flag: decay, stochastic rounding, INT8 codes
-        return self.skip.keep(self.cfg.weight_decay > 0 or self.writer.stochastic
+        return self.skip.keep(self.rule.weight_decay > 0 or self.writer.stochastic
                               or isinstance(s.param, QuantizedWeight))
 
     def reconcile(self) -> None:
-        reconcile(self.slots)
+        reconcile(s.clock for s in self.slots)
 
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
@@ -262,10 +134,10 @@ class LowRankOptimizer:
                 self.dense_state_dtype or (torch.bfloat16 if s.param.dtype == torch.bfloat16 else torch.float32))
             s.m = torch.zeros(like.shape, dtype=dtype, device=like.device)
             s.v = torch.zeros(like.shape, dtype=dtype, device=like.device)
-        s.step += 1
-        s.adam_t += 1
+        s.clock.step += 1
+        s.clock.adam_t += 1
         if count:
-            self.skip.count(s)  # taken off the counters when the host reads the flags (``reconcile``)
+            self.skip.count(s.clock)  # taken off the counters when the host reads the flags (``reconcile``)
 
     def _adam(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b) fp32
         """Moments update; returns Adam's (D, step size), or APOLLO's unscaled (N, step size)."""
@@ -274,18 +146,19 @@ class LowRankOptimizer:
 
     def _adam_moments(self, s: Slot, g: Tensor, for_scaling: bool = False) -> tuple[Tensor, float]:  # g: (a, b)
         """``_adam`` after ``_begin_adam_step``."""
-        c = self.cfg
+        c = self.rule
         old, factors, g = self._skippable_moments(s.m, s.v, g, fusable=not for_scaling)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
-            d, step_size = kops.adam_step(s.m, s.v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
+            d, step_size = kops.adam_step(s.m, s.v, g, s.clock.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                                           eps=c.eps, style=c.adam_style, backend=self.kernels, factors=factors)
         else:
             m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style, factors)
-            d, step_size = upd.adam_direction(m, v, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+            d, step_size = upd.adam_direction(m, v, s.clock.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                               style=c.adam_style)
-        s.born = upd.retire_born(s.born, s.adam_t, c.beta1, c.beta2)
-        if s.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
-            groups = upd.clock_groups(self._clock_index(s, d.device), s.adam_t)
+        s.clock.born = upd.retire_born(s.clock.born, s.clock.adam_t, c.beta1, c.beta2)
+        if s.clock.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
+            groups = upd.clock_groups(s.clock.index(*proj.which_sides(s.full_shape, self.projection.sides), d.device),
+                                      s.clock.adam_t)
             upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
         self.skip.restore(old, s.m, s.v)
@@ -299,22 +172,14 @@ class LowRankOptimizer:
         when the factors are used)."""
         if fusable and kops.adam_fuses(m, v, g, backend=self.kernels):
             return self.skip.snapshot(m, v), None, g
-        factors = self.skip.moment_factors(self.cfg.beta1, self.cfg.beta2)
+        factors = self.skip.moment_factors(self.rule.beta1, self.rule.beta2)
         return None, factors, (g if factors is None else self.skip.zero(g))
-
-    def _clock_index(self, s: Slot, device: torch.device) -> tuple[upd.ClockGroup, ...]:
-        """``s.born``'s index tensors, built when ``born`` changes (a refresh, a retirement), else the cached ones."""
-        key = (s.born, device)
-        if s.clock is None or s.clock[0] != key:
-            left, right = proj.which_sides(s.full_shape, self.cfg.sides)
-            s.clock = (key, upd.clock_index(s.born, left=left, right=right, device=device))
-        return s.clock[1]
 
     def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
         but only one chunk of fp32 gradient / moments / direction is alive instead of ~6 weight-sized ones. With
         8-bit moments (``moments8``) each chunk's moments are read as fp32, stepped, and stored back."""
-        c = self.cfg
+        c = self.rule
         eight = None
         if c.dense_8bit and isinstance(s.param, QuantizedWeight):
             if s.name not in self.moments8:
@@ -323,13 +188,13 @@ class LowRankOptimizer:
         if eight is None:
             self._begin_adam_step(s, grad)
         else:
-            s.step, s.adam_t = s.step + 1, s.adam_t + 1
-            self.skip.count(s)
+            s.clock.step, s.clock.adam_t = s.clock.step + 1, s.clock.adam_t + 1
+            self.skip.count(s.clock)
         for a in range(0, grad.shape[0], rows):
             b = min(a + rows, grad.shape[0])
             m, v = (s.m[a:b], s.v[a:b]) if eight is None else eight.read(slice(a, b))
             old, factors, g = self._skippable_moments(m, v, grad[a:b].float(), fusable=True)
-            d, step_size = kops.adam_step(m, v, g, s.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+            d, step_size = kops.adam_step(m, v, g, s.clock.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                           style=c.adam_style, backend=self.kernels, factors=factors)
             if eight is None:
                 self.skip.restore(old, m, v)
@@ -344,7 +209,7 @@ class LowRankOptimizer:
         for index in self.writer.spans(s.param, s.master, like=full_update):
             with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
                 upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
-                                  weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
+                                  weight_decay=self.rule.weight_decay, style=self.rule.adam_style)
 
     @torch.no_grad()
     def update_low_rank(self, s: Slot, low: Tensor, coef: Tensor | None = None) -> None:  # low: Ĝ, (out, r) | (r, in)
@@ -366,16 +231,16 @@ class LowRankOptimizer:
                 d, basis = (d[index], basis) if basis.left is None else (d, proj.Basis(basis.left[index], basis.right))
             if self.writer.fused(s.param.data, d):  # an INT8 weight's one-kernel write of the rows' P U Qᵀ
                 a, b = kops.factors(d, basis)
-                self._write_fused(s, index, torch.matmul(a, b), step_size * self.cfg.scale)
+                self._write_fused(s, index, torch.matmul(a, b), step_size * self.rule.scale)
                 continue
             with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
-                kops.lowrank_update(w, d, basis, scale=self.cfg.scale, step_size=step_size, lr=self.lr,
-                                    weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style,
+                kops.lowrank_update(w, d, basis, scale=self.rule.scale, step_size=step_size, lr=self.lr,
+                                    weight_decay=self.rule.weight_decay, style=self.rule.adam_style,
                                     backend=self.kernels)
 
     def _write_fused(self, s: Slot, index: Any, update: Tensor, step_size: float) -> None:  # update: rows of W
         self.writer.write_update(s.param.data, index, update.float(), step_size=step_size, lr=self.lr,
-                                 weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style, keep=self._keep(s))
+                                 weight_decay=self.rule.weight_decay, style=self.rule.adam_style, keep=self._keep(s))
 
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
@@ -383,7 +248,7 @@ class LowRankOptimizer:
         """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (``mode_b_coefficient``). ``reduce`` (Mode B on a
         row shard, ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k and the
         tensor-scaling and limiter norms are summed; the update touches this rank's rows."""
-        c = self.cfg
+        c = self.rule
         if coef is not None and not (s.projected and c.mode == "B"):
             grad = grad * coef
         if not s.projected:
@@ -402,7 +267,7 @@ class LowRankOptimizer:
             self._apply(s, direction, step_size)
             return
         low = kops.project(grad, s.local_basis(), backend=self.kernels)
-        if self.cfg.mode == "A":
+        if self.rule.mode == "A":
             self.update_low_rank(s, low)
             return
         coef, step_size, keep = self.mode_b_coefficient(s, low, grad, reduce=reduce, clip=coef, grad_norm=grad_norm)
@@ -417,7 +282,7 @@ class LowRankOptimizer:
                            grad_norm: Tensor | None = None) -> tuple[Tensor, float, Tensor | None]:
         """Mode B's moments step on ``clip·low``, APOLLO's coefficient of ``grad`` (``upd.apollo_coefficient``; its
         ``row_norms``, ``grad_norm``) → (coef: clip in, 0 if skipped; step size·√scale; the writer's keep flag)."""
-        c = self.cfg
+        c = self.rule
         if reduce is not None and s.basis.left is not None:
             low = reduce(low.float())  # Pᵀ G = Σ_k P_kᵀ G_k, replicated
         low = upd.fp32_clipped(low, clip)
@@ -440,7 +305,7 @@ class LowRankOptimizer:
             return
         with self.writer.rows(s.param.data, s.master, index, keep) as w:
             upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
-                                     weight_decay=self.cfg.weight_decay, style=self.cfg.adam_style)
+                                     weight_decay=self.rule.weight_decay, style=self.rule.adam_style)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> Tensor | None:
@@ -462,7 +327,7 @@ class LowRankOptimizer:
         coef = clip_coefficient(total, max_grad_norm)
         with self.skipping(found_inf):
             for s in live:
-                if s.projected and self.cfg.mode == "A":
+                if s.projected and self.rule.mode == "A":
                     self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
                 else:
                     self.update_full(s, s.param.grad, coef)
@@ -471,11 +336,7 @@ class LowRankOptimizer:
     # ------------------------------------------------------------------------------------------------ state
     def state_tensors(self) -> Iterator[Tensor]:
         for s in self.slots:
-            for t in (s.m, s.v, s.limiter_prev, s.master):
-                if t is not None:
-                    yield t
-            if s.basis is not None:
-                yield from (t for t in s.basis if t is not None)
+            yield from s.tensors()
         for opt in self.dense8.values():
             for st in opt.state.values():
                 yield from (t for t in st.values() if isinstance(t, Tensor))
@@ -495,18 +356,9 @@ class LowRankOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         self.reconcile()
-        slots = {}
-        for s in self.slots:
-            slots[s.name] = {
-                "m": s.m, "v": s.v, "step": s.step, "adam_t": s.adam_t, "seed": s.seed, "rank": s.rank,
-                "limiter_prev": s.limiter_prev, "master": s.master,
-                "born": list(s.born) if s.born is not None else None,
-                "basis_left": s.basis.left if s.basis is not None else None,
-                "basis_right": s.basis.right if s.basis is not None else None,
-                "has_basis": s.basis is not None,
-            }
-        return {"slots": slots, "history": self.history.state_dict(), "refreshes": self.refreshes,
-                "fallbacks": self.fallbacks, "lr": self.lr, "precision": self.writer.state_dict(),
+        return {"slots": {s.name: slot_state(s) for s in self.slots}, "history": self.history.state_dict(),
+                "refreshes": self.refreshes, "fallbacks": self.fallbacks, "lr": self.lr,
+                "precision": self.writer.state_dict(),
                 "budget": self.budget.state_dict() if self.budget is not None else None,
                 "dense8": {name: opt.state_dict() for name, opt in self.dense8.items()},
                 "moments8": {name: eight.state_dict() for name, eight in self.moments8.items()}}
@@ -517,19 +369,7 @@ class LowRankOptimizer:
         if missing:
             raise ValueError(f"hmt state_dict lacks parameters {sorted(missing)[:5]}")
         for name, st in state["slots"].items():
-            s = by_name[name]
-            dev = s.param.device
-
-            def to(t):
-                return None if t is None else t.detach().clone().to(dev)
-
-            s.m, s.v, s.limiter_prev = to(st["m"]), to(st["v"]), to(st["limiter_prev"])
-            s.step, s.adam_t, s.seed, s.rank = int(st["step"]), int(st["adam_t"]), int(st["seed"]), int(st["rank"])
-            s.basis = proj.Basis(to(st["basis_left"]), to(st["basis_right"])) if st["has_basis"] else None
-            s.pending = None
-            s.born = tuple(int(b) for b in st["born"]) if st.get("born") is not None else None
-            if st.get("master") is not None:
-                s.master = to(st["master"])
+            load_slot_state(by_name[name], st)
         self.history.load_state_dict(state["history"])
         if self.budget is not None:
             if state.get("budget") is not None:

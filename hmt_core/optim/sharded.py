@@ -1,57 +1,14 @@
-"""HMT's per-layer Mode A on row-sharded weights: FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps rows
-[a, b) of every parameter W (m × n) on each rank as a DTensor (``Shard(0)``), reduce-scatters the averaged gradient
-in backward and calls the sharded parameter's post-accumulate-grad hooks with ``.grad`` = the local rows G_k of the
-global (averaged) gradient G.
-
-GaLore's one-sided projection (Zhao et al., 2024, Eq. 2-3 / Alg. 2) restricted to a row shard. HMT's layout
-(``hmt_core.projection.which_sides``, decided on the *global* shape) picks:
-
-- right basis Q (n × r) when m ≥ n (q/k/v/o, gate/up): Ĝ_k = G_k Q is the local rows of Ĝ = G Q, so the moments
-  ((b−a) × r) are sharded with the weight and the update ``W_k −= α·lr·f(D_k) Qᵀ`` needs no communication;
-- left basis P (m × r) when m < n (down_proj): Ĝ = Pᵀ G = Σ_k P_kᵀ G_k with P_k = P[a:b]: one all-reduce SUM of the
-  r × n partial projection (G is already averaged by FSDP's reduce-scatter), moments r × n replicated identically on
-  every rank, update ``W_k −= α·lr·P_k f(D)``. At a gathered refresh Ĝ = Pᵀ G is taken from the gathered G.
-- dense parameters (embeddings, norms, lm_head — sharded by FSDP's root): element-wise AdamW on the local shard.
-
-Basis refresh (every ``update_interval`` steps): G is all-gathered (``DTensor.full_tensor``) and HMT's own
-``LowRankOptimizer.refresh`` runs on it, so every rank computes the same basis and rank from the same input (its
-generators are seeded identically on every rank). With ``refresh_mode="sketch"`` (``dist.refresh=sketch``,
-``method.basis=rsvd``) G is never gathered: ``hmt_core.optim.sharded_sketch`` runs the same randomized SVD across
-ranks on the row shards (Halko et al. 2011, Alg. 4.4, distributed as in GaLore 2), and the left-sided Ĝ comes from
-the partial projection's all-reduce as between refreshes; moments created or moved by a refresh keep the local row count
-(``Slot.state_shape``). Gradient clipping (``torch.nn.utils.clip_grad_norm_``'s rule): row shards partition each
-gradient, so ‖g‖² = all-reduce SUM over ranks of Σ_p ‖G_p,k‖² — every local norm is of a shard, never of a replicated
-tensor, so nothing is counted W times. All updates are deferred to ``finish_step`` (also without clipping), so the
-non-finite decision is taken only on identical quantities (a gathered gradient, the all-reduced norm) and every rank
-issues the same collectives in the same order.
-
-Gradient accumulation (``train.grad_accum = n > 1``; FSDP2 reduce-scatters every micro-batch's gradient): the
-rule of the single-process engine (``hmt_core.optim.hooks``): a due refresh at micro-batch 0 from its gradient, then
-each micro-batch's local projection is added to a low-rank accumulator and the shard's gradient freed — a
-left-sided weight accumulates its *partial* projections Σ_i P_kᵀ G_ik and all-reduces the sum once, on the last
-micro-batch (linear: Σ_k Σ_i P_kᵀ G_ik = Pᵀ Σ_i G_i), so accumulation adds no communication; dense parameters
-let FSDP2 accumulate their shard until the last micro-batch. A Mode A weight contributes ‖Σ_i Ĝ_i‖ to the clipping
-norm (rows of a right-sided Ĝ are this rank's; a left-sided Ĝ is replicated, so rank 0 alone counts it).
-
-Mode B (APOLLO scaling of the full gradient, ``method.mode=B``) updates in the hook of the last micro-batch like the
-single-process engine (lagged clipping): R = G_k Q on this rank's rows (a left-sided R = Σ_k P_kᵀ G_k all-reduced),
-channel norms per row of a right-sided R (local) or per column of a replicated left-sided R, and the tensor scaling
-and norm-growth limiter as sums of squares over ranks (scalar all-reduces); one more scalar all-reduce, ‖G‖², makes
-the skip decision for a non-finite gradient identical on every rank, taken on the device (``hooks``' ``found_inf``;
-``torch.where`` keeps the old values), without a host synchronization.
-
-Two-sided projection (``method.sides=two_sided``, Ĝ = Pᵀ G Q, r × r): P's rows are sharded like a left basis, so
-Ĝ = Σ_k P_kᵀ G_k Q is one r × r all-reduce, the moments are replicated and the update ``W_k −= α·lr·P_k f(D) Qᵀ``
-is local — the left-sided path with a right factor.
-
-Scope: one- or two-sided, per-layer, bf16/fp32 weights updated in place (``sharded_config_error`` names what is
-refused).
-"""
+"""HMT's per-layer engine on FSDP2 row shards (``fully_shard``, ``Shard(0)``): GaLore's one-sided projection (Zhao et
+al. 2024, Eq. 2-3 / Alg. 2) restricted to rows [a, b) of every weight. A right basis Q gives the local rows
+Ĝ_k = G_k Q; a left basis P gives Ĝ = Σ_k P_kᵀ G_k (one r × n all-reduce). Bases are refreshed from the gathered
+gradient or a row sketch (``hmt_core.optim.sharded_sketch``); Mode B's scaling and the clipping norm are sums over
+ranks. Design notes, collectives and scope: docs/design/sharded.md."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,6 +20,7 @@ from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.rows import rank_rows
 from hmt_core.optim.sharded_sketch import RowSketch
+from hmt_core.optim.slot import ShardRows
 from hmt_core.parallel import ParallelContext
 
 
@@ -96,7 +54,21 @@ def is_sharded(param: Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def sharded_config_error(cfg) -> str | None:
+class ShardedSettings(Protocol):
+    """The keys of HMT's Config (``hmt_core.hmt_config.Config``) that decide whether it runs on row shards."""
+
+    sides: str
+    per_layer: bool
+    weight_dtype: str
+    embedding_dtype: str
+    master_weights: bool
+    stochastic_rounding: bool
+    offload_bases: bool
+    dense_8bit: bool
+    embedding_update: str
+
+
+def sharded_config_error(cfg: ShardedSettings) -> str | None:
     """Why ``cfg`` (hmt's Config) cannot run on row-sharded weights, naming the key; None when it can."""
     if cfg.sides == "identity":
         return "method.sides=identity is not supported with sharded weights (dist=fsdp2): a test-only full-rank basis"
@@ -168,8 +140,8 @@ def shard_rows(param: Tensor) -> slice:
 
 def sharded_slot(name: str, param: nn.Parameter, **kwargs) -> Slot:
     """A ``Slot`` whose updated tensor is the DTensor's local rows (the storage FSDP2 all-gathers from)."""
-    return Slot(name=name, param=param._local_tensor, rows=shard_rows(param), global_shape=tuple(param.shape),
-                grad_param=param, **kwargs)
+    return Slot(name=name, param=param._local_tensor, **kwargs,
+                shard=ShardRows(rows=shard_rows(param), global_shape=tuple(param.shape), grad_param=param))
 
 
 class ShardedEngine(PerLayerEngine):
@@ -177,7 +149,7 @@ class ShardedEngine(PerLayerEngine):
 
     def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None) -> None:
         super().__init__(opt, max_grad_norm=max_grad_norm)
-        mesh = opt.slots[0].grad_param.device_mesh if opt.slots else None
+        mesh = opt.slots[0].shard.grad_param.device_mesh if opt.slots else None
         self.group = mesh.get_group() if mesh is not None else None
         self.refresh_mode = "gather"  # dist.refresh (set by take_parallel): "gather" | "sketch"
         if self.group is not None:
@@ -209,7 +181,7 @@ class ShardedEngine(PerLayerEngine):
             self.deferred_dense.append(s)  # finish_step: a copy, unless it owns its storage (FSDP's RS buffer)
             param.grad = None
             return
-        if self.opt.cfg.mode == "B":
+        if self.opt.rule.mode == "B":
             if not last:
                 return  # Mode B scales the full gradient: FSDP2 accumulates its shard until the last micro-batch
             self._mode_b_in_hook(s, g, local)
@@ -267,7 +239,7 @@ class ShardedEngine(PerLayerEngine):
         if not opt.refresh_due(s):
             return None
         if self.refresh_mode == "sketch":  # distributed range finder: G never gathered
-            sketch = RowSketch(local, rows=s.rows, shape=s.full_shape, group=self.group, kernels=opt.kernels)
+            sketch = RowSketch(local, rows=s.shard.rows, shape=s.full_shape, group=self.group, kernels=opt.kernels)
             if not self._finite(sketch.energy):  # the all-reduced ‖G‖²: every rank skips alike
                 return None
             opt.refresh(s, None, sketch=sketch)

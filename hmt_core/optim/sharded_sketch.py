@@ -1,68 +1,9 @@
 """A distributed randomized range finder for HMT's basis refresh on row-sharded gradients (FSDP2,
-``dist.refresh=sketch``): the basis is computed from each rank's rows G_k (m_k × n) of the global gradient G (m × n)
-without ever gathering G.
-
-Algorithm: Halko, Martinsson & Tropp (2011), "Finding structure with randomness", Alg. 4.3 (randomized range finder)
-with the re-orthonormalized subspace iteration of Alg. 4.4, then Alg. 5.1 (direct SVD of B = Qᵀ G) -- distributed
-over row blocks as in GaLore 2 (Su et al., 2025, "GaLore 2: Large-Scale LLM Pre-Training by Gradient Low-Rank
-Projection", which distributes GaLore's SVD across FSDP shards). It mirrors the single-process
-``hmt_core.projection.randomized_svd`` step for step, on the same inputs:
-
-- the test matrix Ω (n × w, w = min(k + oversample, m, n)) is drawn on every rank from the generator the refresh
-  seeds identically everywhere, and warm-started the same way: its first columns are the previous right basis Qᵀᵀ,
-  or Gᵀ P = Σ_k G_kᵀ P_k for a previous left basis P (one all-reduce, n × r);
-- Y_k = G_k Ω (local), then ``power_iters`` times: orthonormalize Y across ranks, Z = Gᵀ Y = Σ_k G_kᵀ Y_k (one
-  all-reduce, n × w), Z ← qr(Z).Q (replicated, the same local Householder QR on every rank), Y_k = G_k Z;
-- Q = orthonormalized Y (row-sharded, Q_k), B = Qᵀ G = Σ_k Q_kᵀ G_k (one all-reduce, w × n), the SVD
-  B = U_B S Vh on every rank (identical input, identical output), U_k = Q_k U_B;
-- ‖G‖² = Σ_k ‖G_k‖² (one scalar all-reduce, fp64), the exact denominator of the energy ratio E(r).
-
-A right-sided weight (m ≥ n) takes Vh[:r] (replicated). A left-sided one (m < n) keeps P (m × r) replicated, as
-the gather path does: U's first k columns are all-gathered once (m × k, k the sketch size ≥ the chosen rank; ranks'
-row blocks padded to ⌈m/W⌉). Every decision (a failed Cholesky, a non-finite factor, the rank by energy) is taken
-on all-reduced, hence bit-identical, values, so every rank issues the same collectives and holds the same bases.
-
-Orthonormalizing the row-sharded tall Y (m × w): CholeskyQR2 (Fukaya et al., 2014; Yamamoto et al., 2015) with the
-Gram matrix in fp64: all-reduce YᵀY (w × w), Cholesky LLᵀ, Y ← Y L⁻ᵀ, twice. Chosen over TSQR because each pass is
-one all-reduce of a w × w matrix whatever the world size (TSQR all-gathers W R factors, or needs a reduction tree
-and a second pass to form Q), all of it matrix-matrix products, and the fp64 Gram makes it stable for κ(Y) up to
-~u₆₄^(-1/2) ≈ 10⁸, far beyond what an fp32 Y can distinguish (each Y here is G times an orthonormal matrix, so
-κ(Y) ≤ σ₁/σ_w of G). After the first pass Q₁ᵀQ₁ = I + E; the second pass is accurate when ‖E‖ < 1, so it is used
-only when ‖E‖_F ≤ 1/2 (then ‖QᵀQ − I‖ = O(u₆₄) before the cast to fp32). When the Cholesky fails or ‖E‖_F > 1/2
-(a numerically rank-deficient Y: a zero or very low-rank gradient) the orthonormalization falls back to the exact
-single-process operation: Y is all-gathered (m × w, a sketch, not the gradient) and Householder-QR'd on every rank.
-Signs: a QR is unique up to the signs of Q's columns. CholeskyQR's R has a positive diagonal, Householder's (LAPACK
-``geqrf``, ``torch.linalg.qr``) has R_ii = −sign(α_i)·|R_ii|; the signs decide those of B's rows, and with them
-which sign the SVD tends to pick for each singular pair (u_i, v_i), which matters with ``moment_policy=keep``
-(moments are carried across a refresh in the basis' coordinates). So Q is multiplied by Householder's signs,
-computed from Q's top w × w block by the modified LU of Ballard et al. (2014), "Reconstructing Householder vectors
-from tall-skinny QR", Alg. 5: S_i = −sign(A_ii), A_ii −= S_i (pivots ≥ 1 in magnitude), eliminate. The top block
-rides along in the second Gram all-reduce ((w + w) × w), so an orthonormalization costs two all-reduces; only the
-last one needs it (a power iteration's Z = qr(GᵀY).Q does not depend on the signs of Y's columns: a Householder
-reflector is the same for a column and its negative, and the R factor absorbs the sign). The result
-equals the single-process factors up to rounding (the reordered sums of the all-reduced products, CholeskyQR's Q for
-Householder's): the same subspace and singular values, up to rounding amplified by 1/(spectral gap), and Q the same
-matrix signs included. The SVD's own sign choice is not continuous, though: for a warm-started B, nearly diagonal in
-its leading rows, a rounding-level change of B can flip a pair (measured in ``tests/test_fsdp2_sketch.py``: 2 of 6
-pairs of one warm-started test matrix), as it can between two single-process runs on other BLAS; subspaces are what
-is guaranteed.
-
-Collectives per refresh of one weight (fp32 unless noted; W ranks; w = min(k + oversample, m, n); q = power_iters):
-  1 all-reduce of 1 fp64 scalar (‖G‖², also the finiteness decision, taken before anything else);
-  left-sided with a previous basis: 1 all-reduce n × r (the warm start Gᵀ P);
-  (q + 1) orthonormalizations × 2 fp64 all-reduces, w × w each (the last one's second 2w × w);
-  q all-reduces n × w (Z = Gᵀ Y); 1 all-reduce w × n (B = Qᵀ G);
-  left-sided: 1 all-gather of W × ⌈m/W⌉ × k (U's k columns);
-  1 all-reduce of 1 fp64 scalar (the projection-error diagnostic, below);
-  left-sided: the all-reduce r × n of Ĝ = Σ_k P_kᵀ G_k (the same one as between refreshes; it also gives the
-  diagnostic's core PᵀG).
-Per rank the largest temporaries are an fp32 copy of G_k (m_k × n) and n × w sketches; nothing m × n.
-
-Projection-error diagnostic (``RankHistory``'s ``proj/rel_error``): ‖G − Π(G)‖/‖G‖ with the explicit residual,
-as ``hmt_core.projection.relative_projection_error`` (not ‖G‖² − ‖PᵀG‖², which cancels for a nearly exact
-projection): its rows are local -- G_k − (G_k Q) Qᵀ for a right basis, G_k − P_k (PᵀG) for a left one, with PᵀG the
-all-reduced Ĝ -- so ‖G − Π(G)‖² = Σ_k (one scalar all-reduce), over row chunks of at most 16 MiB of fp32.
-"""
+``dist.refresh=sketch``): Halko, Martinsson & Tropp (2011), Alg. 4.3/4.4 and 5.1, over row blocks as in GaLore 2 (Su
+et al., 2025), the tall sketch orthonormalized by CholeskyQR2 (fp64 Gram; Fukaya et al. 2014) with Householder's
+signs (Ballard et al. 2014, Alg. 5). It mirrors ``hmt_core.projection.randomized_svd`` step for step on each rank's
+rows G_k without gathering G. Algorithm, collectives, accuracy and the projection-error diagnostic:
+docs/design/sharded.md."""
 
 from __future__ import annotations
 

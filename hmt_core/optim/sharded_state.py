@@ -29,7 +29,7 @@ MOMENTS = ("m", "v")
 
 def _row_sharded(s, st: dict) -> bool:
     """Whether slot ``s``'s moments are row shards: a sharded parameter whose state is dense or right-sided."""
-    return s.rows is not None and st["m"] is not None and st["basis_left"] is None
+    return s.shard is not None and st["m"] is not None and st["basis_left"] is None
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -57,7 +57,7 @@ def split_state(state: dict[str, Any], slots) -> tuple[dict[str, Any], dict[str,
         s = by_name[name]
         st = dict(st)
         if _row_sharded(s, st):
-            mesh = s.grad_param.device_mesh
+            mesh = s.shard.grad_param.device_mesh
             for key in MOMENTS:
                 local = st[key]  # (b−a, ...) this rank's rows
                 shape = (s.full_shape[0], *local.shape[1:])
@@ -77,7 +77,7 @@ def row_templates(state: dict[str, Any], slots) -> dict[str, Tensor]:
             if not (isinstance(held, dict) and PLACEHOLDER in held):
                 continue
             s = by_name[name]
-            mesh = s.grad_param.device_mesh
+            mesh = s.shard.grad_param.device_mesh
             shape = tuple(held[PLACEHOLDER])
             rows = rank_rows(shape[0], mesh.size(), mesh.get_local_rank())
             local = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=getattr(torch, held["dtype"]),

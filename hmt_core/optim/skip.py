@@ -23,6 +23,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.adam import moment_factors
+from hmt_core.optim.slot import StepClock
 
 
 class DeviceSkip:
@@ -30,7 +31,7 @@ class DeviceSkip:
         self.flag: Tensor | None = None  # () bool on the device while updates run ``under`` it; None: no decision
         self._factors: Tensor | None = None  # (3,) fp32: ``moment_factors`` under ``flag`` (made on first use)
         self._choices: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}  # (run, skip) factors by betas, device
-        self._later: list[tuple[Any, Tensor]] | None = None  # (slot, flag) counted by ``flush_counts``; None: at once
+        self._later: list[tuple[StepClock, Tensor]] | None = None  # (clock, flag) counted by ``flush_counts``; None: at once
 
     @contextmanager
     def under(self, found_inf: Tensor | None) -> Iterator[None]:
@@ -71,26 +72,26 @@ class DeviceSkip:
     def on_host(self) -> bool:  # for an update that cannot skip on the device (bitsandbytes): one host read
         return self.flag is not None and not is_fake(self.flag) and bool(self.flag)
 
-    def count_many(self, slots: list[Any]) -> None:  # ``count`` of each slot, one ``_foreach_add_`` for all
+    def count_many(self, clocks: list[StepClock]) -> None:  # ``count`` of each clock, one ``_foreach_add_`` for all
         if self.flag is None:
             return
-        live = [s.skipped for s in slots if s.skipped is not None]
+        live = [c.skipped for c in clocks if c.skipped is not None]
         if live:  # a list of the flag, not the flag as a scalar: the latter is read on the host (.item()) on CPU
             torch._foreach_add_(live, [self.flag] * len(live))
-        for s in slots:
-            if s.skipped is None:
-                s.skipped = self.flag.to(torch.int32)
+        for c in clocks:
+            if c.skipped is None:
+                c.skipped = self.flag.to(torch.int32)
 
-    def count(self, slot: Any) -> None:  # slot.skipped: () int32 on the device, updates skipped not yet reconciled
+    def count(self, clock: StepClock) -> None:  # clock.skipped: () int32 on the device, not yet reconciled
         if self.flag is None:
             return
         if self._later is not None:
-            self._later.append((slot, self.flag))
+            self._later.append((clock, self.flag))
             return
-        slot.skipped = self.flag.to(torch.int32) if slot.skipped is None else slot.skipped.add_(self.flag)
+        clock.skipped = self.flag.to(torch.int32) if clock.skipped is None else clock.skipped.add_(self.flag)
 
     def count_later(self) -> None:
-        """Keep each ``count`` until ``flush_counts``, which adds the flags of many slots in one ``_foreach_add_``
+        """Keep each ``count`` until ``flush_counts``, which adds the flags of many clocks in one ``_foreach_add_``
         (the per-layer engine's step: its in-backward updates each run under their own flag)."""
         if self._later is None:
             self._later = []
@@ -98,26 +99,26 @@ class DeviceSkip:
     def flush_counts(self) -> None:
         later, self._later = self._later, None
         live, flags, seen = [], [], set()
-        for slot, flag in later or ():
-            if slot.skipped is None:
-                slot.skipped = flag.to(torch.int32)
-            elif id(slot) in seen:  # twice in one list: the multi-tensor kernel would race
-                slot.skipped.add_(flag)
+        for clock, flag in later or ():
+            if clock.skipped is None:
+                clock.skipped = flag.to(torch.int32)
+            elif id(clock) in seen:  # twice in one list: the multi-tensor kernel would race
+                clock.skipped.add_(flag)
             else:
-                seen.add(id(slot))
-                live.append(slot.skipped)
+                seen.add(id(clock))
+                live.append(clock.skipped)
                 flags.append(flag)
         if live:
             torch._foreach_add_(live, flags)
 
 
-def reconcile(slots: Iterable[Any]) -> None:
-    """Take updates skipped on the device off each slot's step counters (``step``, ``adam_t``): one host read of
+def reconcile(clocks: Iterable[StepClock]) -> None:
+    """Take updates skipped on the device off each clock's step counters (``step``, ``adam_t``): one host read of
     every count, where the host reads values anyway (logging steps, checkpoints). Until then a skipped step has
     advanced the bias-correction clock and the refresh schedule (docs/host_syncs.md)."""
-    live = [s for s in slots if s.skipped is not None]
-    if live and not any(is_fake(s.skipped) for s in live):
-        for s, n in zip(live, torch.stack([s.skipped for s in live]).tolist()):
-            s.step, s.adam_t = s.step - n, s.adam_t - n
-    for s in live:
-        s.skipped = None
+    live = [c for c in clocks if c.skipped is not None]
+    if live and not any(is_fake(c.skipped) for c in live):
+        for c, n in zip(live, torch.stack([c.skipped for c in live]).tolist()):
+            c.step, c.adam_t = c.step - n, c.adam_t - n
+    for c in live:
+        c.skipped = None
