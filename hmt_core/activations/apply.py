@@ -24,7 +24,7 @@ import copy
 import fnmatch
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +45,16 @@ class _Offloaded:
         self.t = t.detach().to("cpu", non_blocking=True)
 
 
+class _LayerInput(NamedTuple):
+    """A checkpointed layer input stored by a codec; ``requires_grad`` is restored on the decoded tensor so that the
+    layer's recompute saves what its forward saved."""
+    packed: Any
+    requires_grad: bool
+
+
 def _unpack(obj: Any) -> Tensor:
+    if isinstance(obj, _LayerInput):
+        return _unpack(obj.packed).requires_grad_(obj.requires_grad)
     if isinstance(obj, Packed):
         return decode(obj)
     if isinstance(obj, _Offloaded):
@@ -154,8 +163,23 @@ def _scoped(state: _State, module: nn.Module, component: str, action: str, orig:
     return forward
 
 
-def _recomputed(state: _State, component: str, orig: Callable, *, after: nn.Module | None = None) -> Callable:
-    """Checkpoint ``orig``; with ``after`` (o_proj) the region stops before it and ``after`` runs outside."""
+def _input_pack(state: _State, component: str, action: str, x: Tensor) -> Callable[[Tensor], Any]:
+    """Pack hook for what a checkpoint saves of its inputs: ``x`` (the layer input) through the codec ``action``,
+    any other input as is (counted by ``count_retained``)."""
+    pack, ref = state.pack_fn(component, action), StorageWeakRef(x.untyped_storage())
+
+    def pack_input(t: Tensor) -> Any:
+        if t.shape != x.shape or StorageWeakRef(t.untyped_storage()) != ref:
+            return t.detach()
+        return _LayerInput(pack(t), t.requires_grad)
+
+    return pack_input
+
+
+def _recomputed(state: _State, component: str, orig: Callable, *, after: nn.Module | None = None,
+                codec: str | None = None) -> Callable:
+    """Checkpoint ``orig``; with ``after`` (o_proj) the region stops before it and ``after`` runs outside. With
+    ``codec`` the checkpoint's saved first input (the layer input) is stored encoded by that codec action."""
     body = state.region(orig, bypass=after)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -165,8 +189,13 @@ def _recomputed(state: _State, component: str, orig: Callable, *, after: nn.Modu
             # a KV cache is written during the forward; the recompute would write it a second time (as HF does)
             kwargs = {**kwargs, "past_key_values": None, "use_cache": False} if "use_cache" in kwargs else \
                 {**kwargs, "past_key_values": None}
-        state.count_retained(component, args, kwargs)
-        out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+        if codec is None or not args or not isinstance(args[0], Tensor):
+            state.count_retained(component, args, kwargs)
+            out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+        else:
+            state.count_retained(component, args[1:], kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(_input_pack(state, component, codec, args[0]), _unpack):
+                out = checkpoint(body, *args, use_reentrant=False, **kwargs)
         if after is None:
             return out
         return (after(out[0]), *out[1:]) if isinstance(out, tuple) else after(out)
@@ -322,7 +351,7 @@ def apply_policy(
             after = getattr(module, "o_proj", None) if (llama and component == "attn_qkv") else None
             fn = _recomputed(state, component, orig, after=after)
         elif component == "residual" and policy.layer_recompute:
-            fn = _recomputed(state, component, orig)
+            fn = _recomputed(state, component, orig, codec=action if action in CODEC_ACTIONS else None)
         else:
             fn = _scoped(state, module, component, action, orig)
         _set_forward(module, fn, undo)
