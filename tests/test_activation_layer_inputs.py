@@ -4,8 +4,11 @@ the saved bytes are the codec's; unsupported actions are refused naming the key.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hmt_core.activations.apply import apply_policy
 from hmt_core.activations.measure import cosine
@@ -45,6 +48,25 @@ def test_recompute_reads_the_input_within_the_int8_codec_error(dtype):
         bound = blocks.abs().amax(1, keepdim=True) * (1 / 254 + torch.finfo(dtype).eps)
         excess = (err.abs() - bound).max().item()
         assert excess <= 0, f"layer {i}: error exceeds the codec bound by {excess:.3e}"
+
+
+def test_encoded_layer_input_is_freed_after_forward():
+    """Only the codes stay: the second layer's BF16 input dies after forward (kept alive under plain full_ckpt)."""
+    model, ids = tiny_llama(), batch()
+    refs = []  # the storage, not the tensor object (a kept tensor is saved as a detached alias)
+    hook = model.model.layers[1].register_forward_pre_hook(
+        lambda m, args: refs.append(StorageWeakRef(args[0].untyped_storage())))
+    alive = {}
+    for name, policy in (("keep", PRESETS["full_ckpt"]), ("int8", CKPT8)):
+        refs.clear()
+        handle = apply_policy(model, policy)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        gc.collect()
+        alive[name] = not refs[0].expired()
+        loss.backward()
+        handle.remove()
+    hook.remove()
+    assert alive == {"keep": True, "int8": False}
 
 
 def test_forward_exact_and_gradients_close():

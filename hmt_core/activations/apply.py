@@ -165,11 +165,12 @@ def _scoped(state: _State, module: nn.Module, component: str, action: str, orig:
 
 def _input_pack(state: _State, component: str, action: str, x: Tensor) -> Callable[[Tensor], Any]:
     """Pack hook for what a checkpoint saves of its inputs: ``x`` (the layer input) through the codec ``action``,
-    any other input as is (counted by ``count_retained``)."""
-    pack, ref = state.pack_fn(component, action), StorageWeakRef(x.untyped_storage())
+    any other input as is (counted by ``count_retained``). Holds ``x`` by a weak reference only: autograd keeps
+    the pack hook as long as the saved input, and a strong one would keep the original alive next to its codes."""
+    pack, ref, shape = state.pack_fn(component, action), StorageWeakRef(x.untyped_storage()), x.shape
 
     def pack_input(t: Tensor) -> Any:
-        if t.shape != x.shape or StorageWeakRef(t.untyped_storage()) != ref:
+        if t.shape != shape or StorageWeakRef(t.untyped_storage()) != ref:
             return t.detach()
         return _LayerInput(pack(t), t.requires_grad)
 
