@@ -46,8 +46,7 @@ class _Offloaded:
 
 
 class _LayerInput(NamedTuple):
-    """A checkpointed layer input stored by a codec; ``requires_grad`` is restored on the decoded tensor so that the
-    layer's recompute saves what its forward saved."""
+    """A checkpointed layer input stored by a codec (``requires_grad`` restored: the recompute saves as forward did)."""
     packed: Any
     requires_grad: bool
 
