@@ -43,6 +43,8 @@ SETTINGS: dict[str, tuple[str, dict, ActivationPolicy | None]] = {
     "int8-lazy-ckpt": ("int8, lazy_exact rows, full checkpointing", LAZY, PRESETS["full_ckpt"]),
     "int8-lazy-ckpt8": ("int8, lazy_exact rows, full checkpointing with INT8 layer inputs", LAZY,
                         PRESETS["full_ckpt"].replace(residual="int8")),
+    "int8-lazy-ckpt4": ("int8, lazy_exact rows, full checkpointing with outlier-aware INT4 layer inputs", LAZY,
+                        PRESETS["full_ckpt"].replace(residual="int4_outlier")),
 }
 
 
