@@ -3,7 +3,7 @@ the local corpus from the same seed, same batches, in the memory-minimal HMT set
 ``BASE``: Mode B rank 1 with lm_head, BF16 state, 8-bit dense moments, INT8 projected weights, no clipping) with
 the BF16 and with the INT8 embedding and head.
 
-    python -m benchmarks.embedding_loss [--steps 200] [--settings bf16,int8,int8-lazy,int8-sparse]
+    python -m benchmarks.embedding_loss [--steps 200] [--settings bf16,int8,int8-lazy,...]
                                         [--out results/embedding_memory/loss_tiny.json]
 
 Writes the validation curve, the final train/val losses of each run and how long it took; prints them. Runs of
@@ -23,22 +23,32 @@ import torch
 from benchmarks.int8_bench import train_with_val_curve
 from experiments import methods
 from experiments.config import ModelConfig, TrainConfig
+from hmt_core.activations import apply_policy
+from hmt_core.activations.policy import PRESETS, ActivationPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 # the method keys of benchmarks.embedding_memory.BASE (activation checkpointing changes no number here)
 MINIMAL = {"name": "hmt", "mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128,
            "target_patterns": ["attn", "mlp", "lm_head"], "state_dtype": "bf16", "dense_8bit": True,
            "weight_dtype": "int8"}
-# key -> (label, method overrides); the labels are the JSON's run names
-SETTINGS = {"bf16": ("bf16 embedding and head", {}),
-            "int8": ("int8 embedding and head", {"embedding_dtype": "int8"}),
-            "int8-lazy": ("int8, embedding rows lazy_exact (8-bit row moments)",
-                          {"embedding_dtype": "int8", "embedding_update": "lazy_exact"}),
-            "int8-sparse": ("int8, embedding rows sparse_adam (8-bit row moments)",
-                            {"embedding_dtype": "int8", "embedding_update": "sparse_adam"})}
+LAZY = {"embedding_dtype": "int8", "embedding_update": "lazy_exact"}
+# key -> (label, method overrides, activation policy: None = autograd's own saving); the labels are the JSON's run
+# names. Full checkpointing alone changes no number (tests/test_activation_policy.py), INT8 layer inputs do.
+SETTINGS: dict[str, tuple[str, dict, ActivationPolicy | None]] = {
+    "bf16": ("bf16 embedding and head", {}, None),
+    "int8": ("int8 embedding and head", {"embedding_dtype": "int8"}, None),
+    "int8-lazy": ("int8, embedding rows lazy_exact (8-bit row moments)", LAZY, None),
+    "int8-sparse": ("int8, embedding rows sparse_adam (8-bit row moments)",
+                    {"embedding_dtype": "int8", "embedding_update": "sparse_adam"}, None),
+    "int8-lazy-ckpt": ("int8, lazy_exact rows, full checkpointing", LAZY, PRESETS["full_ckpt"]),
+    "int8-lazy-ckpt8": ("int8, lazy_exact rows, full checkpointing with INT8 layer inputs", LAZY,
+                        PRESETS["full_ckpt"].replace(residual="int8")),
+    "int8-lazy-ckpt4": ("int8, lazy_exact rows, full checkpointing with outlier-aware INT4 layer inputs", LAZY,
+                        PRESETS["full_ckpt"].replace(residual="int4_outlier")),
+}
 
 
-def train(extra: dict, steps: int) -> dict:
+def train(extra: dict, steps: int, policy: ActivationPolicy | None = None) -> dict:
     from experiments.data.corpus import build_corpus
     from experiments.models import build_model
 
@@ -51,6 +61,8 @@ def train(extra: dict, steps: int) -> dict:
     model = method.prepare(model)
     model.train()
     method.attach(model, max_grad_norm=None)
+    if policy is not None:
+        apply_policy(model, policy)
     return train_with_val_curve(model, method, corpus, cfg)
 
 
@@ -68,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                             text=True).stdout.strip()
     runs = json.loads(args.out.read_text())["runs"] if args.out.exists() else {}
     for key in keys:
-        label, extra = SETTINGS[key]
-        runs[label] = {**train(extra, args.steps), "commit": commit}
+        label, extra, policy = SETTINGS[key]
+        runs[label] = {**train(extra, args.steps, policy), "commit": commit}
     out = {"steps": args.steps, "model": "tiny (ModelConfig defaults)", "method": MINIMAL, "seed": 0,
            "threads": torch.get_num_threads(), "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,13 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "min-int8-emb-head-sparse": ("… the same with `method.embedding_update=sparse_adam`",
                                  ["method.embedding_dtype=int8", "method.head_update=in_loss",
                                   "method.embedding_update=sparse_adam"]),
+    "min-int8-emb-head-lazy-ckpt8": ("… + the checkpointed layer inputs stored as blockwise INT8 "
+                                     "(`activation.residual=int8`)",
+                                     ["method.embedding_dtype=int8", "method.head_update=in_loss",
+                                      "method.embedding_update=lazy_exact", "activation.residual=int8"]),
+    "min-int8-emb-head-lazy-ckpt4": ("… the same with outlier-aware INT4 (`activation.residual=int4_outlier`)",
+                                     ["method.embedding_dtype=int8", "method.head_update=in_loss",
+                                      "method.embedding_update=lazy_exact", "activation.residual=int4_outlier"]),
 }
 MODELS = ("llama3.1-8b", "qwen2.5-7b", "7b")
 

@@ -51,6 +51,10 @@ CASES = {  # every method family; Mode A/B x dynamic/fixed x per_layer on/off; e
     # the INT8 embedding updated by rows inside backward, 8-bit row moments, with the head updated in the loss
     "hmt-best-int8-lazy-rows": ["method=hmt", *BEST_HMT, "method.update_interval=1", "method.embedding_dtype=int8",
                                 "method.head_update=in_loss", "method.embedding_update=lazy_exact"],
+    # ... and the checkpointed layer inputs stored as blockwise INT8 (the codec's scales and codes are traced)
+    "hmt-best-int8-lazy-rows-ckpt8": ["method=hmt", *BEST_HMT, "method.update_interval=1",
+                                      "method.embedding_dtype=int8", "method.head_update=in_loss",
+                                      "method.embedding_update=lazy_exact", "activation.residual=int8"],
     "hmt-A-int8-sparse-adam-rows-clip": ["method=hmt", "method.rank=8", "method.embedding_dtype=int8",
                                          "method.dense_8bit=true", "method.embedding_update=sparse_adam"],
     "hmt-A-sparse-adam-rows-clip": ["method=hmt", "method.rank=8", "method.embedding_update=sparse_adam"],

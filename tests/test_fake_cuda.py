@@ -299,7 +299,8 @@ def test_activation_policy_forward_saves_on_the_intended_device(name, monkeypatc
     """The forward of each activation preset (and a policy with every codec kind and host offload): what the
     pack hooks keep for backward stays on cuda:0, except offloaded tensors, which are host copies."""
     from hmt_core.activations import apply_policy
-    from hmt_core.activations.apply import _Offloaded, _State
+    from hmt_core.activations.apply import _State
+    from hmt_core.activations.saved import Offloaded
     from hmt_core.activations.codecs import Packed
     from hmt_core.fused_ce import causal_lm_loss
 
@@ -318,7 +319,7 @@ def test_activation_policy_forward_saves_on_the_intended_device(name, monkeypatc
         device_saved = [(f"packed[{i}].{j}", t) for i, v in enumerate(packed) if isinstance(v, Packed)
                         for j, t in enumerate(v.tensors)]
         device_saved += [(f"kept[{i}]", v) for i, v in enumerate(packed) if isinstance(v, Tensor)]
-        host_saved = [(f"offloaded[{i}]", v.t) for i, v in enumerate(packed) if isinstance(v, _Offloaded)]
+        host_saved = [(f"offloaded[{i}]", v.t) for i, v in enumerate(packed) if isinstance(v, Offloaded)]
         bad = misplaced(iter(device_saved + [("loss", loss)]), CUDA) + misplaced(iter(host_saved), CPU)
         handle.remove()
     assert packed, f"{name}: no pack hook ran"

@@ -31,26 +31,13 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from hmt_core.activations.codecs import Packed, decode, encode
+from hmt_core.activations.codecs import decode, encode
 from hmt_core.activations.measure import ErrorAccumulator, SavedBytesCounter, saved_metrics
 from hmt_core.activations.policy import CODEC_ACTIONS, COMPONENTS, ActivationPolicy
+from hmt_core.activations.saved import Offloaded, input_pack, unpack
 
 OTHER = "other"  # saved outside every component scope (logits, loss)
 _CORE_IMPL = "hmt_core"
-
-
-class _Offloaded:
-    def __init__(self, t: Tensor) -> None:
-        self.device = t.device
-        self.t = t.detach().to("cpu", non_blocking=True)
-
-
-def _unpack(obj: Any) -> Tensor:
-    if isinstance(obj, Packed):
-        return decode(obj)
-    if isinstance(obj, _Offloaded):
-        return obj.t.to(obj.device, non_blocking=True)
-    return obj
 
 
 def _tensors(tree: Any) -> Iterator[Tensor]:
@@ -106,8 +93,8 @@ class _State:
             if hit is not None and not hit[0].expired():
                 return hit[1]
             if action == "offload_cpu":
-                packed = t.detach() if t.device.type == "cpu" else _Offloaded(t)
-                if not isinstance(packed, _Offloaded):
+                packed = t.detach() if t.device.type == "cpu" else Offloaded(t)
+                if not isinstance(packed, Offloaded):
                     self.counter.add(component, [t])
             else:
                 packed = encode(t, action, block=p.block_size, fp8_format=p.fp8_format, z_threshold=p.outlier_z,
@@ -148,14 +135,16 @@ def _scoped(state: _State, module: nn.Module, component: str, action: str, orig:
             return args[0] if args else next(iter(kwargs.values()))
         if not state.active():
             return orig(*args, **kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return orig(*args, **kwargs)
 
     return forward
 
 
-def _recomputed(state: _State, component: str, orig: Callable, *, after: nn.Module | None = None) -> Callable:
-    """Checkpoint ``orig``; with ``after`` (o_proj) the region stops before it and ``after`` runs outside."""
+def _recomputed(state: _State, component: str, orig: Callable, *, after: nn.Module | None = None,
+                codec: str | None = None) -> Callable:
+    """Checkpoint ``orig``; with ``after`` (o_proj) the region stops before it and ``after`` runs outside. With
+    ``codec`` the checkpoint's saved first input (the layer input) is stored encoded by that codec action."""
     body = state.region(orig, bypass=after)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -165,8 +154,13 @@ def _recomputed(state: _State, component: str, orig: Callable, *, after: nn.Modu
             # a KV cache is written during the forward; the recompute would write it a second time (as HF does)
             kwargs = {**kwargs, "past_key_values": None, "use_cache": False} if "use_cache" in kwargs else \
                 {**kwargs, "past_key_values": None}
-        state.count_retained(component, args, kwargs)
-        out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+        if codec is None or not args or not isinstance(args[0], Tensor):
+            state.count_retained(component, args, kwargs)
+            out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+        else:
+            state.count_retained(component, args[1:], kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(input_pack(state.pack_fn(component, codec), args[0]), unpack):
+                out = checkpoint(body, *args, use_reentrant=False, **kwargs)
         if after is None:
             return out
         return (after(out[0]), *out[1:]) if isinstance(out, tuple) else after(out)
@@ -197,7 +191,7 @@ def _core_fn(state: _State, attn: nn.Module, action: str) -> Callable:
     def core(*args: Any, **kwargs: Any) -> Any:
         if not state.active():
             return impl(*args, **kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return impl(*args, **kwargs)
 
     return core
@@ -342,7 +336,7 @@ def _wrap_components(model: nn.Module, policy: ActivationPolicy, scopes: dict[st
                 after = getattr(module, "o_proj", None) if (llama and component == "attn_qkv") else None
                 fn = _recomputed(state, component, orig, after=after)
             elif component == "residual" and policy.layer_recompute:
-                fn = _recomputed(state, component, orig)
+                fn = _recomputed(state, component, orig, codec=action if action in CODEC_ACTIONS else None)
             else:
                 fn = _scoped(state, module, component, action, orig)
             _set_forward(module, fn, undo)
@@ -378,7 +372,7 @@ def _wrap_root(model: nn.Module, state: _State, undo: list[Callable[[], None]]) 
         if not state.active():
             return root_orig(*args, **kwargs)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(root_pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(root_pack, unpack):
                 return root_orig(*args, **kwargs)
         finally:
             state.cache.clear()  # dedup is per forward; holding packed tensors past it would delay their release

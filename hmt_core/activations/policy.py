@@ -8,7 +8,8 @@ Components (Llama-family names; the scope each one covers is fixed in ``apply.py
   mlp_intermediate  everything the MLP saves: its input, gate/up outputs, act(gate), act(gate)*up
   residual          tensors saved at decoder-layer scope outside the sub-blocks, and the layer inputs kept by
                     ``layer_recompute`` (in pre-norm Llama the adds save nothing: the residual stream is held by
-                    the norms, i.e. by ``norm``)
+                    the norms, i.e. by ``norm``); with ``layer_recompute`` a codec action stores those checkpointed
+                    layer inputs encoded (decoded for the layer's recompute in backward)
   norm              what the other RMSNorms save (input = residual stream, 1/rms, normalized), final norm included
   lm_head           the LM head's input
 Actions: keep (store as autograd would, model dtype), recompute (torch.utils.checkpoint, non-reentrant), int8, fp8,
@@ -75,10 +76,13 @@ class ActivationPolicy:
             raise ValueError("activation.attn_core: attn_qkv=recompute recomputes the core too; "
                              "set attn_core: recompute")
         if self.layer_recompute:
-            bad = [c for c in LAYER_COMPONENTS if getattr(self, c) != "keep"]
+            bad = [c for c in LAYER_COMPONENTS if getattr(self, c) != "keep" and c != "residual"]
             if bad:
                 raise ValueError(f"activation.{bad[0]}: must be 'keep' when layer_recompute is true (nothing inside "
                                  "a recomputed layer is saved)")
+            if self.residual not in ("keep", *CODEC_ACTIONS):
+                raise ValueError(f"activation.residual: with layer_recompute it is how the checkpointed layer inputs "
+                                 f"are stored: 'keep' or a codec {CODEC_ACTIONS}, got {self.residual!r}")
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"activation.block_size: must be a positive int, got {self.block_size!r}")
         if self.block_size % 2 and "int4_outlier" in self.actions().values():
