@@ -31,7 +31,7 @@ from experiments.results import atomic_write_text
 SCHEMA = "hmt-plan-table/1"
 # Bump when the meter, the dry-run step or a method changes the bytes a trace measures (the staleness test,
 # tests/test_plan_cache.py, fails until the committed table is regenerated and this is bumped with it).
-METER_VERSION = 4  # 4: traces of this version are 32 B larger in the 1-layer forward phase
+METER_VERSION = 5  # 5: traces of this version are 4 B larger in the optimizer phase (Mode B limiter and skip flag)
 TABLE_DIR = Path(__file__).resolve().parents[2] / "results" / "plan" / "costs"
 USER_DIR = "plan_costs"  # under results_dir
 _RUN_DROP = ("mode", "results_dir", "run_id", "force", "wandb", "profile", "seed", "device", "data", "dist", "method",
