@@ -24,9 +24,8 @@ import pandas as pd
 
 from analysis.load import Results, load_results
 from analysis.rows import loss_cells, mean_mib, row_runs as _row_runs, run_configs, tuned_rate
-from analysis.tables import Table, lr_search_table, to_latex, to_markdown
+from analysis.tables import Table, lr_search_table, write_table_files
 from experiments.errors import OneLineErrorParser, one_line_errors
-from experiments.results import atomic_write_text
 from experiments.sweeps.tuning import search_results_dir
 
 CONTROLS, CAMPAIGN = "controls", "campaign"
@@ -108,14 +107,7 @@ def write_tables(controls: Path, campaign: Path, out: Path) -> list[Path]:
         made.append(dataclasses.replace(lr_search_table(load_results(search)), name="controls_lr_search",
                                         title="Learning-rate search of the controls: validation loss per rate "
                                               "(seed 0; AdamW split: one row per dense-rate multiplier)"))
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for table in made:
-        for suffix, text in ((".md", f"**{table.title}**\n\n{to_markdown(table)}"), (".tex", to_latex(table))):
-            path = out / f"{table.name}{suffix}"
-            atomic_write_text(path, text)
-            written.append(path)
-    return written
+    return write_table_files(made, out)
 
 
 def main(argv: list[str] | None = None) -> int:

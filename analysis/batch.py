@@ -32,9 +32,8 @@ from analysis.figures import FIXED_COLORS, save  # noqa: E402
 from analysis.load import Results, load_results  # noqa: E402
 from analysis.rows import Source, bracketed, loss_cells, row_runs, run_configs, search_best, tuned_rate  # noqa: E402
 from analysis.rundirs import find_run_dirs, read_status  # noqa: E402
-from analysis.tables import DASH, Table, fmt, lr_search_table, to_latex, to_markdown  # noqa: E402
+from analysis.tables import DASH, Table, fmt, lr_search_table, write_table_files  # noqa: E402
 from experiments.errors import OneLineErrorParser, one_line_errors  # noqa: E402
-from experiments.results import atomic_write_text  # noqa: E402
 from experiments.sweeps.tuning import search_results_dir  # noqa: E402
 
 BATCH, CAMPAIGN, CONTROLS = "batch", "campaign", "controls"
@@ -147,13 +146,7 @@ def write_outputs(batch: Path, campaign: Path, controls: Path, out: Path) -> lis
         tables.append(dataclasses.replace(lr_search_table(sources[BATCH][1][0]), name="batch_lr_search",
                                           title="Learning-rate search of the batch campaign: validation loss per "
                                                 "rate (seed 0; the batch size is in the setting)"))
-    written = []
-    (out / "tables").mkdir(parents=True, exist_ok=True)
-    for table in tables:
-        for suffix, text in ((".md", f"**{table.title}**\n\n{to_markdown(table)}"), (".tex", to_latex(table))):
-            path = out / "tables" / f"{table.name}{suffix}"
-            atomic_write_text(path, text)
-            written.append(path)
+    written = write_table_files(tables, out / "tables")
     fig = batch_figure(found)
     written += save(fig, out / "figures", "batch")
     plt.close(fig)

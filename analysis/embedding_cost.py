@@ -20,9 +20,8 @@ from typing import Any
 from analysis.ablation import HMT
 from analysis.load import load_results
 from analysis.rows import Source, bracketed, loss_cells, mean_mib, row_runs, run_configs, tuned_rate
-from analysis.tables import Table, to_latex, to_markdown
+from analysis.tables import Table, write_table_files
 from experiments.errors import OneLineErrorParser, one_line_errors
-from experiments.results import atomic_write_text
 from experiments.sweeps.tuning import search_results_dir
 
 EMBEDDING, CAMPAIGN = "embedding", "campaign"
@@ -84,13 +83,7 @@ def write_tables(embedding: Path, campaign: Path, out: Path) -> list[Path]:
         sources[name] = ((load_results(folder), run_configs(folder)),
                          (load_results(search), run_configs(search)) if search.is_dir() else None)
     table = embedding_table(sources)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for suffix, text in ((".md", f"**{table.title}**\n\n{to_markdown(table)}"), (".tex", to_latex(table))):
-        path = out / f"{table.name}{suffix}"
-        atomic_write_text(path, text)
-        written.append(path)
-    return written
+    return write_table_files([table], out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 
 from analysis import stats
 from analysis.load import CATEGORIES, Results
 from analysis.settings import natural_key
+from experiments.results import atomic_write_text
 from experiments.sweeps.tuning import metric_or_inf, select_lr
 
 METHOD_ORDER = ("adamw", "qlora", "galore", "apollo", "hmt")
@@ -356,3 +358,15 @@ def to_latex(table: Table) -> str:
         r"\bottomrule",
         r"\end{tabular}",
     ]) + "\n"
+
+
+def write_table_files(tables: list[Table], out: Path) -> list[Path]:
+    """Each table as ``<name>.md`` (titled) and ``<name>.tex`` in ``out`` (atomic writes); the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for table in tables:
+        for suffix, text in ((".md", f"**{table.title}**\n\n{to_markdown(table)}"), (".tex", to_latex(table))):
+            path = out / f"{table.name}{suffix}"
+            atomic_write_text(path, text)
+            written.append(path)
+    return written
