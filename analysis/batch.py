@@ -129,7 +129,7 @@ def batch_figure(found: Mapping[tuple[str, int], tuple]) -> Figure:
     ax.set_xscale("log", base=2)
     ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
     ax.minorticks_off()
-    ax.set_xlabel("sequences of 128 tokens per step (≈307 k training tokens in every run)")
+    ax.set_xlabel("sequences of 128 tokens per step\n(≈307 k training tokens in every run)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
