@@ -28,7 +28,7 @@ EMBEDDING, CAMPAIGN = "embedding", "campaign"
 DEFAULT = {**HMT, "method.embedding_dtype": "bf16", "method.embedding_update": "dense", "method.head_update": "dense"}
 MINIMAL = {"model.name": "tiny", "method.name": "hmt", "method.mode": "B", "method.rank": 1,
            "method.state_dtype": "bf16", "train.max_grad_norm": 0.0,
-           "method.head_update": "dense"}
+           "method.head_update": "dense", "activation.residual": "keep"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +56,12 @@ ROWS = (
     Row(label="+ head in the loss", adds="the LM head updated by vocabulary block inside the fused loss's backward "
         "(method.head_update=in_loss)", source=EMBEDDING, keys={**MINIMAL, "method.head_update": "in_loss"},
         against="memory-minimal"),
+    Row(label="+ INT8 layer inputs", adds="the checkpointed layer inputs stored as blockwise INT8 "
+        "(activation.residual=int8)", source=EMBEDDING, keys={**MINIMAL, "activation.residual": "int8"},
+        against="memory-minimal"),
+    Row(label="+ INT4 outlier layer inputs", adds="the checkpointed layer inputs stored as outlier-aware INT4 "
+        "(activation.residual=int4_outlier)", source=EMBEDDING,
+        keys={**MINIMAL, "activation.residual": "int4_outlier"}, against="memory-minimal"),
 )
 
 
