@@ -102,9 +102,9 @@ class HMTMethod:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if emb is not None and (c.embedding_dtype == "int8" or c.embedding_update != "dense"):
-            mark_replicated(emb)
+            mark_replicated(*emb.parameters())
         if isinstance(head, int8_weights.Int8Linear) and c.embedding_dtype == "int8":
-            mark_replicated(head)
+            mark_replicated(*head.parameters())
         return model
 
     def _int8_targets(self, model: nn.Module) -> set[str]:

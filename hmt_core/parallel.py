@@ -16,10 +16,10 @@ RankAgreement = Callable[[int, int, torch.device], tuple[int, int]]  # (rank, τ
 REPLICATED = "hmt_replicated"  # attribute of a parameter a sharding wrapper must leave whole on every rank
 
 
-def mark_replicated(module: nn.Module) -> None:
-    """Tag ``module``'s parameters to be held whole on every rank (FSDP2 leaves them out of its shards,
+def mark_replicated(*params: nn.Parameter) -> None:
+    """Tag ``params`` to be held whole on every rank (FSDP2 leaves them out of its shards,
     ``experiments.dist.parallel.shard_model``): a table updated by rows, INT8 codes and scales."""
-    for p in module.parameters():
+    for p in params:
         setattr(p, REPLICATED, True)
 
 

@@ -7,7 +7,9 @@ head's dense gradient averaged by the same reducer.
    and INT8 tables) and ``sparse_adam`` (Mode B) equals single-process hmt on the global batch, 3 steps, clipping on.
 2. The embedding is a plain tensor on every rank (the decoder layers DTensors); each rank hands over its 2 × 16 ids
    and rows and gets both ranks'.
-3. A DCP checkpoint after step 1 (the row moments, ``lazy_exact``'s per-row clock, the INT8 codes and scales),
+3. ``build_sharded`` from random init gives every rank the single-process values, bit for bit (the BF16 table
+   built on meta and initialised whole by the replay; INT8 tables quantized from the whole model).
+4. A DCP checkpoint after step 1 (the row moments, ``lazy_exact``'s per-row clock, the INT8 codes and scales),
    restored into a model and method built from other weights, continues to step 3 exactly as the uninterrupted run.
 
 Tolerance (1): ``tests/test_fsdp2_hmt.py``'s ATOL = 1e-6 (its derivation: the clipping norm, now a sum over ranks,
@@ -186,6 +188,28 @@ def _resume(ctx, overrides: dict, data, root: Path) -> dict[str, float]:
     return {k: float((after[k].double() - v.double()).abs().max()) for k, v in expected.items()}
 
 
+def _start(ctx, overrides: dict) -> dict[str, float]:
+    """``build_sharded`` from random init (a BF16 table: built on meta, the table initialised whole by the replay;
+    INT8 tables: built whole, quantized, then sharded) vs. the single-process build, prepared: name -> max|a − b|."""
+    from experiments import methods
+    from experiments.config import ModelConfig
+    from experiments.dist import parallel as distributed
+    from experiments.models import build_model
+
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=176, vocab_size=256, dtype="fp32")
+
+    def make():
+        return methods.make_method(methods.make_config(overrides))
+
+    torch.manual_seed(3)
+    model = distributed.build_sharded(cfg, make(), ctx, vocab_size=None, device=torch.device("cpu"))
+    torch.manual_seed(3)
+    expected = _values(make().prepare(build_model(cfg, device=torch.device("cpu"))))
+    after = _values(model)
+    assert after.keys() == expected.keys(), (sorted(after), sorted(expected))
+    return {k: float((after[k].double() - v.double()).abs().max()) for k, v in expected.items()}
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -201,6 +225,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         for case, overrides in CASES.items():
             results[case] = _case(ctx, overrides, data, _reference("hmt", overrides, data))
             results[case]["resume"] = _resume(ctx, overrides, data, Path(out, f"ckpt-{case}"))
+            results[case]["start"] = _start(ctx, overrides)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -241,3 +266,10 @@ def test_a_dcp_checkpoint_of_the_row_state_resumes_identically(runs, case):
         diffs = {k: d for k, d in res[case]["resume"].items() if d != 0.0}
         table = "\n".join(f"  {k}: max|a-b| {d:.3e}" for k, d in diffs.items())
         assert not diffs, f"{case}, rank {rank}: the resumed steps differ from the uninterrupted ones:\n{table}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_random_init_start_equals_the_single_process_build(runs, case):
+    for rank, res in runs.items():
+        diffs = {k: d for k, d in res[case]["start"].items() if d != 0.0}
+        assert res[case]["start"] and not diffs, f"{case}, rank {rank}: the start differs from one process: {diffs}"

@@ -20,9 +20,10 @@ from experiments.dist.context import (  # noqa: F401  (the launch API, reached t
     DistContext, dryrun_context, for_rank, release_process_groups, setup, shard_corpus, teardown)
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
+from hmt_core.hmt import HMTMethod
 from hmt_core.int8_weights import is_phantom
 from hmt_core.optim.sharded import rank_from_root
-from hmt_core.parallel import ParallelContext, is_replicated
+from hmt_core.parallel import ParallelContext, is_replicated, mark_replicated
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -44,12 +45,14 @@ def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.B
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # weights as they are; gradients summed in fp32
-    ignored = {p for p in model.parameters() if is_replicated(p)} or None
+    kept = [n for n, p in model.named_parameters() if is_replicated(p)]
+    ignored = {model.get_parameter(n) for n in kept} or None
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=ctx.mesh, mp_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=ctx.mesh, mp_policy=policy, ignored_params=ignored)
     if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=ctx.device)
+        mark_replicated(*(model.get_parameter(n) for n in kept))  # to_empty made them new Parameters, untagged
         if build is not None:
             meta_init.replay(model, build, ctx.device)
     return model
@@ -70,26 +73,26 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
     (no weights at ``model.path``): built on meta and initialised shard by shard (start-up peak: this rank's
     shards + one module at full size; ``values=False``, a dry run's fake tensors: the shards are left empty);
     otherwise built whole on ``device`` (FSDP2 from weights: loaded whole, then sharded; a method that stores
-    INT8 tables, ``method.embedding_dtype=int8``: quantized from the whole table, then sharded around it)."""
+    INT8 tables, ``method.embedding_dtype=int8``: quantized from the whole table, then sharded around it; a dry
+    run with parameters left whole on every rank, ``hmt_core.parallel.is_replicated``)."""
     def whole() -> nn.Module:
         return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
 
-    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights":
+    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or _quantizes(method):
         return whole()
-    if not values:
-        model = prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta"))
-        return whole() if _quantized(model) else shard_model(model, ctx)
+    if not values:  # a fake parameter left out of the shards cannot be moved by to_empty (torch swaps a fake
+        model = prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta"))  # tensor, which has a
+        return whole() if any(is_replicated(p) for p in model.parameters()) else shard_model(model, ctx)  # weakref)
     try:
         model, record = meta_init.record_build(lambda: build_model(cfg, vocab_size=vocab_size, device="meta"))
-        model = prepared(method, model)
-        return whole() if _quantized(model) else shard_model(model, ctx, build=record)
+        return shard_model(prepared(method, model), ctx, build=record)
     except meta_init.UnreplayableInit as e:
         raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
 
 
-def _quantized(model: nn.Module) -> bool:
-    """INT8 layers (codes quantized from the values, which a meta build does not have): the model is built whole."""
-    return any(is_phantom(p) for p in model.parameters())
+def _quantizes(method) -> bool:
+    """hmt's ``prepare`` quantizes INT8 tables from the weights' values, which a meta build does not have."""
+    return isinstance(method, HMTMethod) and method.config.embedding_dtype == "int8"
 
 
 def parallel_context(model: nn.Module, ctx: DistContext) -> ParallelContext:
