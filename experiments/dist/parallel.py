@@ -38,8 +38,9 @@ def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.B
     unit gradients are copied into an fp32 reduce-scatter input, summed and averaged in fp32, then cast back).
     Parameters the method marked replicated (``hmt_core.parallel.is_replicated``: a table updated by rows, INT8
     codes and scales) are left out (``ignored_params``): whole on every rank, their gradients the method's to
-    reduce (docs/distributed.md). A model built on meta (``build``: its recorded RNG draws, ``experiments.dist.meta_init``) then gets its shards on
-    ``ctx.device`` (``to_empty``) filled with the single-process values, torchtitan's order."""
+    reduce (docs/distributed.md). A model built on meta (``build``: its recorded RNG draws,
+    ``experiments.dist.meta_init``) then gets its shards on ``ctx.device`` (``to_empty``) filled with the
+    single-process values, torchtitan's order."""
     if ctx is None or ctx.mode != "fsdp2":
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -80,9 +81,11 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
 
     if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or _quantizes(method):
         return whole()
-    if not values:  # a fake parameter left out of the shards cannot be moved by to_empty (torch swaps a fake
-        model = prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta"))  # tensor, which has a
-        return whole() if any(is_replicated(p) for p in model.parameters()) else shard_model(model, ctx)  # weakref)
+    if not values:
+        model = prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta"))
+        # a fake parameter left out of the shards cannot go through to_empty (torch swaps a fake tensor, whose
+        # weakref forbids it): such a model is built whole
+        return whole() if any(is_replicated(p) for p in model.parameters()) else shard_model(model, ctx)
     try:
         model, record = meta_init.record_build(lambda: build_model(cfg, vocab_size=vocab_size, device="meta"))
         return shard_model(prepared(method, model), ctx, build=record)
