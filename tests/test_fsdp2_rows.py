@@ -5,7 +5,8 @@ head's dense gradient averaged by the same reducer.
 
 1. One step at a time from the single-process state, fsdp2 + hmt with ``method.embedding_update=lazy_exact`` (BF16
    and INT8 tables) and ``sparse_adam`` (Mode B), and with dense INT8 tables (the head projected, Mode B), equals
-   single-process hmt on the global batch, 3 steps, clipping on.
+   single-process hmt on the global batch, 3 steps, clipping on; two of them with 2 micro-batches per rank
+   (``MICRO``: the rows of both gathered and summed in one update).
 2. The embedding is a plain tensor on every rank (the decoder layers DTensors); updated by rows, each rank hands
    over its 2 × 16 ids and rows and gets both ranks'.
 3. ``build_sharded`` from random init gives every rank the single-process values, bit for bit (the BF16 table
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import _reference, spawn_pair  # noqa: E402
+from test_distributed import _reference, micro_rows, spawn_pair  # noqa: E402
 
 STEPS = 3
 ATOL = 1e-6  # see the module docstring
@@ -54,6 +55,9 @@ CASES = {
     "int8-dense-B-head": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2, "embedding_dtype": "int8",
                           "target_patterns": ["attn", "mlp", "lm_head"]},
 }
+# gradient accumulation, 2 micro-batches of 1 row per rank: the rows of both micro-batches are gathered and summed in
+# one step (against single-process micro-batches that are the union of the ranks' micro-batches i)
+MICRO = {"bf16-lazy_exact": 1, "bf16-B-sparse_adam": 2, "int8-lazy_exact": 2, "int8-dense-B-head": 1}
 
 
 def _built(ctx, overrides: dict, seed: int):
@@ -109,7 +113,7 @@ def _load(model, weights: dict) -> None:
                 params[k].copy_(v)
 
 
-def _case(ctx, overrides: dict, data, snaps) -> dict:
+def _case(ctx, overrides: dict, data, snaps, micro: int) -> dict:
     from experiments.loop import train_step
     from torch.distributed.tensor import DTensor
 
@@ -132,8 +136,8 @@ def _case(ctx, overrides: dict, data, snaps) -> dict:
     for x, snap in zip(data, snaps):
         _load(model, snap["weights"])
         method.load_state_dict(_local_state(torch.load(io.BytesIO(snap["method"]), weights_only=False), slots))
-        train_step(model, method, [x[ctx.rank * half:(ctx.rank + 1) * half]], meter=None,
-                   autocast=contextlib.nullcontext, skip_nonfinite=True)
+        batches = [x[r] for r in micro_rows(ctx.rank, ctx.world_size, half, micro)]
+        train_step(model, method, batches, meter=None, autocast=contextlib.nullcontext, skip_nonfinite=True)
         out["grads"].append(all(p.grad is None for p in emb.parameters()))
         before, expected, after = _values_of(reference, snap["weights"]), _values_of(reference, snap["after"]), \
             _values(model)
@@ -228,7 +232,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                           device=torch.device("cpu"))
         results = {}
         for case, overrides in CASES.items():
-            results[case] = _case(ctx, overrides, data, _reference("hmt", overrides, data))
+            micro = MICRO[case]
+            results[case] = _case(ctx, overrides, data, _reference("hmt", overrides, data, micro=micro), micro)
             results[case]["resume"] = _resume(ctx, overrides, data, Path(out, f"ckpt-{case}"))
             results[case]["start"] = _start(ctx, overrides)
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
@@ -262,8 +267,9 @@ def test_the_embedding_is_whole_on_every_rank_and_its_rows_travel_as_rows(runs, 
         assert r["placed"]["layer"] == "DTensor" and "DTensor" not in r["placed"]["embedding"], r["placed"]
         assert all(r["grads"]), "the embedding kept a .grad"
         # 4 × 16 global tokens, hidden 64: each rank hands over its 2 × 16 ids and rows, and gets both ranks' 64
-        rows = "embedding_update" in CASES[case]
-        assert r["gathered"] == ([[[32], [32, 64], [64], [64, 64]]] * STEPS if rows else []), r["gathered"]
+        rows, n = "embedding_update" in CASES[case], 32 // MICRO[case]  # a micro-batch's tokens on a rank
+        assert r["gathered"] == ([[[n], [n, 64], [2 * n], [2 * n, 64]]] * STEPS * MICRO[case] if rows else []), \
+            r["gathered"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
