@@ -4,8 +4,9 @@ on every rank; its touched rows are gathered as (ids, rows) by the same ``GradAv
 head's dense gradient averaged by the same reducer.
 
 1. One step at a time from the single-process state, fsdp2 + hmt with ``method.embedding_update=lazy_exact`` (BF16
-   and INT8 tables) and ``sparse_adam`` (Mode B), and with dense INT8 tables (the head projected, Mode B), equals
-   single-process hmt on the global batch, 3 steps, clipping on; two of them with 2 micro-batches per rank
+   and INT8 tables, the INT8 head dense or projected in Mode A) and ``sparse_adam`` (Mode B), and with dense INT8
+   tables (the head projected, Mode B), equals
+   single-process hmt on the global batch, 3 steps, clipping on; three of them with 2 micro-batches per rank
    (``MICRO``: the rows of both gathered and summed in one update).
 2. The embedding is a plain tensor on every rank (the decoder layers DTensors); updated by rows, each rank hands
    over its 2 × 16 ids and rows and gets both ranks'.
@@ -54,10 +55,14 @@ CASES = {
     # (its refresh and APOLLO scaling on the whole, averaged gradient, as under DDP)
     "int8-dense-B-head": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2, "embedding_dtype": "int8",
                           "target_patterns": ["attn", "mlp", "lm_head"]},
+    # the INT8 head projected in Mode A (refreshed from, and projecting, its whole averaged gradient), rows by lazy_exact
+    "int8-A-head": {"name": "hmt", "rank": 8, "update_interval": 2, "embedding_update": "lazy_exact",
+                    "embedding_dtype": "int8", "target_patterns": ["attn", "mlp", "lm_head"]},
 }
 # gradient accumulation, 2 micro-batches of 1 row per rank: the rows of both micro-batches are gathered and summed in
 # one step (against single-process micro-batches that are the union of the ranks' micro-batches i)
-MICRO = {"bf16-lazy_exact": 1, "bf16-B-sparse_adam": 2, "int8-lazy_exact": 2, "int8-dense-B-head": 1}
+MICRO = {"bf16-lazy_exact": 1, "bf16-B-sparse_adam": 2, "int8-lazy_exact": 2, "int8-dense-B-head": 1,
+         "int8-A-head": 2}
 
 
 def _built(ctx, overrides: dict, seed: int):
