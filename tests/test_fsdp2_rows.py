@@ -5,9 +5,8 @@ head's dense gradient averaged by the same reducer.
 
 1. One step at a time from the single-process state, fsdp2 + hmt with ``method.embedding_update=lazy_exact`` (BF16
    and INT8 tables, the INT8 head dense or projected in Mode A) and ``sparse_adam`` (Mode B), and with dense INT8
-   tables (the head projected, Mode B), equals
-   single-process hmt on the global batch, 3 steps, clipping on; three of them with 2 micro-batches per rank
-   (``MICRO``: the rows of both gathered and summed in one update).
+   tables (the head projected, Mode B), equals single-process hmt on the global batch, 3 steps, clipping on; three
+   of them with 2 micro-batches per rank (``MICRO``: the rows of both gathered and summed in one update).
 2. The embedding is a plain tensor on every rank (the decoder layers DTensors); updated by rows, each rank hands
    over its 2 × 16 ids and rows and gets both ranks'.
 3. ``build_sharded`` from random init gives every rank the single-process values, bit for bit (the BF16 table
