@@ -24,7 +24,7 @@ from hmt_core.optim.head_update import install_head_update
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.row_adam import RowAdamConfig
-from hmt_core.parallel import ParallelContext
+from hmt_core.parallel import ParallelContext, is_replicated, mark_replicated
 from hmt_core.sparse_embedding import SparseEmbeddingUpdate
 from hmt_core.sparse_embedding import install as install_sparse_embedding
 from hmt_core.state_bytes import state_bytes_summary
@@ -91,11 +91,20 @@ class HMTMethod:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers;
-        ``embedding_dtype="int8"``: the input embedding and the LM head become ``Int8Embedding`` / ``Int8Linear``."""
-        if self.config.embedding_dtype == "int8":
-            int8_weights.quantize_vocab(model, backend=self.config.kernels)
-        if self.config.weight_dtype == "int8":
-            int8_weights.quantize_linears(model, self._int8_targets(model), backend=self.config.kernels)
+        ``embedding_dtype="int8"``: the input embedding and the LM head become ``Int8Embedding`` / ``Int8Linear``.
+        Those and a row-updated embedding (``embedding_update != "dense"``) are marked to be held whole on every
+        rank (``hmt_core.parallel.mark_replicated``: FSDP2 leaves them out of its shards)."""
+        c = self.config
+        if c.embedding_dtype == "int8":
+            int8_weights.quantize_vocab(model, backend=c.kernels)
+        if c.weight_dtype == "int8":
+            int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if emb is not None and (c.embedding_dtype == "int8" or c.embedding_update != "dense"):
+            mark_replicated(*emb.parameters())
+        if isinstance(head, int8_weights.Int8Linear) and c.embedding_dtype == "int8":
+            mark_replicated(*head.parameters())
         return model
 
     def _int8_targets(self, model: nn.Module) -> set[str]:
@@ -112,11 +121,13 @@ class HMTMethod:
                 raise ValueError(f"method.weight_dtype=int8: {plain[0]} (and {len(plain) - 1} more) is not INT8; "
                                  "call prepare(model) before attach")
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        sharded = any(sh.is_sharded(p) for _, p in trainable)  # FSDP2: every parameter a row-sharded DTensor
-        if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) for _, p in trainable)):
+        sharded = any(sh.is_sharded(p) for _, p in trainable)  # FSDP2: row-sharded DTensors (but the replicated)
+        if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) or is_replicated(p)
+                                                                for _, p in trainable)):
             raise ValueError(sh.sharded_config_error(c) or "sharded HMT needs every trainable parameter sharded")
         slots = []
         for index, (name, p) in enumerate(trainable, 1):
+            make = sh.sharded_slot if sh.is_sharded(p) else Slot  # a replicated one: whole on every rank
             if int8_weights.is_phantom(p):  # the optimizer updates an INT8 weight through its handle
                 p = model.get_submodule(name.removesuffix(".weight")).handle
             projected = name in targets
@@ -128,7 +139,6 @@ class HMTMethod:
                 candidates = c.attn_candidates
             elif c.mlp_candidates is not None and re.search(c.mlp_pattern, name):
                 candidates = c.mlp_candidates
-            make = sh.sharded_slot if sharded else Slot
             slots.append(make(name=name, param=p, index=index, projected=projected,
                               candidates=tuple(int(r) for r in candidates)))
         self.opt = LowRankOptimizer(slots, optimizer_settings(c))

@@ -53,7 +53,8 @@ class Method(Protocol):
     def set_parallel(self, context: ParallelContext) -> bool:
         """After ``attach``: the job's parallel context. Returns True when the method takes charge of
         ``context.reduce_grad`` (it averages the gradients across ranks itself, inside backward: the caller must not
-        wrap the model in DDP), False when the caller's wrapper (DDP, FSDP2) reduces them. A context the method
+        wrap the model in DDP), False when the caller's wrapper (DDP, FSDP2) reduces them (under FSDP2 a method may
+        still use ``context.reduce_grad`` for the parameters FSDP2 leaves whole on every rank). A context the method
         cannot honour (``refresh_mode="sketch"`` without row-sharded weights, ...) is a ``ValueError``."""
         ...
 

@@ -8,10 +8,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from hmt_core.optim.hooks import GradReducer
 
 RankAgreement = Callable[[int, int, torch.device], tuple[int, int]]  # (rank, τ-rank, device) -> the agreed pair
+REPLICATED = "hmt_replicated"  # attribute of a parameter a sharding wrapper must leave whole on every rank
+
+
+def mark_replicated(*params: nn.Parameter) -> None:
+    """Tag ``params`` to be held whole on every rank (FSDP2 leaves them out of its shards,
+    ``experiments.dist.parallel.shard_model``): a table updated by rows, INT8 codes and scales."""
+    for p in params:
+        setattr(p, REPLICATED, True)
+
+
+def is_replicated(p: torch.Tensor) -> bool:
+    return bool(getattr(p, REPLICATED, False))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +33,9 @@ class ParallelContext:
     row-sharded weights (FSDP2) refreshes a projection basis, ``"gather"`` (the full gradient, gathered) or
     ``"sketch"`` (a distributed range finder; ``hmt_core.optim.sharded``). ``reduce_grad``: a gradient reducer a
     method may take charge of (the mean over ranks inside backward, ``hmt_core.optim.hooks.GradReducer``); None
-    where the caller's wrapper (DDP, FSDP2) reduces the gradients. ``agree_rank``: makes a dynamic-rank decision
+    where the caller's wrapper (DDP) reduces the gradients. Under FSDP2 it is given too: FSDP2 reduces the sharded
+    parameters, the method the ones left whole on every rank (``is_replicated``: a row-sparse embedding's gathered
+    rows, an INT8 table's gradient). ``agree_rank``: makes a dynamic-rank decision
     the same on every process (rank 0's, ``hmt_core.optim.sharded.rank_from_root``)."""
 
     world_size: int = 1

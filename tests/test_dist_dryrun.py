@@ -3,11 +3,13 @@ one process under FakeTensorMode, measures what rank 0 of a real multi-process r
 
 1. Fake vs real: the same ``experiments.dryrun.trace_steps`` runs on real tensors in 2 processes (gloo, real
    collectives, ``fake=False``) and on fake tensors with the fake process group at W=2; rank 0's peak, per-phase
-   peaks and peak-by-category agree within 1 % (FSDP2 adamw and DDP adamw / per-layer hmt).
+   peaks and peak-by-category agree within 1 % (FSDP2 adamw, galore, apollo and hmt with its embedding left whole
+   on every rank, BF16 by rows or INT8; DDP adamw / per-layer hmt).
 2. Shapes: under FSDP2 the optimizer state at W=4 is exactly the sum over parameters of rank 0's dim-0 chunk
    (``ceil(rows / 4)`` rows, FSDP2's ``torch.chunk`` split) of each moment, i.e. 1/4 of W=1 up to that rounding;
    parameters and gradients likewise. At W=1 the fake process group's params/grads/optimizer equal the plain dry
-   run's; DDP's peak is the plain one plus exactly its gradient bucket buffer.
+   run's; DDP's peak is the plain one plus exactly its gradient bucket buffer. What hmt leaves out of the shards
+   (a row-updated embedding, INT8 tables) is counted whole at W=4, the other parameters by their chunks.
 3. Bad input (``dist.world_size`` outside a dry run, a batch not divisible by W) fails with one line.
 
 Why 1 %: fake tensors carry shapes, dtypes and storages exactly, so every allocation has the real size; what
@@ -48,6 +50,10 @@ CASES = {
     "ddp-hmt": ["dist=ddp", "method=hmt", "method.rank=8", "method.update_interval=1"],  # hmt's own all-reduce
     "fsdp2-galore": ["dist=fsdp2", "method=galore", "method.rank=8", "method.update_proj_gap=1"],  # SVD each step
     "fsdp2-apollo": ["dist=fsdp2", "method=apollo", "method.rank=8"],
+    # the embedding left whole on every rank (BF16 updated by rows; INT8 tables, the head's gradient all-reduced)
+    "fsdp2-hmt-rows": ["dist=fsdp2", "method=hmt", "method.rank=8", "method.embedding_update=lazy_exact"],
+    "fsdp2-hmt-int8-rows": ["dist=fsdp2", "method=hmt", "method.rank=8", "method.embedding_update=sparse_adam",
+                            "method.embedding_dtype=int8"],
 }
 
 
@@ -148,6 +154,25 @@ def test_fsdp2_shards_optimizer_state_params_and_grads_by_shapes():
     p = plain["report"].current_by_category_bytes
     w1 = by_w[1].current_by_category_bytes
     assert (w1["params"], w1["optimizer"]) == (p["params"], p["optimizer"]), (w1, p)
+
+
+@pytest.mark.parametrize("extra", [["method.embedding_update=lazy_exact"],
+                                   ["method.embedding_update=sparse_adam", "method.embedding_dtype=int8"]])
+def test_fsdp2_counts_a_replicated_table_whole_and_the_rest_by_shards(extra):
+    """What hmt leaves out of FSDP2's shards (``hmt_core.parallel.is_replicated``: the row-updated embedding, INT8
+    codes and scales, a phantom's one element) is held whole by rank 0 at every W; every other parameter is its
+    ``torch.chunk`` dim-0 chunk. Expected bytes from the single-process prepared model's tensors."""
+    from experiments.models import build_model
+    from hmt_core.parallel import is_replicated
+
+    run = _run("dist=fsdp2", "method=hmt", "method.rank=8", *extra, "dist.world_size=4")
+    model = methods.make_method(run.method).prepare(build_model(run.model, device="cpu"))
+    whole = sum(p.untyped_storage().nbytes() for p in model.parameters() if is_replicated(p))
+    sharded = [p for p in model.parameters() if not is_replicated(p)]
+    assert whole > 0 and sharded
+    params = _trace(run)["report"].current_by_category_bytes["params"]
+    expected = whole + _rank0_chunk_bytes([p.shape for p in sharded], 4, sharded[0].element_size())
+    assert params == expected, (extra, params, expected, whole)
 
 
 def _trace_model_shapes():

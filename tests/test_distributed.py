@@ -495,8 +495,8 @@ TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": 
     (TORCHRUN_2, ["dist=ddp", "dist.backend=nccl", "device=cpu"], ["dist.backend=nccl needs CUDA"]),
     (TORCHRUN_2, ["dist=fsdp2", "method=hmt", "method.weight_dtype=int8"],
      ["method.weight_dtype=int8 is not supported with sharded weights (dist=fsdp2)"]),
-    (TORCHRUN_2, ["dist=fsdp2", "method=hmt", "method.embedding_dtype=int8"],
-     ["method.embedding_dtype=int8 is not supported with sharded weights (dist=fsdp2)"]),
+    (TORCHRUN_2, ["dist=fsdp2", "method=hmt", "method.embedding_dtype=int8", "method.dense_8bit=true"],
+     ["method.dense_8bit=True is not supported with sharded weights (dist=fsdp2)"]),
 ])
 def test_bad_launches_fail_with_one_line_before_anything_is_written(capsys, monkeypatch, results, env, overrides,
                                                                     fragments):

@@ -1,6 +1,7 @@
 """HMT's sharded engine (``hmt_core.optim.sharded``, FSDP2, 2 processes with gloo) waits for no device value on a
 step that is not a basis refresh (``experiments.dispatch_counter``), Mode A (every finite decision from the
-all-reduced global norm) and Mode B rank 1 (the per-layer ‖G‖² all-reduce feeds the device flag); and a non-finite
+all-reduced global norm), Mode B rank 1 (the per-layer ‖G‖² all-reduce feeds the device flag) and the embedding
+updated by rows, BF16 and INT8 (gathered rows, segment sums and the row step on the device); and a non-finite
 gradient on one rank only skips the step on both ranks, on the device: the weights stay as they were, the norm is
 NaN everywhere. The model's own forward syncs once (transformers' packed-sequence check): not HMT's, left out.
 """
@@ -18,11 +19,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import _method, spawn_pair  # noqa: E402
+from test_distributed import spawn_pair  # noqa: E402
+from test_fsdp2_rows import _built  # noqa: E402
 
 CASES = {"mode_a": {"rank": 8, "update_interval": 100},
          "mode_b_rank1": {"mode": "B", "rank": 1, "basis": "random", "scaling": "tensor", "scale": 128,
-                          "update_interval": 100}}
+                          "update_interval": 100},
+         # the embedding left whole on every rank, its rows gathered (and an INT8 head's gradient all-reduced) by
+         # hmt's reducer (tests/test_fsdp2_rows.py)
+         "rows_lazy_exact": {"rank": 8, "update_interval": 100, "embedding_update": "lazy_exact"},
+         "int8_rows": {"rank": 8, "update_interval": 100, "embedding_update": "sparse_adam",
+                       "embedding_dtype": "int8"}}
 
 
 def _step(model, method, ids, nan: bool):
@@ -38,12 +45,9 @@ def _step(model, method, ids, nan: bool):
 def _case(ctx, overrides: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from experiments.dist import parallel as distributed
     from experiments.dispatch_counter import DispatchCounter
-    from helpers import tiny_llama
 
-    model = distributed.shard_model(tiny_llama(seed=1), ctx)
-    method = _method("hmt", {"name": "hmt", **overrides}, model)
+    model, method = _built(ctx, overrides, seed=1)  # prepared, sharded, attached, hmt's parallel context
     gen = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(3)]
     _step(model, method, data[0], nan=False)  # step 0: the refresh (gathers and reads on the host by design)

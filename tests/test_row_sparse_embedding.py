@@ -197,10 +197,14 @@ def test_embedding_update_refusals() -> None:
         HMTMethod(Config(rank=4, embedding_update="lazy_exact")).attach(model, max_grad_norm=None)
 
 
-def test_fsdp2_refuses_the_row_sparse_embedding_in_one_line() -> None:
-    """dist=fsdp2 checks this before any process starts (``experiments.dist.checks.check_fsdp2_hmt``)."""
+def test_fsdp2_takes_the_row_sparse_embedding_and_refuses_8bit_row_moments_in_one_line() -> None:
+    """dist=fsdp2 checks this before any process starts (``experiments.dist.checks.check_fsdp2_hmt``); the table is
+    left whole on every rank there (tests/test_fsdp2_rows.py), but ``dense_8bit`` stays refused under FSDP2."""
     from hmt_core.optim.sharded import sharded_config_error
 
     assert sharded_config_error(Config()) is None
-    why = sharded_config_error(Config(embedding_update="sparse_adam"))
-    assert why is not None and why.startswith("method.embedding_update=sparse_adam") and "\n" not in why, why
+    for variant in ("lazy_exact", "sparse_adam"):
+        assert sharded_config_error(Config(embedding_update=variant)) is None
+        assert sharded_config_error(Config(embedding_update=variant, embedding_dtype="int8")) is None
+    why = sharded_config_error(Config(embedding_update="sparse_adam", dense_8bit=True))
+    assert why is not None and why.startswith("method.dense_8bit=True") and "\n" not in why, why

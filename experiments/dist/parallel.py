@@ -20,9 +20,10 @@ from experiments.dist.context import (  # noqa: F401  (the launch API, reached t
     DistContext, dryrun_context, for_rank, release_process_groups, setup, shard_corpus, teardown)
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
+from hmt_core.hmt import HMTMethod
 from hmt_core.int8_weights import is_phantom
 from hmt_core.optim.sharded import rank_from_root
-from hmt_core.parallel import ParallelContext
+from hmt_core.parallel import ParallelContext, is_replicated, mark_replicated
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -34,19 +35,25 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.BuildRecord | None = None) -> nn.Module:
     """``dist=fsdp2``: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head), with the
     weights computed in their own dtype and the gradients reduce-scattered in fp32 (``reduce_dtype``: a bf16 model's
-    unit gradients are copied into an fp32 reduce-scatter input, summed and averaged in fp32, then cast back). A model
-    built on meta (``build``: its recorded RNG draws, ``experiments.dist.meta_init``) then gets its shards on
-    ``ctx.device`` (``to_empty``) filled with the single-process values, torchtitan's order."""
+    unit gradients are copied into an fp32 reduce-scatter input, summed and averaged in fp32, then cast back).
+    Parameters the method marked replicated (``hmt_core.parallel.is_replicated``: a table updated by rows, INT8
+    codes and scales) are left out (``ignored_params``): whole on every rank, their gradients the method's to
+    reduce (docs/distributed.md). A model built on meta (``build``: its recorded RNG draws,
+    ``experiments.dist.meta_init``) then gets its shards on ``ctx.device`` (``to_empty``) filled with the
+    single-process values, torchtitan's order."""
     if ctx is None or ctx.mode != "fsdp2":
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # weights as they are; gradients summed in fp32
+    kept = [n for n, p in model.named_parameters() if is_replicated(p)]
+    ignored = {model.get_parameter(n) for n in kept} or None
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
-    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy, ignored_params=ignored)
     if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=ctx.device)
+        mark_replicated(*(model.get_parameter(n) for n in kept))  # to_empty made them new Parameters, untagged
         if build is not None:
             meta_init.replay(model, build, ctx.device)
     return model
@@ -66,11 +73,19 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
     """The model to train, prepared by ``method`` and sharded as ``ctx`` says. ``dist=fsdp2`` with random init
     (no weights at ``model.path``): built on meta and initialised shard by shard (start-up peak: this rank's
     shards + one module at full size; ``values=False``, a dry run's fake tensors: the shards are left empty);
-    otherwise built whole on ``device`` (FSDP2 from weights: loaded whole, then sharded)."""
-    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights":
+    otherwise built whole on ``device`` (FSDP2 from weights: loaded whole, then sharded; a method that stores
+    INT8 tables, ``method.embedding_dtype=int8``: quantized from the whole table, then sharded around it; a dry
+    run with parameters left whole on every rank, ``hmt_core.parallel.is_replicated``)."""
+    def whole() -> nn.Module:
         return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
+
+    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or _quantizes(method):
+        return whole()
     if not values:
-        return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta")), ctx)
+        model = prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta"))
+        # a fake parameter left out of the shards cannot go through to_empty (torch swaps a fake tensor, whose
+        # weakref forbids it): such a model is built whole
+        return whole() if any(is_replicated(p) for p in model.parameters()) else shard_model(model, ctx)
     try:
         model, record = meta_init.record_build(lambda: build_model(cfg, vocab_size=vocab_size, device="meta"))
         return shard_model(prepared(method, model), ctx, build=record)
@@ -78,12 +93,19 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
         raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
 
 
+def _quantizes(method) -> bool:
+    """hmt's ``prepare`` quantizes INT8 tables from the weights' values, which a meta build does not have."""
+    return isinstance(method, HMTMethod) and method.config.embedding_dtype == "int8"
+
+
 def parallel_context(model: nn.Module, ctx: DistContext) -> ParallelContext:
     """What the method is told (``Method.set_parallel``): under ``ddp`` a gradient averager it may run inside
     backward (row-sparse embedding gradients travel sparse on gloo; NCCL has no sparse all-reduce) and rank 0's
-    dynamic-rank decisions; under ``fsdp2`` the basis refresh mode (FSDP2 reduces the gradients)."""
-    if ctx.mode != "ddp":
-        return ParallelContext(world_size=ctx.world_size, refresh_mode=ctx.refresh)
+    dynamic-rank decisions; under ``fsdp2`` the basis refresh mode and an averager for the parameters FSDP2 leaves
+    whole (FSDP2 reduces the sharded gradients)."""
+    if ctx.mode != "ddp":  # fsdp2: the reducer averages what FSDP2 leaves whole on every rank
+        return ParallelContext(world_size=ctx.world_size, refresh_mode=ctx.refresh, reduce_grad=GradAverager(
+            ctx.world_size, bucket_bytes=int(ctx.bucket_mb * MIB), group=ctx.mesh.get_group() if ctx.mesh else None))
     sparse = row_sparse_names(model) if ctx.backend == "gloo" else frozenset()
     return ParallelContext(world_size=ctx.world_size, refresh_mode=ctx.refresh, agree_rank=rank_from_root(),
                            reduce_grad=GradAverager(ctx.world_size, lowrank=ctx.lowrank_comm, row_sparse=sparse,

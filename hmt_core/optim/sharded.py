@@ -65,7 +65,6 @@ class ShardedSettings(Protocol):
     stochastic_rounding: bool
     offload_bases: bool
     dense_8bit: bool
-    embedding_update: str
 
 
 def sharded_config_error(cfg: ShardedSettings) -> str | None:
@@ -74,13 +73,10 @@ def sharded_config_error(cfg: ShardedSettings) -> str | None:
         return "method.sides=identity is not supported with sharded weights (dist=fsdp2): a test-only full-rank basis"
     fixed = (("per_layer", True, "the sharded engine is the per-layer one"),
              ("weight_dtype", "bf16", "INT8 weights are not FSDP2 parameters"),
-             ("embedding_dtype", "bf16", "INT8 embeddings are not FSDP2 parameters"),
              ("master_weights", False, "fp32 masters are not sharded"),
              ("stochastic_rounding", False, "not supported on shards"),
              ("offload_bases", False, "the basis cache is not sharded"),
-             ("dense_8bit", False, "bitsandbytes' AdamW8bit does not step DTensor shards"),
-             ("embedding_update", "dense", "the row-sparse embedding update is not implemented on row shards; "
-                                           "use dist=ddp or method.embedding_update=dense"))
+             ("dense_8bit", False, "bitsandbytes' AdamW8bit does not step DTensor shards"))
     for key, want, why in fixed:
         if getattr(cfg, key) != want:
             return f"method.{key}={getattr(cfg, key)} is not supported with sharded weights (dist=fsdp2): {why}"
@@ -88,8 +84,9 @@ def sharded_config_error(cfg: ShardedSettings) -> str | None:
 
 
 def take_parallel(engine: PerLayerEngine | None, opt: LowRankOptimizer, context: ParallelContext) -> bool:
-    """``HMTMethod.set_parallel`` (``hmt_core.method``): row shards (FSDP2) take ``context.refresh_mode`` and leave
-    the gradients to FSDP2 (False); the per-layer engine on whole weights takes ``context.reduce_grad`` and
+    """``HMTMethod.set_parallel`` (``hmt_core.method``): row shards (FSDP2) take ``context.refresh_mode`` and
+    ``context.reduce_grad`` for the parameters held whole on every rank, and leave the sharded gradients to FSDP2
+    (False); the per-layer engine on whole weights takes ``context.reduce_grad`` and
     ``agree_rank`` (True: it averages every gradient across ranks inside backward); ``per_layer=false``: the
     caller's wrapper reduces (False)."""
     on_shards = isinstance(engine, ShardedEngine)
@@ -98,7 +95,10 @@ def take_parallel(engine: PerLayerEngine | None, opt: LowRankOptimizer, context:
             raise ValueError(f"dist.refresh={context.refresh_mode} needs method=hmt on FSDP2 shards "
                              "(its sharded engine)")
         engine.refresh_mode = context.refresh_mode
-    if on_shards or engine is None or context.reduce_grad is None:
+    if on_shards:
+        engine.reduce_grad = context.reduce_grad  # replicated parameters' gradients, a row-sparse table's rows
+        return False
+    if engine is None or context.reduce_grad is None:
         return False
     opt.agree_rank = context.agree_rank
     engine.reduce_grad = context.reduce_grad
@@ -145,13 +145,18 @@ def sharded_slot(name: str, param: nn.Parameter, **kwargs) -> Slot:
 
 
 class ShardedEngine(PerLayerEngine):
-    """``PerLayerEngine`` on FSDP2 shards: hooks read the local gradient rows (see the module docstring)."""
+    """``PerLayerEngine`` on FSDP2 shards: hooks read the local gradient rows (see the module docstring). A slot
+    without a shard (a parameter FSDP2 leaves whole on every rank, ``hmt_core.parallel.is_replicated``) is handled
+    as by the per-layer engine under DDP: its gradient averaged by ``reduce_grad``, a row-sparse table's rows
+    gathered by it (``hmt_core.sparse_embedding``); its norm enters the global one once (rank 0's)."""
 
     def __init__(self, opt: LowRankOptimizer, *, max_grad_norm: float | None) -> None:
         super().__init__(opt, max_grad_norm=max_grad_norm)
-        mesh = opt.slots[0].shard.grad_param.device_mesh if opt.slots else None
+        mesh = next((s.shard.grad_param.device_mesh for s in opt.slots if s.shard is not None), None)
         self.group = mesh.get_group() if mesh is not None else None
         self.refresh_mode = "gather"  # dist.refresh (set by take_parallel): "gather" | "sketch"
+        self.replicated = frozenset(s.index for s in opt.slots if s.shard is None)
+        self.first = self.group is None or dist.get_rank(self.group) == 0
         if self.group is not None:
             opt.agree_rank = rank_from_root(self.group)
 
@@ -164,6 +169,8 @@ class ShardedEngine(PerLayerEngine):
 
     @torch.no_grad()
     def _on_grad_body(self, s: Slot, param: Tensor) -> None:
+        if s.shard is None:  # whole on every rank: reduced by ``reduce_grad``, as under DDP
+            return super()._on_grad_body(s, param)
         g = param.grad  # DTensor: the averaged gradient's local rows (summed over this step's micro-batches so far)
         if g is None:
             return
@@ -259,5 +266,6 @@ class ShardedEngine(PerLayerEngine):
         return norm
 
     def _global_norm(self) -> Tensor:  # (): √(all-reduce SUM of Σ_p ‖G_p,k‖²)
-        local = torch.stack([self.norms[i] for i in sorted(self.norms)]).float()
+        local = torch.stack([self.norms[i] if self.first or i not in self.replicated else self.norms[i] * 0.0
+                             for i in sorted(self.norms)]).float()  # a replicated gradient's norm: rank 0's
         return self._sum(local.square().sum()).sqrt()
