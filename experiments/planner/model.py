@@ -47,6 +47,7 @@ from experiments.planner.costs import (
     valid_actions,
 )
 from experiments.planner.milp import Action, KEEP, Option, Problem, Segment
+from experiments.planner.vocab import from_record
 from hmt_core.activations.apply import llama_scopes
 from hmt_core.activations.codecs import decode, encode
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS
@@ -188,8 +189,8 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
     """The MILP of ``experiments.planner.milp`` from measured costs. ``seq_scale``: per-sequence bytes and times
     scaled for a sequence ``seq_scale`` times the measured one (capacity's sequence-length search)."""
     options = []
-    for choice in all_options(space):
-        lossy = int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
+    for choice in all_options(space, from_record(record)):
+        lossy = int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8") + choice.vocab.lossy
         sample = f"opt:{choice.mode}:{choice.dtype}:{choice.budget:g}:int8" \
             if choice.weights == "int8" and not choice.head else opt_key(choice)
         options.append(Option(choice.label(), option_cost(d, choice, space),
@@ -210,12 +211,28 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
         saved = sum(d.keep_saved.get(c, 0.0) for c in (*LAYER_COMPONENTS, "norm")) * GIB
         t = d.layers * flops.get("layer", 0.0) / cal["flops_per_s"] + saved / cal["bytes_per_s"]
         layer = _action(d.act["act:layer_recompute"], t, 0, seq_scale)
+    codecs = layer_codecs(d, space, cal, seq_scale) if layer is not None else {}
     requires = ((("attn_qkv", "recompute"), ("attn_core", "recompute")),)
     base = tuple(Segment(start, {p: static.get(p, 0.0) for p in zero},
                          {p: per_seq.get(p, 0.0) * seq_scale for p in zero}) for start, static, per_seq in d.base)
     return Problem(budget=budget_gib, base=base, options=options,
                    actions=actions, layer_recompute=layer, layer_components=(*LAYER_COMPONENTS, "norm"),
-                   requires=requires, max_batch=space.max_batch_size)
+                   requires=requires, max_batch=space.max_batch_size, layer_codecs=codecs)
+
+
+def layer_codecs(d: Derived, space: Space, cal: dict, seq_scale: float) -> dict[str, Action]:
+    """Each layer-input codec under full layer recomputation: its measured delta over layer recomputation alone,
+    the codec's time on the layer inputs' bytes (encode in forward, decode before the recompute)."""
+    lr = d.act["act:layer_recompute"]
+    codec_s = cal["codec_s_per_byte"]
+    out = {}
+    for codec in space.layer_inputs:
+        name = f"act:layer_recompute:{codec}"
+        if codec != KEEP and name in d.act:
+            delta = tuple({p: x[p] - y.get(p, 0.0) for p in x} for x, y in zip(d.act[name], lr))
+            t = d.layer_inputs * GIB * codec_s.get(codec, max(codec_s.values()))
+            out[codec] = _action(delta, t, int(codec in LOSSY_ACTIONS), seq_scale)
+    return out
 
 
 def _action(delta: tuple[dict[str, float], dict[str, float]], t: float, lossy: int, seq_scale: float) -> Action:

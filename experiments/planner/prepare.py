@@ -13,13 +13,15 @@ from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label
 from experiments.models import TORCH_DTYPES
 from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
-from experiments.planner.costs import GIB, Space, derive, measure, target_layers
+from experiments.planner.costs import GIB, Space, derive, layer_variants, measure, target_layers
 from experiments.planner.model import calibrate, param_bytes, region_flops, weight_stats
 from experiments.planner.report import model_label
 from experiments.planner.tracing import default_workers
+from experiments.planner.vocab import admissible, first_refusal, model_facts
 
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
-              "layer_recompute", "max_batch_size")
+              "layer_recompute", "embedding_dtypes", "embedding_updates", "head_updates", "layer_inputs",
+              "max_batch_size")
 
 
 def space_from(planner: dict) -> Space:
@@ -48,6 +50,23 @@ def workers_from(planner: dict) -> int:
     if workers < 1:
         raise UserError(f"workers={workers}: the processes tracing missing costs, at least 1")
     return workers
+
+
+def vocab_choices(run, space: Space, table: Table) -> dict:
+    """The vocabulary settings of ``space`` the app accepts for ``run`` (``experiments.planner.vocab.admissible``;
+    the model's facts from the table or a 1-layer model on fake tensors); none at all is refused in one line."""
+    def facts():
+        with layer_variants(run) as with_layers:
+            return model_facts(run, with_layers)
+
+    known = table.memo("model_facts", facts)
+    vocab = admissible(space, run, known)
+    if not any(vocab.values()):
+        keys = ", ".join(f"{k}={list(getattr(space, k))}" for k in ("embedding_dtypes", "embedding_updates",
+                                                                      "head_updates"))
+        raise UserError(f"{keys}: {model_label(run)} admits none of these vocabulary settings "
+                        f"({first_refusal(space, run, known)}); list bf16 and dense too")
+    return vocab
 
 
 @dataclass
@@ -99,7 +118,8 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
                         f"{weights + ctx:.2f} GiB")
     table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
     llama = stats["L1"]["llama"]
-    record = measure(run, space, llama=llama, table=table, log=log, workers=workers)
+    vocab = vocab_choices(run, space, table)
+    record = measure(run, space, llama=llama, table=table, log=log, workers=workers, vocab=vocab)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
     return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
                     load_calibration(planner, run), weights, lowest)
