@@ -7,7 +7,8 @@ memory budget; here the optimizer setting and the micro-batch size are decision 
               y_o ∈ {0,1}, Σ_o y_o = 1            one optimizer option o (mode, state dtype, ranks, 8-bit, ...)
               x_{c,a} ∈ {0,1}, Σ_a x_{c,a} = 1    one action a per activation component c (keep included)
               ℓ ∈ {0,1}                           full layer recomputation (forces keep inside the layers)
-              z_k ∈ {0,1}, Σ_k z_k ≤ ℓ            its layer inputs stored by codec k (``activation.residual``)
+              z_k ∈ {0,1}, Σ_k z_k ≤ ℓ            its layer inputs stored by codec k (``activation.residual``;
+                                                  = ℓ when keeping them is not offered)
               u_j ∈ {0,1}, Σ_j u_j = 1            the segment of the reference's piecewise-linear cost b lies in
               w_{c,a} = b·x_{c,a}, w_ℓ = b·ℓ,     exact McCormick linearization of binary × bounded integer:
               w_k = b·z_k
@@ -86,6 +87,7 @@ class Problem:
     fixed_batch: int | None = None  # solve with b fixed (min_peak)
     batch_caps: tuple[tuple[int, int], ...] = ()  # (option index, largest b): b ≤ cap when that option is chosen
     layer_codecs: dict[str, Action] = field(default_factory=dict)  # codec -> its cost over layer_recompute's
+    layer_keep: bool = True  # layer recomputation may keep its inputs as they are (else one codec is required)
 
 
 @dataclass(frozen=True)
@@ -195,9 +197,10 @@ def _choice_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
 
 
 def _codec_rows(prob: Problem, v: _Vars, out: _Rows) -> list[tuple[int, int]]:
-    """At most one layer-input codec, and only with full layer recomputation: Σ_k z_k ≤ ℓ; the (z, w) pairs."""
+    """At most one layer-input codec, and only with full layer recomputation: Σ_k z_k ≤ ℓ (= ℓ when the inputs
+    may not be kept as they are); the (z, w) pairs."""
     if prob.layer_codecs:
-        out.add({**{v["z", k]: 1 for k in prob.layer_codecs}, v["l",]: -1}, -np.inf, 0)
+        out.add({**{v["z", k]: 1 for k in prob.layer_codecs}, v["l",]: -1}, 0 if not prob.layer_keep else -np.inf, 0)
     return [(v["z", k], v["wz", k]) for k in prob.layer_codecs]
 
 

@@ -217,7 +217,8 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
                          {p: per_seq.get(p, 0.0) * seq_scale for p in zero}) for start, static, per_seq in d.base)
     return Problem(budget=budget_gib, base=base, options=options,
                    actions=actions, layer_recompute=layer, layer_components=(*LAYER_COMPONENTS, "norm"),
-                   requires=requires, max_batch=space.max_batch_size, layer_codecs=codecs)
+                   requires=requires, max_batch=space.max_batch_size, layer_codecs=codecs,
+                   layer_keep=KEEP in space.layer_inputs or not codecs)
 
 
 def layer_codecs(d: Derived, space: Space, cal: dict, seq_scale: float) -> dict[str, Action]:

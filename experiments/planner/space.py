@@ -56,9 +56,8 @@ class Space:
                 raise ValueError(f"{key}={list(getattr(self, key))}: {bad[0]!r} is not one of {list(allowed)}"
                                  + (" (offload_cpu is not offered: a CPU dry run cannot verify device bytes moved "
                                     "to the host)" if bad[0] == "offload_cpu" else ""))
-        for key, default in (("actions", "keep"), ("layer_inputs", "keep")):
-            if default not in getattr(self, key):
-                raise ValueError(f"{key}={list(getattr(self, key))} must include {default}")
+        if "keep" not in self.actions:
+            raise ValueError(f"actions={list(self.actions)} must include keep")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
