@@ -152,7 +152,9 @@ def test_a_miss_by_the_allocators_slack_alone_searches_the_leanest_choice():
 # A small choice space keeps the traces few (12): the reference, and full layer recomputation as the one activation
 # choice; the per-component choices are exercised by the MILP tests above and by docs/planner.md's 7B plan.
 SPACE = ["modes=[A]", "state_dtypes=[bf16]", "weight_dtypes=[bf16]", "dense_8bit=[false]", "project_head=[false]",
-         "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[false,true]", "max_batch_size=64"]
+         "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[false,true]", "max_batch_size=64",
+         "embedding_dtypes=[bf16]", "embedding_updates=[dense]", "head_updates=[dense]", "layer_inputs=[keep]"]
+# (the vocabulary choices and layer-input codecs: tests/test_plan_vocab.py)
 MODEL = ["model=tiny", "model.num_layers=2", "train.seq_len=64", "train.fused_ce=false", "dryrun.reserve=flat",
          "dryrun.cuda_context_gib=0"]
 BUDGET = 0.08  # GiB: more than one sequence's step (0.05) and less than 64 sequences kept: b and the policy bind

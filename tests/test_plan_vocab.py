@@ -5,8 +5,8 @@ What is proven: every option the planner can emit for a run is accepted by the a
 ``RunConfig`` and the method attached to the model), for runs that admit all of them and for runs that admit none
 (tied embeddings, no fused loss, gradient accumulation, per_layer=false); a choice space the app cannot satisfy and
 bad choice keys end in one ``error:`` line; the MILP honours "a layer-input codec only under layer recomputation";
-on a tiny model with a large vocabulary the planner picks the row update and the INT8 layer inputs when only they
-fit, writes them into the plan config, and the plan's full dry run fits; and costs traced at 1 and 2 layers predict
+on a tiny model with a large vocabulary the planner picks the row update, and the INT8 tables with it, when only
+they fit, writes them into the plan config, and the plan's full dry run fits; and costs traced at 1 and 2 layers predict
 the 4-layer traces of the new choices within the planner's 1%.
 """
 
@@ -24,7 +24,7 @@ from experiments.dist.parallel import build_sharded
 from experiments.planner import cli as plan_cli
 from experiments.planner import plan as planner
 from experiments.planner.costs import GIB, derive, layer_variants, policy_for, trace_sample
-from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, predict, solve
+from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, leanest, predict, solve
 from experiments.planner.model import build_problem
 from experiments.planner.space import DEFAULT_VOCAB, Space, Vocab, all_options
 from experiments.planner.vocab import admissible, model_facts, refusal
@@ -155,29 +155,33 @@ def _peak(predicted: dict) -> float:
     return max(v for v in predicted.values() if v is not None)
 
 
-def test_the_row_update_and_int8_layer_inputs_are_chosen_when_only_they_fit(costs):
-    """At 4 sequences, a budget between the leanest plan with the new choices and the leanest without them: the
-    planner must take them, the plan config carries their overrides, and its full dry run fits."""
+def test_int8_tables_and_row_updates_are_chosen_when_only_they_fit(costs):
+    """At 4 sequences (here the optimizer phase binds: the embedding's dense gradient and moments), budgets between
+    the leanest predicted peaks of the vocabulary settings: between the default and the row update, the planner
+    takes the row update and keeps the tables BF16 (lossless first); between BF16 and INT8 tables with rows, it must
+    take both. The tighter plan is written with their overrides and its full dry run fits."""
     root, prep = costs
     prob = dataclasses.replace(_problem(prep), fixed_batch=4)
-    old = dataclasses.replace(prob, options=[o for o in prob.options if o.payload.vocab == DEFAULT_VOCAB],
-                              layer_codecs={})
-    lean_new, lean_old = (_peak(solve(dataclasses.replace(p, budget=100.0, **{"fixed_batch": 4})).predicted)
-                          for p in (prob, old))
-    assert lean_new < lean_old, (lean_new, lean_old)
-    budget = (lean_new + lean_old) / 2  # GiB: the step's share; dryrun.cuda_context_gib=0
-    assert solve(dataclasses.replace(old, budget=budget)) is None  # nothing old fits
+
+    def lean(vocab: Vocab) -> float:
+        options = [o for o in prob.options if o.payload.vocab == vocab]
+        return _peak(leanest(dataclasses.replace(prob, options=options)).predicted)
+
+    rows, int8_rows = Vocab("bf16", "lazy_exact"), Vocab("int8", "lazy_exact")
+    ladder = [lean(v) for v in (DEFAULT_VOCAB, Vocab("int8"), rows, int8_rows)]
+    assert ladder[0] > ladder[2] > ladder[3] and ladder[1] > ladder[2], ladder  # GiB
+    loose = solve(dataclasses.replace(prob, budget=(ladder[0] + max(ladder[1], ladder[2])) / 2))
+    assert loose.option.payload.vocab == rows, (loose.option.name, ladder)
+    budget = (ladder[2] + ladder[3]) / 2  # GiB: the step's share (dryrun.cuda_context_gib=0)
     rec = plan_cli.main([*MODEL, *SPACE, f"budget_gib={budget:.6f}", "batch_size=4", "verify=true",
                         f"results_dir={root / 'results'}", f"calibration={root / 'cal.json'}", "name=v", "workers=1"])
-    o = rec["choice"]["optimizer"]
-    assert o["vocab"]["embedding_update"] == "lazy_exact", rec["choice"]
+    assert rec["choice"]["optimizer"]["vocab"] == dataclasses.asdict(int8_rows), (rec["choice"], ladder, budget)
     nodes = yaml.safe_load((root / "results" / "plans" / "v.yaml").read_text())
-    assert nodes["method"]["embedding_update"] == "lazy_exact"
-    assert nodes["method"]["embedding_dtype"] == o["vocab"]["embedding_dtype"]
+    assert (nodes["method"]["embedding_dtype"], nodes["method"]["embedding_update"]) == ("int8", "lazy_exact")
     if rec["choice"]["layer_recompute"]:
         assert nodes["activation"]["residual"] == rec["choice"]["layer_codec"]
     assert rec["verified"]["fits"], (rec["verified"], budget)
-    assert "embedding updated by its touched rows" in plan_cli.render_plan(rec)
+    assert "INT8 embedding and lm_head, embedding updated by its touched rows" in plan_cli.render_plan(rec)
 
 
 def test_two_layer_costs_predict_four_layer_peaks_of_the_new_choices(costs):
