@@ -26,11 +26,13 @@ same cost and the same bound, and the per-layer split is better left to the allo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import statistics
 import time
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from experiments import methods
 from experiments.loop import autocast_context
@@ -138,6 +140,21 @@ def weight_stats(run, weight_dtypes: tuple[str, ...] = ("bf16",)) -> dict:
                 method = methods.make_method(dataclasses.replace(run.method, weight_dtype="int8"))
                 nbytes["int8"] = _param_bytes(method.prepare(model))
             out[f"L{layers}"] = {"weights": shapes, "param_bytes": nbytes, "llama": llama}
+    return out
+
+
+def int8_table_bytes(run, weight_dtype: str) -> list[int] | None:
+    """Parameter bytes of the 1- and 2-layer models (fake tensors) with INT8 embedding and LM head and the projected
+    weights in ``weight_dtype``, as ``method.prepare`` stores them; None when the model refuses INT8 tables (tied)."""
+    out = []
+    with layer_variants(run) as with_layers, contextlib.redirect_stderr(io.StringIO()), FakeTensorMode():
+        for layers in (1, 2):
+            method = methods.make_method(dataclasses.replace(run.method, embedding_dtype="int8",
+                                                             weight_dtype=weight_dtype))
+            try:
+                out.append(_param_bytes(method.prepare(build_model(with_layers(layers).model, device="cpu"))))
+            except ValueError:
+                return None
     return out
 
 

@@ -243,7 +243,7 @@ def checked_name(prep: Prepared, run, planner: dict, budget: float, name: str | 
     model's floor (its leanest weights + the GPU allowance ``ctx`` GiB) and a name that is not one file name."""
     if budget < prep.floor_gib:
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
+                        f"{prep.weights_gib:.2f} GiB ({prep.lowest}) + {reserve_label(run)} "
                         f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
     name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
     if not RUN_ID.fullmatch(name):
