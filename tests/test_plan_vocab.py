@@ -65,6 +65,8 @@ def test_every_emitted_option_is_accepted_by_the_app(extra, offered):
     kinds = {(o.mode, o.head, o.dense_8bit, o.vocab) for o in options}
     for mode, head, eight, vocab in sorted(kinds):
         _attach(run, next(o for o in options if (o.mode, o.head, o.dense_8bit, o.vocab) == (mode, head, eight, vocab)))
+    for codec in space.layer_inputs:  # the activation policy's own checks, as the plan writes it
+        policy_for(run.activation, True, layer_recompute=True, residual=codec)
     vocabs = {v for *_, v in kinds}
     left_out = [Vocab(d, u, h) for d in space.embedding_dtypes for u in space.embedding_updates
                 for h in space.head_updates if Vocab(d, u, h) not in vocabs]
@@ -125,7 +127,7 @@ def test_milp_layer_codec_only_with_layer_recomputation():
     assert "residual" not in free.policy_actions() or free.policy_actions()["residual"] == KEEP
 
 
-# ---- a tiny model with a large vocabulary, planned --------------------------------------------------------------------
+# ---- a tiny model with a large vocabulary, planned ------------------------------------------------------------------
 # 16,384 × 256: the vocabulary matrices are 8 MiB each, the embedding's dense gradient and AdamW moments 24 MiB; the
 # head stays dense (Mode B's projected head on this shape is outside what 2-layer lines predict, for the default
 # vocabulary as much: docs/planner.md), so the row update and the layer-input codec are the new choices in play.

@@ -207,7 +207,8 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
     scaled for a sequence ``seq_scale`` times the measured one (capacity's sequence-length search)."""
     options = []
     for choice in all_options(space, from_record(record)):
-        lossy = int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8") + choice.vocab.lossy
+        lossy = (int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
+                 + choice.vocab.lossy)
         sample = f"opt:{choice.mode}:{choice.dtype}:{choice.budget:g}:int8" \
             if choice.weights == "int8" and not choice.head else opt_key(choice)
         options.append(Option(choice.label(), option_cost(d, choice, space),

@@ -96,8 +96,8 @@ def render_plan(rec: dict) -> str:
     acts = c["activation"]
     if c["layer_recompute"]:
         codec = c.get("layer_codec", "keep")
-        policy = "full layer recomputation" + (f" (layer inputs {codec}: activation.residual={codec})"
-                                               if codec != "keep" else "") + "".join(f", {k} {a}" for k, a in acts.items()
+        coded = f" (layer inputs {codec}: activation.residual={codec})" if codec != "keep" else ""
+        policy = "full layer recomputation" + coded + "".join(f", {k} {a}" for k, a in acts.items()
                                                       if a != "keep" and k in ("norm", "lm_head"))
     else:
         policy = ", ".join(f"{k} {a}" for k, a in acts.items() if a != "keep") or "keep everything"

@@ -54,7 +54,8 @@ def model_facts(run: RunConfig, with_layers) -> dict:
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and getattr(head, "weight", None) is getattr(emb, "weight", None)
-    rows = (None if isinstance(emb, nn.Embedding) and emb.max_norm is None and not emb.sparse  # sparse_embedding.install
+    plain = isinstance(emb, nn.Embedding) and emb.max_norm is None and not emb.sparse  # sparse_embedding.install
+    rows = (None if plain
             else f"the input embedding is {type(emb).__name__} with max_norm or sparse gradients")
     return {"tied": tied, "int8_embedding": plain_embedding_error(emb, "input embedding"),
             "int8_head": None if head is None else plain_embedding_error(head, "LM head"), "rows": rows,
@@ -67,7 +68,8 @@ def refusal(run: RunConfig, choice: OptChoice, facts: dict) -> str | None:
     v = choice.vocab
     tied = "the model ties its input embedding and LM head (one matrix)"
     if v.embedding_dtype == "int8" and (facts["tied"] or facts["int8_embedding"] or facts["int8_head"]):
-        return f"method.embedding_dtype=int8: {tied if facts['tied'] else facts['int8_embedding'] or facts['int8_head']}"
+        why = tied if facts["tied"] else facts["int8_embedding"] or facts["int8_head"]
+        return f"method.embedding_dtype=int8: {why}"
     if v.embedding_update != "dense" and (facts["tied"] or facts["rows"]):
         return f"method.embedding_update={v.embedding_update}: {tied if facts['tied'] else facts['rows']}"
     if v.head_update == "in_loss":
