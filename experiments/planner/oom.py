@@ -171,7 +171,7 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     t = run.train
     actions = {c: a for c, a in current_actions(run).items() if c in prob.actions}
     lr = run.activation.layer_recompute and prob.layer_recompute is not None
-    before = _peak(predict(prob, t.batch_size, option, actions, lr, layer_codec(run) if lr else "keep"))
+    before = _peak(predict(prob, t.batch_size, option, actions, lr, layer_codec(run)))
     fix = Corrections()
     err = fix.learn_peak((peak_bytes or 0) / GIB, before, PHASES)
     if run.method.head_update == "in_loss":  # no gradient accumulation with it: the micro-batch stays
@@ -180,15 +180,15 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     if sol is None:
         raise NoFit(f"the planner has no resumable plan under {show_bytes(budget)} (its model corrected by "
                     f"+{show_bytes(err * GIB)} from the measured peak)")
-    overrides = _overrides(run, sol, actions, lr)
-    label = (f"planner: {_describe(run, sol, actions, lr)}; predicted peak {show_bytes(_peak(sol.predicted) * GIB)}"
+    overrides = _overrides(run, sol, lr)
+    label = (f"planner: {_describe(run, sol, lr)}; predicted peak {show_bytes(_peak(sol.predicted) * GIB)}"
              f" <= {show_bytes(budget)} (the model +{show_bytes(err * GIB)} from the measured peak)")
     return Answer(overrides=overrides, label=label, budget_bytes=budget,
                   predicted_bytes=math.ceil(_peak(sol.predicted) * GIB), correction_bytes=round(err * GIB),
                   traced=int(prep.record["traces"]))
 
 
-def _overrides(run: RunConfig, sol: Solution, actions: dict[str, str], lr: bool) -> dict[str, object]:
+def _overrides(run: RunConfig, sol: Solution, lr: bool) -> dict[str, object]:
     out: dict[str, object] = {}
     if sol.layer_recompute != lr:
         out["activation.layer_recompute"] = sol.layer_recompute
@@ -202,7 +202,7 @@ def _overrides(run: RunConfig, sol: Solution, actions: dict[str, str], lr: bool)
     return out
 
 
-def _describe(run: RunConfig, sol: Solution, actions: dict[str, str], lr: bool) -> str:
+def _describe(run: RunConfig, sol: Solution, lr: bool) -> str:
     t, parts = run.train, []
     if sol.layer_recompute != lr:
         parts.append("each decoder layer recomputed from its input" if sol.layer_recompute
