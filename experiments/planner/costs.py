@@ -16,7 +16,7 @@ Differencing (each choice's bytes are its measured difference from a reference):
   a vocabulary setting (INT8 embedding and head, row updates, in-loss head; ``experiments.planner.vocab``): its
              sample minus the same optimizer sample with the default vocabulary, at b_a, static
   a layer-input codec under full layer recomputation: S(layers recomputed, inputs coded) − S(layers recomputed),
-             a line in b as the activation choices.
+             a line in b as the activation choices; traced at L ∈ {2, 3} (``sample_depths``).
 The reference keeps everything with ``offload_cpu``, which on the CPU a dry run traces leaves each saved tensor
 where it is (``hmt_core.activations.apply``: ``packed = t`` on CPU) — byte-identical to ``keep`` — but makes the
 policy non-identity, so the policy counts what each component saves and the activation probe is traced too.
@@ -156,7 +156,7 @@ def sample_plan(run: RunConfig, space: Space, llama: bool, vocab: dict[Combo, tu
     plan += [(name, choice, {}, [(1, b_a), (2, b_a)]) for name, choice in opt_pieces(space).items()
              if choice != base_opt]
     plan += [(name, choice, {}, [(1, b_a), (2, b_a)]) for name, choice in vocab_pieces(space, vocab or {}).items()]
-    plan += [(name, base_opt, changes, [(layers, b) for b in dict.fromkeys((b_a, b_b)) for layers in (1, 2)])
+    plan += [(name, base_opt, changes, [(n, b) for b in dict.fromkeys((b_a, b_b)) for n in sample_depths(name)])
              for name, changes in act_pieces(space, llama).items()]
     return plan
 
@@ -213,7 +213,7 @@ def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers
     finishes; returns how many were traced."""
     if not missing:
         return 0
-    log(f"costs: tracing {len(missing)} small models (1-2 layers at full width, seq {run.train.seq_len}"
+    log(f"costs: tracing {len(missing)} small models (1-3 layers at full width, seq {run.train.seq_len}"
         + (f"; up to {workers} processes when long" if workers > 1 else "") + f"); each is cached in "
         f"{table.user_path or 'memory'} as soon as it is measured ...")
     traced = 0
@@ -228,6 +228,19 @@ def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers
 
 
 # ---- derived costs (pure functions of the record) ---------------------------------------------------------------
+def sample_depths(name: str) -> tuple[int, int]:
+    """The two depths a sample is traced at: 1 and 2 layers; a layer-input codec at 2 and 3: its forward peak over
+    layer recomputation alone is +0.016 GiB at 1 layer, +0.032 at 2, then 0.015 less per further layer (1B shape,
+    4 sequences, traced at 1, 2, 3, 4 and 6 layers; docs/planner.md), so only from 2 layers on is it a line."""
+    return (2, 3) if name.startswith("act:layer_recompute:") else (1, 2)
+
+
+def depths(sample: dict, batch: int) -> tuple[int, int]:
+    """The depths ``sample`` holds at ``batch`` (``sample_depths``)."""
+    held = (k[1:].split("b") for k in sample)
+    return tuple(sorted(int(n) for n, b in held if int(b) == batch))[:2]
+
+
 def lin(v1: float, v2: float, layers: int) -> float:
     """Value at ``layers`` of the line through (1, v1) and (2, v2): each layer adds the same bytes."""
     return v1 + (layers - 1) * (v2 - v1)
@@ -253,10 +266,11 @@ def derive(record: dict, layers: int | None = None) -> Derived:
     ref = s["ref"]
 
     def at(sample: dict, phase: str, batch: int) -> float:
-        v1, v2 = sample[f"L1b{batch}"][phase], sample[f"L2b{batch}"][phase]
+        lo, hi = depths(sample, batch)
+        v1, v2 = sample[f"L{lo}b{batch}"][phase], sample[f"L{hi}b{batch}"][phase]
         if v1 is None or v2 is None:
             return 0.0
-        return lin(v1, v2, layers) / GIB
+        return lin(v1, v2, layers - lo + 1) / GIB
 
     def line(sample: dict, b_a: int, b_b: int) -> tuple[dict[str, float], dict[str, float]]:
         per_seq = {p: (at(sample, p, b_b) - at(sample, p, b_a)) / max(1, b_b - b_a) for p in STEP_PHASES}
