@@ -210,3 +210,27 @@ def test_two_layer_costs_predict_four_layer_peaks_of_the_new_choices(costs):
     bad = [c for c in checked if abs(c[2] - c[3]) > 0.01 * c[3]]
     assert not bad, bad
 
+
+
+def test_oom_replan_keeps_the_runs_vocabulary_and_layer_codec():
+    """After an out-of-memory error the planner re-solves among the choices the checkpoint resumes with: the run's
+    vocabulary settings are its optimizer option (their state must load), its layer-input codec may stay or go but
+    no new one comes, and a changed codec is written as ``activation.residual``."""
+    from experiments.planner import oom
+    from experiments.planner.milp import Solution
+
+    run = planner.run_config(["model=tiny", "model.num_layers=1", "train.seq_len=32", "method.mode=B",
+                              "method.basis=random", "method.scaling=tensor", "method.rank=1", "method.scale=128",
+                              "method.state_budget=null", "method.state_dtype=bf16",
+                              "method.target_patterns=[attn,mlp,lm_head]", "method.embedding_dtype=int8",
+                              "method.embedding_update=lazy_exact", "method.head_update=in_loss",
+                              "activation=full_ckpt", "activation.residual=int8"])
+    choice = oom.current_choice(run)
+    assert choice.vocab == Vocab("int8", "lazy_exact", "in_loss") and choice.head, choice
+    space = oom.resumable_space(run, choice)
+    assert (space.embedding_dtypes, space.embedding_updates, space.head_updates) == (
+        ("int8",), ("lazy_exact",), ("in_loss",)), space
+    assert space.layer_inputs == ("keep", "int8"), space
+    option = Option(choice.label(), {}, payload=choice)
+    sol = Solution(run.train.batch_size, option, {c: KEEP for c in ("residual", "norm")}, True, {}, 0.0, 0.0, 0)
+    assert oom._overrides(run, sol, True) == {"activation.residual": "keep"}, oom._overrides(run, sol, True)
