@@ -152,7 +152,9 @@ def test_a_miss_by_the_allocators_slack_alone_searches_the_leanest_choice():
 # A small choice space keeps the traces few (12): the reference, and full layer recomputation as the one activation
 # choice; the per-component choices are exercised by the MILP tests above and by docs/planner.md's 7B plan.
 SPACE = ["modes=[A]", "state_dtypes=[bf16]", "weight_dtypes=[bf16]", "dense_8bit=[false]", "project_head=[false]",
-         "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[false,true]", "max_batch_size=64"]
+         "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[false,true]", "max_batch_size=64",
+         "embedding_dtypes=[bf16]", "embedding_updates=[dense]", "head_updates=[dense]", "layer_inputs=[keep]"]
+# (the vocabulary choices and layer-input codecs: tests/test_plan_vocab.py)
 MODEL = ["model=tiny", "model.num_layers=2", "train.seq_len=64", "train.fused_ce=false", "dryrun.reserve=flat",
          "dryrun.cuda_context_gib=0"]
 BUDGET = 0.08  # GiB: more than one sequence's step (0.05) and less than 64 sequences kept: b and the policy bind
@@ -327,16 +329,20 @@ def _one_line_error(capsys, argv: list[str], *fragments: str) -> str:
 
 
 def test_budget_below_the_weights_floor_names_the_floor(capsys, tmp_path):
-    line = _one_line_error(capsys, ["model=7b", "budget_gib=7", f"results_dir={tmp_path}"],
+    line = _one_line_error(capsys, ["model=7b", "budget_gib=7", "embedding_dtypes=[bf16]", f"results_dir={tmp_path}"],
                            "budget_gib=7", "floor", "GiB")
     # 7B: INT8 projected weights (6,476,267,520 elements, 1 byte each + an fp32 scale per block of 256,
     # hmt_core.int8_weights.BLOCK) = 6.126 GiB; BF16 embedding, LM head and norms (262,410,240 elements) = 0.489 GiB;
     # + the Hopper GPU allowance: 426 MiB context + 362 MiB lazily loaded kernels (379,584,512 B) + 2 x (32 MiB
     # cuBLAS + 1 MiB cuBLASLt workspace) = 854 MiB = 0.834 GiB -> 7.45 GiB
     assert "7.45 GiB" in line and "GPU allowance (hopper" in line, line
+    # INT8 embedding and LM head offered (the default space): 2 x 32,000 x 4,096 elements at 1 byte + an fp32 scale
+    # per 256 instead of 2 bytes = 258,048,000 B (0.240 GiB) less -> 7.21 GiB
+    line = _one_line_error(capsys, ["model=7b", "budget_gib=7", f"results_dir={tmp_path}"], "budget_gib=7", "floor")
+    assert "7.21 GiB" in line and "INT8 embedding and LM head" in line, line
     # with the flat reserve: + the 1 GiB dryrun.cuda_context_gib = 7.61 GiB
-    line = _one_line_error(capsys, ["model=7b", "budget_gib=7", "dryrun.reserve=flat", f"results_dir={tmp_path}"],
-                           "budget_gib=7", "floor", "GiB")
+    line = _one_line_error(capsys, ["model=7b", "budget_gib=7", "dryrun.reserve=flat", "embedding_dtypes=[bf16]",
+                                    f"results_dir={tmp_path}"], "budget_gib=7", "floor", "GiB")
     assert "7.61 GiB" in line and "dryrun.cuda_context_gib=1" in line, line
     assert not any(tmp_path.iterdir())  # nothing traced, nothing written
 

@@ -138,5 +138,5 @@ class Corrections:
 
 
 def _same(a: Solution, b: Solution) -> bool:
-    return (a.batch, a.option.name, a.actions, a.layer_recompute) == (b.batch, b.option.name, b.actions,
-                                                                      b.layer_recompute)
+    return (a.batch, a.option.name, a.actions, a.layer_recompute, a.layer_codec) == (
+        b.batch, b.option.name, b.actions, b.layer_recompute, b.layer_codec)

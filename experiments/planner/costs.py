@@ -12,7 +12,11 @@ Differencing (each choice's bytes are its measured difference from a reference):
              micro-batches of ``batch_segments``; in L by lin(v1, v2; L) = v1 + (L − 1)(v2 − v1) (each extra
              layer adds the same bytes), in b by lines through pairs of measured micro-batches
   an activation choice (component c, action a): S − R at L ∈ {1, 2} and the main pair (b_a, b_b), a line in b
-  an optimizer sample (state budget × LM head, 8-bit dense state, INT8 weights): S − R at b_a, static.
+  an optimizer sample (state budget × LM head, 8-bit dense state, INT8 weights): S − R at b_a, static
+  a vocabulary setting (INT8 embedding and head, row updates, in-loss head; ``experiments.planner.vocab``): its
+             sample minus the same optimizer sample with the default vocabulary, at b_a, static
+  a layer-input codec under full layer recomputation: S(layers recomputed, inputs coded) − S(layers recomputed),
+             a line in b as the activation choices; traced at L ∈ {2, 3} (``sample_depths``).
 The reference keeps everything with ``offload_cpu``, which on the CPU a dry run traces leaves each saved tensor
 where it is (``hmt_core.activations.apply``: ``packed = t`` on CPU) — byte-identical to ``keep`` — but makes the
 policy non-identity, so the policy counts what each component saves and the activation probe is traced too.
@@ -38,7 +42,18 @@ from experiments.memory.gpu_allowance import traced_step_bytes
 from experiments.models import load_hf_config
 from experiments.planner.cache import Table, entry_key
 from experiments.planner.segments import batch_segments
+from experiments.planner.space import (  # noqa: F401 (Space, all_options, opt_key, Vocab: the planner's API here)
+    OptChoice,
+    Space,
+    Vocab,
+    all_options,
+    base_choice,
+    families,
+    opt_key,
+    opt_pieces,
+)
 from experiments.planner.tracing import trace_points
+from experiments.planner.vocab import Combo, to_record, vocab_delta, vocab_pieces
 from hmt_core.activations.policy import ActivationPolicy, COMPONENTS, LAYER_COMPONENTS
 
 GIB = 2**30
@@ -46,101 +61,6 @@ STEP_PHASES = ("forward", "backward", "optimizer")
 PHASES = (*STEP_PHASES, "probe")
 KEEP_COUNTED = "offload_cpu"  # keep, but counted by the policy (see the module docstring)
 NO_RECOMPUTE = ("embedding", "residual")  # policy.py: the embedding saves only indices; residual via layers
-MINI = {"mode": "B", "basis": "random", "scaling": "tensor", "rank": 1, "scale": 128.0}  # APOLLO-Mini (docs/dryrun.md)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Space:
-    """What the planner may choose (top-level planner keys of the same names)."""
-
-    modes: tuple[str, ...] = ("A", "B")  # "B" = APOLLO-Mini scaling (rank 1, tensor, scale 128)
-    state_budgets: tuple[float, ...] = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4)  # Mode A: fractions of AdamW's state
-    state_dtypes: tuple[str, ...] = ("fp32", "bf16")
-    weight_dtypes: tuple[str, ...] = ("bf16", "int8")  # projected weights (method.weight_dtype)
-    dense_8bit: tuple[bool, ...] = (False, True)
-    project_head: tuple[bool, ...] = (False, True)
-    actions: tuple[str, ...] = ("keep", "recompute", "int8")
-    layer_recompute: tuple[bool, ...] = (False, True)
-    max_batch_size: int = 1024
-
-    def __post_init__(self) -> None:
-        for name in ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head",
-                     "actions", "layer_recompute"):
-            value = tuple(dict.fromkeys(getattr(self, name)))
-            if not value:
-                raise ValueError(f"{name} must list at least one choice")
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "state_budgets", tuple(sorted(float(x) for x in self.state_budgets)))
-        if not all(0 < x <= 1 for x in self.state_budgets):
-            raise ValueError(f"state_budgets={list(self.state_budgets)}: fractions of AdamW's state in (0, 1]")
-        for key, allowed in (("modes", ("A", "B")), ("state_dtypes", ("fp32", "bf16")),
-                             ("weight_dtypes", ("bf16", "int8")), ("dense_8bit", (False, True)),
-                             ("project_head", (False, True)), ("layer_recompute", (False, True)),
-                             ("actions", ("keep", "recompute", "int8", "fp8", "int4_outlier", "int8_outlier"))):
-            bad = [v for v in getattr(self, key) if v not in allowed or isinstance(v, bool) != (allowed[0] is False)]
-            if bad:
-                raise ValueError(f"{key}={list(getattr(self, key))}: {bad[0]!r} is not one of {list(allowed)}"
-                                 + (" (offload_cpu is not offered: a CPU dry run cannot verify device bytes moved "
-                                    "to the host)" if bad[0] == "offload_cpu" else ""))
-        if "keep" not in self.actions:
-            raise ValueError(f"actions={list(self.actions)} must include keep")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-
-
-@dataclass(frozen=True, order=True)
-class OptChoice:
-    """One optimizer setting of ``method=hmt``: mode, state dtype, the projected state's budget (Mode A: a fraction
-    of AdamW's state, within which HMT's allocator picks per-layer ranks; Mode B: APOLLO-Mini's fixed rank 1, no
-    budget), whether ``lm_head`` is projected, bitsandbytes 8-bit AdamW for the dense weights, weight dtype."""
-
-    mode: str
-    dtype: str
-    budget: float  # 0 for Mode B
-    head: bool
-    dense_8bit: bool
-    weights: str
-
-    def method_changes(self, method) -> dict:
-        targets = (method.attn_pattern, method.mlp_pattern) + (("lm_head",) if self.head else ())
-        out = {"state_dtype": self.dtype, "dense_8bit": self.dense_8bit, "target_patterns": targets,
-               "weight_dtype": self.weights}
-        if self.mode == "B":
-            return {**out, **MINI, "state_budget": None}
-        return {**out, "mode": "A", "rank": None, "state_budget": repr(self.budget)}
-
-    def label(self) -> str:
-        state = "rank 1 (APOLLO-Mini)" if self.mode == "B" else f"state budget {self.budget:g} of AdamW's"
-        return (f"Mode {self.mode}, {state}, lm_head {'projected' if self.head else 'dense'}, {self.dtype} state"
-                + (", dense 8-bit" if self.dense_8bit else "") + (", INT8 weights" if self.weights == "int8" else ""))
-
-
-def families(space: Space) -> list[tuple[str, str]]:
-    return [(m, d) for m in space.modes for d in space.state_dtypes]
-
-
-def base_choice(mode: str, dtype: str, space: Space) -> OptChoice:
-    return OptChoice(mode, dtype, 0.0 if mode == "B" else space.state_budgets[0], False, False, "bf16")
-
-
-def opt_pieces(space: Space) -> dict[str, OptChoice]:
-    """The optimizer settings to trace, per family (mode, state dtype): every (budget, head) pair, INT8 weights at
-    every budget (head dense), and 8-bit dense state (head dense and projected) at the family's first budget."""
-    out: dict[str, OptChoice] = {}
-    for mode, dtype in families(space):
-        base = base_choice(mode, dtype, space)
-        for budget in (space.state_budgets if mode == "A" else (0.0,)):
-            for head in space.project_head:
-                out[f"opt:{mode}:{dtype}:{budget:g}:{'head' if head else 'dense'}"] = \
-                    dataclasses.replace(base, budget=budget, head=head)
-        if True in space.dense_8bit:
-            for head in space.project_head:
-                out[f"opt:{mode}:{dtype}:8bit:{'head' if head else 'dense'}"] = \
-                    dataclasses.replace(base, head=head, dense_8bit=True)
-        if "int8" in space.weight_dtypes:  # per budget: the budget is a fraction of the weights' own AdamW state
-            for budget in (space.state_budgets if mode == "A" else (0.0,)):
-                out[f"opt:{mode}:{dtype}:{budget:g}:int8"] = dataclasses.replace(base, budget=budget, weights="int8")
-    return out
 
 
 def valid_actions(component: str, space: Space) -> tuple[str, ...]:
@@ -160,7 +80,8 @@ def policy_for(base: ActivationPolicy, llama: bool, **changes) -> ActivationPoli
 
 def act_pieces(space: Space, llama: bool) -> dict[str, dict]:
     """Activation samples: one component changed at a time (``attn_qkv=recompute`` with its required
-    ``attn_core=recompute``), and full layer recomputation."""
+    ``attn_core=recompute``), full layer recomputation, and with it each layer-input codec
+    (``activation.residual``)."""
     if not llama:
         return {}
     out = {}
@@ -170,6 +91,9 @@ def act_pieces(space: Space, llama: bool) -> dict[str, dict]:
                                            else {})}
     if True in space.layer_recompute:
         out["act:layer_recompute"] = {"layer_recompute": True}
+        for codec in space.layer_inputs:
+            if codec != "keep":
+                out[f"act:layer_recompute:{codec}"] = {"layer_recompute": True, "residual": codec}
     return out
 
 
@@ -219,8 +143,10 @@ def trace_sample(run: RunConfig, *, step_bytes: bool = False) -> dict:
             "ranks": {name: h[-1][1] for name, h in history.items() if h}}
 
 
-def sample_plan(run: RunConfig, space: Space, llama: bool) -> list[tuple[str, OptChoice, dict, list[tuple[int, int]]]]:
-    """The traced points: (sample name, optimizer choice, activation changes, [(layers, micro-batch), ...])."""
+def sample_plan(run: RunConfig, space: Space, llama: bool, vocab: dict[Combo, tuple[Vocab, ...]] | None = None
+                ) -> list[tuple[str, OptChoice, dict, list[tuple[int, int]]]]:
+    """The traced points: (sample name, optimizer choice, activation changes, [(layers, micro-batch), ...]);
+    ``vocab``: the vocabulary settings the run admits (``experiments.planner.vocab.admissible``; None: none)."""
     base_opt = base_choice(*families(space)[0], space)
     segments = batch_segments(run, space.max_batch_size)
     batches = sorted({b for _, *bs in segments for b in bs})
@@ -229,7 +155,8 @@ def sample_plan(run: RunConfig, space: Space, llama: bool) -> list[tuple[str, Op
         ("ref", base_opt, {}, [(layers, b) for b in batches for layers in (1, 2)])]
     plan += [(name, choice, {}, [(1, b_a), (2, b_a)]) for name, choice in opt_pieces(space).items()
              if choice != base_opt]
-    plan += [(name, base_opt, changes, [(layers, b) for b in dict.fromkeys((b_a, b_b)) for layers in (1, 2)])
+    plan += [(name, choice, {}, [(1, b_a), (2, b_a)]) for name, choice in vocab_pieces(space, vocab or {}).items()]
+    plan += [(name, base_opt, changes, [(n, b) for b in dict.fromkeys((b_a, b_b)) for n in sample_depths(name)])
              for name, changes in act_pieces(space, llama).items()]
     return plan
 
@@ -243,11 +170,13 @@ def sample_run(run: RunConfig, with_layers, layers: int, batch: int, choice: Opt
 
 
 def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None = None, refresh: bool = False,
-            table=None, log: Callable[[str], None] = print, workers: int = 1) -> dict:
+            table=None, log: Callable[[str], None] = print, workers: int = 1,
+            vocab: dict[Combo, tuple[Vocab, ...]] | None = None) -> dict:
     """All samples the planner needs for ``run`` (method=hmt; its other settings as given): from the committed cost
     table and the user's cache (``experiments.planner.cache``), traced (and cached at once) where missing or with
     ``refresh``; ``table``: an ``experiments.planner.cache.Table`` of ``run`` (else one over ``cache_dir``);
-    ``workers``: processes the missing traces may use (``experiments.planner.tracing``). Returns the raw record:
+    ``workers``: processes the missing traces may use (``experiments.planner.tracing``); ``vocab``: as in
+    ``sample_plan`` (kept in the record: the options ``build_problem`` offers). Returns the raw record:
     ``{"key", "layers", "segments", "samples": {name: {"L1b1": ...}}, ...}``."""
     table = table or Table(run, run.model.name, cache_dir)
     if refresh:  # measured again from scratch
@@ -255,7 +184,7 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
     segments = batch_segments(run, space.max_batch_size)
     b_a = segments[-1][1]
     base_opt = base_choice(*families(space)[0], space)
-    plan = sample_plan(run, space, llama)
+    plan = sample_plan(run, space, llama, vocab)
     start, total = time.perf_counter(), sum(len(points) for *_, points in plan)
     with layer_variants(run) as with_layers:
         points = [(name, layers, batch, sample_run(run, with_layers, layers, batch, choice, changes, llama))
@@ -275,7 +204,8 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
         + (f", {traced} traced in {time.perf_counter() - start:.0f} s" if traced else ""))
     return {"key": table.key, "layers": target_layers(run), "seq_len": run.train.seq_len, "llama": llama,
             "space": dataclasses.asdict(space), "segments": segments, "samples": samples, "traces": traced,
-            "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1)}
+            "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1),
+            **({"vocab": to_record(vocab)} if vocab is not None else {})}
 
 
 def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers: int, log, start: float) -> int:
@@ -283,7 +213,7 @@ def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers
     finishes; returns how many were traced."""
     if not missing:
         return 0
-    log(f"costs: tracing {len(missing)} small models (1-2 layers at full width, seq {run.train.seq_len}"
+    log(f"costs: tracing {len(missing)} small models (1-3 layers at full width, seq {run.train.seq_len}"
         + (f"; up to {workers} processes when long" if workers > 1 else "") + f"); each is cached in "
         f"{table.user_path or 'memory'} as soon as it is measured ...")
     traced = 0
@@ -298,6 +228,19 @@ def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers
 
 
 # ---- derived costs (pure functions of the record) ---------------------------------------------------------------
+def sample_depths(name: str) -> tuple[int, int]:
+    """The two depths a sample is traced at: 1 and 2 layers; a layer-input codec at 2 and 3: its forward peak over
+    layer recomputation alone is +0.016 GiB at 1 layer, +0.032 at 2, then 0.015 less per further layer (1B shape,
+    4 sequences, traced at 1, 2, 3, 4 and 6 layers; docs/planner.md), so only from 2 layers on is it a line."""
+    return (2, 3) if name.startswith("act:layer_recompute:") else (1, 2)
+
+
+def depths(sample: dict, batch: int) -> tuple[int, int]:
+    """The depths ``sample`` holds at ``batch`` (``sample_depths``)."""
+    held = (k[1:].split("b") for k in sample)
+    return tuple(sorted(int(n) for n, b in held if int(b) == batch))[:2]
+
+
 def lin(v1: float, v2: float, layers: int) -> float:
     """Value at ``layers`` of the line through (1, v1) and (2, v2): each layer adds the same bytes."""
     return v1 + (layers - 1) * (v2 - v1)
@@ -314,6 +257,7 @@ class Derived:
     act: dict[str, tuple[dict[str, float], dict[str, float]]] = field(default_factory=dict)  # (static, per_seq)
     opt: dict[str, dict[str, float]] = field(default_factory=dict)
     keep_saved: dict[str, float] = field(default_factory=dict)  # component -> GiB the reference saves (L layers)
+    layer_inputs: float = 0.0  # GiB per sequence of the layer inputs full layer recomputation keeps (L layers)
 
 
 def derive(record: dict, layers: int | None = None) -> Derived:
@@ -322,10 +266,11 @@ def derive(record: dict, layers: int | None = None) -> Derived:
     ref = s["ref"]
 
     def at(sample: dict, phase: str, batch: int) -> float:
-        v1, v2 = sample[f"L1b{batch}"][phase], sample[f"L2b{batch}"][phase]
+        lo, hi = depths(sample, batch)
+        v1, v2 = sample[f"L{lo}b{batch}"][phase], sample[f"L{hi}b{batch}"][phase]
         if v1 is None or v2 is None:
             return 0.0
-        return lin(v1, v2, layers) / GIB
+        return lin(v1, v2, layers - lo + 1) / GIB
 
     def line(sample: dict, b_a: int, b_b: int) -> tuple[dict[str, float], dict[str, float]]:
         per_seq = {p: (at(sample, p, b_b) - at(sample, p, b_a)) / max(1, b_b - b_a) for p in STEP_PHASES}
@@ -344,22 +289,20 @@ def derive(record: dict, layers: int | None = None) -> Derived:
             act[name] = ({**{p: st[p] - rst[p] for p in STEP_PHASES},
                           "probe": at(sample, "probe", b_a) - at(ref, "probe", b_a)},
                          {p: ps[p] - rps[p] for p in STEP_PHASES})
-    opt = {n: {p: at(v, p, b_a) - at(ref, p, b_a) for p in PHASES} for n, v in s.items() if n.startswith("opt:")}
+    opt = {n: {p: at(v, p, b_a) - at(ref, p, b_a) for p in PHASES} for n, v in s.items()
+           if n.startswith(("opt:", "vocab:"))}
     first = ref[f"L1b{b_a}"]["saved"], ref[f"L2b{b_a}"]["saved"]
     saved = {c: lin(first[0].get(c, 0), first[1].get(c, 0), layers) / GIB / b_a
              for c in sorted(set(first[0]) | set(first[1]))}
-    return Derived(layers, base, act, opt, saved)
-
-
-def opt_key(choice: OptChoice, *, budget: float | None = None, head: bool | None = None) -> str:
-    b = choice.budget if budget is None else budget
-    h = choice.head if head is None else head
-    return f"opt:{choice.mode}:{choice.dtype}:{b:g}:{'head' if h else 'dense'}"
+    lr = s.get("act:layer_recompute")
+    inputs = 0.0 if lr is None else lin(*(lr[f"L{n}b{b_a}"]["saved"].get("residual", 0) for n in (1, 2)), layers)
+    return Derived(layers, base, act, opt, saved, inputs / GIB / b_a)
 
 
 def option_cost(d: Derived, choice: OptChoice, space: Space) -> dict[str, float]:
     """Static GiB per phase of ``choice`` relative to the reference: its (budget, head) sample, plus the INT8-weight
-    delta at its budget and the 8-bit delta measured at the family's first budget."""
+    delta at its budget, the 8-bit delta measured at the family's first budget and its vocabulary setting's delta
+    (``experiments.planner.vocab``)."""
     first = base_choice(choice.mode, choice.dtype, space).budget
     fam = f"opt:{choice.mode}:{choice.dtype}"
     parts = [d.opt[opt_key(choice)]]
@@ -368,19 +311,11 @@ def option_cost(d: Derived, choice: OptChoice, space: Space) -> dict[str, float]
                             d.opt[opt_key(choice, budget=first)]))
     if choice.weights == "int8":
         parts.append(_minus(d.opt[f"{fam}:{choice.budget:g}:int8"], d.opt[opt_key(choice, head=False)]))
+    vocab = vocab_delta(d.opt, choice, space)
+    if vocab is not None:
+        parts.append(vocab)
     return {p: sum(x[p] for x in parts) for p in PHASES}
 
 
 def _minus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {p: a[p] - b[p] for p in PHASES}
-
-
-def all_options(space: Space) -> list[OptChoice]:
-    out = []
-    for mode, dtype in families(space):
-        for budget in (space.state_budgets if mode == "A" else (0.0,)):
-            for head in space.project_head:
-                for eight in space.dense_8bit:
-                    for weights in space.weight_dtypes:
-                        out.append(OptChoice(mode, dtype, budget, head, eight, weights))
-    return out

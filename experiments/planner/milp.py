@@ -7,20 +7,25 @@ memory budget; here the optimizer setting and the micro-batch size are decision 
               y_o ∈ {0,1}, Σ_o y_o = 1            one optimizer option o (mode, state dtype, ranks, 8-bit, ...)
               x_{c,a} ∈ {0,1}, Σ_a x_{c,a} = 1    one action a per activation component c (keep included)
               ℓ ∈ {0,1}                           full layer recomputation (forces keep inside the layers)
+              z_k ∈ {0,1}, Σ_k z_k ≤ ℓ            its layer inputs stored by codec k (``activation.residual``;
+                                                  = ℓ when keeping them is not offered)
               u_j ∈ {0,1}, Σ_j u_j = 1            the segment of the reference's piecewise-linear cost b lies in
-              w_{c,a} = b·x_{c,a}, w_ℓ = b·ℓ      exact McCormick linearization of binary × bounded integer:
+              w_{c,a} = b·x_{c,a}, w_ℓ = b·ℓ,     exact McCormick linearization of binary × bounded integer:
+              w_k = b·z_k
                                                   w ≤ B_max·x, w ≤ b, w ≥ b − B_max(1 − x), w ≥ 0
               n ∈ {0,1}                           the policy is not all-keep (the activation probe then runs)
   memory      for every phase p (forward, backward, optimizer; the probe when n = 1) and segment j:
                 S_{p,j} + P_{p,j}·b + Σ_o M_{p,o} y_o + Σ_{c,a} (s_{p,c,a} x_{c,a} + q_{p,c,a} w_{c,a})
-                  + s_{p,ℓ} ℓ + q_{p,ℓ} w_ℓ  ≤  t  (+ Big-M·(1 − u_j), + Big-M·(1 − n) for the probe),   t ≤ B
+                  + s_{p,ℓ} ℓ + q_{p,ℓ} w_ℓ + Σ_k (s_{p,k} z_k + q_{p,k} w_k)
+                  ≤  t  (+ Big-M·(1 − u_j), + Big-M·(1 − n) for the probe),   t ≤ B
               with S, P the reference's static and per-sequence bytes, M the option's, s and q the choice's
-              static and per-sequence deltas — all measured (``experiments.planner.costs``); t is the predicted peak
+              static and per-sequence deltas (a codec's: over full layer recomputation's) — all measured
+              (``experiments.planner.costs``); t is the predicted peak
   rules       x_{attn_qkv,recompute} ≤ x_{attn_core,recompute}; x_{c,keep} ≥ ℓ for c inside the layers;
               b + (B_max − cap_o)·y_o ≤ B_max for an option verified over the budget at cap_o + 1 sequences
   objective   lexicographic, one MILP per tier, each tier's optimum kept as a constraint for the next:
               1. max b (tokens per micro-batch = b·seq_len)   2. max Σ_o E_o y_o (retained gradient energy)
-              3. min Σ τ_{c,a} w_{c,a} + τ_ℓ w_ℓ (extra step time)   4. min the number of lossy choices
+              3. min Σ τ_{c,a} w_{c,a} + τ_ℓ w_ℓ + Σ τ_k w_k (extra step time)   4. min the number of lossy choices
               5. min t (headroom; breaks the remaining ties)
 Pure functions over plain data: ``Problem`` can be written by hand (tests/test_plan.py checks a forced optimum).
 """
@@ -81,6 +86,8 @@ class Problem:
     max_batch: int = 1024
     fixed_batch: int | None = None  # solve with b fixed (min_peak)
     batch_caps: tuple[tuple[int, int], ...] = ()  # (option index, largest b): b ≤ cap when that option is chosen
+    layer_codecs: dict[str, Action] = field(default_factory=dict)  # codec -> its cost over layer_recompute's
+    layer_keep: bool = True  # layer recomputation may keep its inputs as they are (else one codec is required)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,12 @@ class Solution:
     energy: float
     time: float
     lossy: int
+    layer_codec: str = KEEP  # how full layer recomputation stores the layer inputs (activation.residual)
+
+    def policy_actions(self) -> dict[str, str]:
+        """The action of each component as the activation policy writes it (the layer inputs' codec under full
+        layer recomputation is ``residual``'s action)."""
+        return {**self.actions, **({"residual": self.layer_codec} if self.layer_recompute else {})}
 
 
 class _Vars:
@@ -105,6 +118,7 @@ class _Vars:
         self.names += [("x", c, a) for c, a in self.x] + [("w", c, a) for c, a in self.x]
         if prob.layer_recompute is not None:
             self.names += [("l",), ("wl",)]
+            self.names += [(kind, k) for k in prob.layer_codecs for kind in ("z", "wz")]
         self.names += [("n",)]
         self.index = {n: i for i, n in enumerate(self.names)}
 
@@ -161,6 +175,7 @@ def _choice_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
     pairs = [(v["x", c, a], v["w", c, a]) for c, a in v.x]
     if ("l",) in v:
         pairs.append((v["l",], v["wl",]))
+        pairs += _codec_rows(prob, v, out)
         for c in prob.layer_components:
             if c in prob.actions and KEEP in prob.actions[c]:
                 add({v["x", c, KEEP]: 1, v["l",]: -1}, 0, np.inf)
@@ -181,6 +196,14 @@ def _choice_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
         add({v["n",]: 1, v["l",]: -1}, 0, np.inf)
 
 
+def _codec_rows(prob: Problem, v: _Vars, out: _Rows) -> list[tuple[int, int]]:
+    """At most one layer-input codec, and only with full layer recomputation: Σ_k z_k ≤ ℓ (= ℓ when the inputs
+    may not be kept as they are); the (z, w) pairs."""
+    if prob.layer_codecs:
+        out.add({**{v["z", k]: 1 for k in prob.layer_codecs}, v["l",]: -1}, 0 if not prob.layer_keep else -np.inf, 0)
+    return [(v["z", k], v["wz", k]) for k in prob.layer_codecs]
+
+
 def _phase_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
     """Per phase and per line of the reference: its bytes at the chosen option, actions and b are ≤ t (a line
     binds only in b's piece; a conditional phase only when n = 1: big-M)."""
@@ -196,6 +219,8 @@ def _phase_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
         if ("l",) in v:
             coef[v["l",]] = prob.layer_recompute.static.get(p, 0.0)
             coef[v["wl",]] = prob.layer_recompute.per_seq.get(p, 0.0)
+            for k, act in prob.layer_codecs.items():
+                coef[v["z", k]], coef[v["wz", k]] = act.static.get(p, 0.0), act.per_seq.get(p, 0.0)
         if p in prob.conditional:
             coef[v["n",]] = big
         for seg in prob.base:  # active in b's piece only
@@ -212,7 +237,7 @@ def _big_m(prob: Problem) -> float:
     total = abs(prob.budget) + sum(mag(s.static) + mag(s.per_seq, bmax) for s in prob.base)
     total += sum(mag(o.static) for o in prob.options)
     acts = [a for group in prob.actions.values() for a in group.values()]
-    acts += [prob.layer_recompute] if prob.layer_recompute is not None else []
+    acts += [prob.layer_recompute, *prob.layer_codecs.values()] if prob.layer_recompute is not None else []
     total += sum(mag(a.static) + mag(a.per_seq, bmax) for a in acts)
     return 2 * total + 1
 
@@ -231,6 +256,8 @@ def _objectives(prob: Problem, v: _Vars, n: int) -> dict[str, np.ndarray]:
     if ("l",) in v:
         time[v["wl",]] = prob.layer_recompute.time
         lossy[v["l",]] = prob.layer_recompute.lossy
+        for k, act in prob.layer_codecs.items():
+            time[v["wz", k]], lossy[v["z", k]] = act.time, act.lossy
     return {"tokens": tokens, "energy": energy, "time": time, "lossy": lossy, "peak": peak}
 
 
@@ -253,7 +280,7 @@ def _setup(prob: Problem, with_budget: bool = True):
     hi[v["b",]] = prob.fixed_batch or prob.max_batch
     integrality[v["t",]], lo[v["t",]], hi[v["t",]] = 0, -np.inf, np.inf
     for key in v.names:
-        if key[0] in ("w", "wl"):
+        if key[0] in ("w", "wl", "wz"):
             integrality[v[key]] = 0
             hi[v[key]] = prob.max_batch
     return v, n, rows, lb, ub, integrality, Bounds(lo, hi)
@@ -299,9 +326,11 @@ def segment(prob: Problem, batch: int) -> list[Segment]:
     return [s for s in prob.base if s.start == start]
 
 
-def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], layer_recompute: bool
-            ) -> dict[str, float | None]:
+def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], layer_recompute: bool,
+            layer_codec: str = KEEP) -> dict[str, float | None]:
     """GiB per phase of one choice (the probe: None when the policy is all keep and it does not run)."""
+    extra = [prob.layer_recompute] if layer_recompute else []
+    extra += [prob.layer_codecs[layer_codec]] if layer_recompute and layer_codec != KEEP else []
     nonid = layer_recompute or any(a != KEEP for a in actions.values())
     lines = segment(prob, batch)
     out: dict[str, float | None] = {}
@@ -313,8 +342,8 @@ def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], 
         for c, a in actions.items():
             act = prob.actions[c][a]
             total += act.static.get(p, 0.0) + batch * act.per_seq.get(p, 0.0)
-        if layer_recompute:
-            total += prob.layer_recompute.static.get(p, 0.0) + batch * prob.layer_recompute.per_seq.get(p, 0.0)
+        for act in extra:
+            total += act.static.get(p, 0.0) + batch * act.per_seq.get(p, 0.0)
         out[p] = total
     return out
 
@@ -324,8 +353,10 @@ def _solution(prob: Problem, v: _Vars, x: np.ndarray) -> Solution:
     option = prob.options[int(np.argmax([x[v["y", i]] for i in range(len(prob.options))]))]
     actions = {c: max(acts, key=lambda a: x[v["x", c, a]]) for c, acts in prob.actions.items()}
     lr = bool(("l",) in v and x[v["l",]] > 0.5)
-    time = sum(batch * prob.actions[c][a].time for c, a in actions.items())
-    time += batch * prob.layer_recompute.time if lr else 0.0
-    lossy = option.lossy + sum(prob.actions[c][a].lossy for c, a in actions.items())
-    lossy += prob.layer_recompute.lossy if lr else 0
-    return Solution(batch, option, actions, lr, predict(prob, batch, option, actions, lr), option.energy, time, lossy)
+    codec = next((k for k in prob.layer_codecs if lr and x[v["z", k]] > 0.5), KEEP)
+    layer = [prob.layer_recompute] if lr else []
+    layer += [prob.layer_codecs[codec]] if codec != KEEP else []
+    time = sum(batch * prob.actions[c][a].time for c, a in actions.items()) + sum(batch * a.time for a in layer)
+    lossy = option.lossy + sum(prob.actions[c][a].lossy for c, a in actions.items()) + sum(a.lossy for a in layer)
+    return Solution(batch, option, actions, lr, predict(prob, batch, option, actions, lr, codec), option.energy,
+                    time, lossy, codec)

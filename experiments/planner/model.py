@@ -26,11 +26,13 @@ same cost and the same bound, and the per-layer split is better left to the allo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import statistics
 import time
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from experiments import methods
 from experiments.loop import autocast_context
@@ -47,6 +49,7 @@ from experiments.planner.costs import (
     valid_actions,
 )
 from experiments.planner.milp import Action, KEEP, Option, Problem, Segment
+from experiments.planner.vocab import from_record
 from hmt_core.activations.apply import llama_scopes
 from hmt_core.activations.codecs import decode, encode
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS
@@ -140,6 +143,21 @@ def weight_stats(run, weight_dtypes: tuple[str, ...] = ("bf16",)) -> dict:
     return out
 
 
+def int8_table_bytes(run, weight_dtype: str) -> list[int] | None:
+    """Parameter bytes of the 1- and 2-layer models (fake tensors) with INT8 embedding and LM head and the projected
+    weights in ``weight_dtype``, as ``method.prepare`` stores them; None when the model refuses INT8 tables (tied)."""
+    out = []
+    with layer_variants(run) as with_layers, contextlib.redirect_stderr(io.StringIO()), FakeTensorMode():
+        for layers in (1, 2):
+            method = methods.make_method(dataclasses.replace(run.method, embedding_dtype="int8",
+                                                             weight_dtype=weight_dtype))
+            try:
+                out.append(_param_bytes(method.prepare(build_model(with_layers(layers).model, device="cpu"))))
+            except ValueError:
+                return None
+    return out
+
+
 def _param_bytes(model) -> int:
     """Bytes of the parameters' storages (a tied weight is listed once; an INT8 layer's phantom is one element)."""
     return sum(p.untyped_storage().nbytes() for p in model.parameters())
@@ -188,8 +206,9 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
     """The MILP of ``experiments.planner.milp`` from measured costs. ``seq_scale``: per-sequence bytes and times
     scaled for a sequence ``seq_scale`` times the measured one (capacity's sequence-length search)."""
     options = []
-    for choice in all_options(space):
-        lossy = int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
+    for choice in all_options(space, from_record(record)):
+        lossy = (int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
+                 + choice.vocab.lossy)
         sample = f"opt:{choice.mode}:{choice.dtype}:{choice.budget:g}:int8" \
             if choice.weights == "int8" and not choice.head else opt_key(choice)
         options.append(Option(choice.label(), option_cost(d, choice, space),
@@ -210,12 +229,29 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
         saved = sum(d.keep_saved.get(c, 0.0) for c in (*LAYER_COMPONENTS, "norm")) * GIB
         t = d.layers * flops.get("layer", 0.0) / cal["flops_per_s"] + saved / cal["bytes_per_s"]
         layer = _action(d.act["act:layer_recompute"], t, 0, seq_scale)
+    codecs = layer_codecs(d, space, cal, seq_scale) if layer is not None else {}
     requires = ((("attn_qkv", "recompute"), ("attn_core", "recompute")),)
     base = tuple(Segment(start, {p: static.get(p, 0.0) for p in zero},
                          {p: per_seq.get(p, 0.0) * seq_scale for p in zero}) for start, static, per_seq in d.base)
     return Problem(budget=budget_gib, base=base, options=options,
                    actions=actions, layer_recompute=layer, layer_components=(*LAYER_COMPONENTS, "norm"),
-                   requires=requires, max_batch=space.max_batch_size)
+                   requires=requires, max_batch=space.max_batch_size, layer_codecs=codecs,
+                   layer_keep=KEEP in space.layer_inputs or not codecs)
+
+
+def layer_codecs(d: Derived, space: Space, cal: dict, seq_scale: float) -> dict[str, Action]:
+    """Each layer-input codec under full layer recomputation: its measured delta over layer recomputation alone,
+    the codec's time on the layer inputs' bytes (encode in forward, decode before the recompute)."""
+    lr = d.act["act:layer_recompute"]
+    codec_s = cal["codec_s_per_byte"]
+    out = {}
+    for codec in space.layer_inputs:
+        name = f"act:layer_recompute:{codec}"
+        if codec != KEEP and name in d.act:
+            delta = tuple({p: x[p] - y.get(p, 0.0) for p in x} for x, y in zip(d.act[name], lr))
+            t = d.layer_inputs * GIB * codec_s.get(codec, max(codec_s.values()))
+            out[codec] = _action(delta, t, int(codec in LOSSY_ACTIONS), seq_scale)
+    return out
 
 
 def _action(delta: tuple[dict[str, float], dict[str, float]], t: float, lossy: int, seq_scale: float) -> Action:

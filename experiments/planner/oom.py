@@ -30,10 +30,10 @@ from experiments.config import RunConfig
 from experiments.memory.gpu_allowance import reserve_bytes
 from experiments.planner.cache import Table
 from experiments.planner.correct import Corrections
-from experiments.planner.costs import GIB, PHASES, OptChoice, Space
+from experiments.planner.costs import GIB, PHASES, OptChoice, Space, Vocab
 from experiments.planner.milp import Problem, Solution, predict, solve
 from experiments.planner.model import build_problem
-from experiments.planner.prepare import prepare
+from experiments.planner.prepare import SPACE_KEYS, prepare
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS
 
 MARGIN = 0.05  # the new plan's predicted peak stays 5% below the failing bytes (the model is corrected, not exact)
@@ -75,7 +75,8 @@ def current_choice(run: RunConfig) -> OptChoice:
     except (TypeError, ValueError):
         raise Unanswered(f"method.state_budget={m.state_budget} is not one of the planner's fractions of AdamW's "
                          "state") from None
-    choice = OptChoice(m.mode, m.state_dtype, budget, head, m.dense_8bit, m.weight_dtype)
+    choice = OptChoice(m.mode, m.state_dtype, budget, head, m.dense_8bit, m.weight_dtype,
+                       Vocab(m.embedding_dtype, m.embedding_update, m.head_update))
     if dataclasses.replace(m, **choice.method_changes(m)) != m:
         raise Unanswered(f"the method's settings are not one of the planner's options ({choice.label()} differs "
                          "from them in rank, scaling or target patterns)")
@@ -88,13 +89,22 @@ def current_actions(run: RunConfig) -> dict[str, str]:
     return {c: "keep" if p.layer_recompute and c in LAYER_COMPONENTS else getattr(p, c) for c in COMPONENTS}
 
 
+def layer_codec(run: RunConfig) -> str:
+    """How the run's full layer recomputation stores the layer inputs (``keep`` without it)."""
+    return run.activation.residual if run.activation.layer_recompute else "keep"
+
+
 def resumable_space(run: RunConfig, choice: OptChoice) -> Space:
     """The choices that keep the run resumable from its checkpoint (see the module docstring)."""
     in_use = tuple(sorted({a for a in current_actions(run).values() if a != "keep"}))
+    codec = layer_codec(run)
+    v = choice.vocab
     try:
         return Space(modes=(choice.mode,), state_budgets=(choice.budget if choice.mode == "A" else 1 / 64,),
                      state_dtypes=(choice.dtype,), weight_dtypes=(choice.weights,), dense_8bit=(choice.dense_8bit,),
                      project_head=(choice.head,), actions=("keep", *in_use), layer_recompute=(False, True),
+                     embedding_dtypes=(v.embedding_dtype,), embedding_updates=(v.embedding_update,),
+                     head_updates=(v.head_update,), layer_inputs=tuple(dict.fromkeys(("keep", codec))),
                      max_batch_size=run.train.batch_size)
     except ValueError as e:
         raise Unanswered(f"the activation policy is outside the planner's choices ({e})") from None
@@ -149,9 +159,7 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     choice = current_choice(run)
     space = resumable_space(run, choice)
     budget = step_budget_bytes(run, peak_bytes=peak_bytes, limit_bytes=limit_bytes, device_type=device_type)
-    planner = {k: getattr(space, k) for k in ("modes", "state_budgets", "state_dtypes", "weight_dtypes",
-                                              "dense_8bit", "project_head", "actions", "layer_recompute",
-                                              "max_batch_size")}
+    planner = {k: getattr(space, k) for k in SPACE_KEYS}
     planner["workers"] = 1  # in the training process, bounded by the deadline its table checks before each trace
     try:
         prep = prepare(run, planner, log=lambda _: None, table_type=timed_table(time.perf_counter() + plan_s))
@@ -163,26 +171,29 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     t = run.train
     actions = {c: a for c, a in current_actions(run).items() if c in prob.actions}
     lr = run.activation.layer_recompute and prob.layer_recompute is not None
-    before = _peak(predict(prob, t.batch_size, option, actions, lr))
+    before = _peak(predict(prob, t.batch_size, option, actions, lr, layer_codec(run)))
     fix = Corrections()
     err = fix.learn_peak((peak_bytes or 0) / GIB, before, PHASES)
+    if run.method.head_update == "in_loss":  # no gradient accumulation with it: the micro-batch stays
+        prob = dataclasses.replace(prob, fixed_batch=t.batch_size)
     sol = _solve_dividing(fix.apply(prob), t.batch_size)
     if sol is None:
         raise NoFit(f"the planner has no resumable plan under {show_bytes(budget)} (its model corrected by "
                     f"+{show_bytes(err * GIB)} from the measured peak)")
-    overrides = _overrides(run, sol, actions, lr)
-    label = (f"planner: {_describe(run, sol, actions, lr)}; predicted peak {show_bytes(_peak(sol.predicted) * GIB)}"
+    overrides = _overrides(run, sol, lr)
+    label = (f"planner: {_describe(run, sol, lr)}; predicted peak {show_bytes(_peak(sol.predicted) * GIB)}"
              f" <= {show_bytes(budget)} (the model +{show_bytes(err * GIB)} from the measured peak)")
     return Answer(overrides=overrides, label=label, budget_bytes=budget,
                   predicted_bytes=math.ceil(_peak(sol.predicted) * GIB), correction_bytes=round(err * GIB),
                   traced=int(prep.record["traces"]))
 
 
-def _overrides(run: RunConfig, sol: Solution, actions: dict[str, str], lr: bool) -> dict[str, object]:
+def _overrides(run: RunConfig, sol: Solution, lr: bool) -> dict[str, object]:
     out: dict[str, object] = {}
     if sol.layer_recompute != lr:
         out["activation.layer_recompute"] = sol.layer_recompute
-    out.update({f"activation.{c}": a for c, a in sol.actions.items() if a != actions[c]})
+    now = sol.policy_actions()  # the layer inputs' codec under layer recomputation is residual's action
+    out.update({f"activation.{c}": a for c, a in now.items() if a != getattr(run.activation, c)})
     t = run.train
     if sol.batch != t.batch_size:
         factor = t.batch_size // sol.batch
@@ -191,12 +202,13 @@ def _overrides(run: RunConfig, sol: Solution, actions: dict[str, str], lr: bool)
     return out
 
 
-def _describe(run: RunConfig, sol: Solution, actions: dict[str, str], lr: bool) -> str:
+def _describe(run: RunConfig, sol: Solution, lr: bool) -> str:
     t, parts = run.train, []
     if sol.layer_recompute != lr:
         parts.append("each decoder layer recomputed from its input" if sol.layer_recompute
                      else "layer recomputation off")
-    parts += [f"{c} {actions[c]} -> {a}" for c, a in sol.actions.items() if a != actions[c]]
+    parts += [f"{c} {getattr(run.activation, c)} -> {a}" for c, a in sol.policy_actions().items()
+              if a != getattr(run.activation, c)]
     if sol.batch != t.batch_size:
         factor = t.batch_size // sol.batch
         parts.append(f"micro-batch {t.batch_size} -> {sol.batch}, {factor}x the micro-batches per step: "

@@ -3,8 +3,9 @@
 Chooses, for ``method=hmt`` on any model the runner takes (phases, ``model.path=`` configs, any override of
 ``experiments.run``), the optimizer setting (Mode A with an optimizer-state budget ``method.state_budget``, within
 which HMT's own allocator picks per-layer ranks, or Mode B = APOLLO-Mini; state dtype, projected LM head,
-bitsandbytes 8-bit dense state, INT8 projected weights), the action of each activation component (keep / recompute
-/ int8 …, or full layer recomputation) and the micro-batch size that maximize tokens per micro-batch, then
+bitsandbytes 8-bit dense state, INT8 projected weights; INT8 embedding and LM head, the embedding updated by rows,
+the head updated in the loss), the action of each activation component (keep / recompute / int8 …, or full layer
+recomputation with its layer inputs kept or coded) and the micro-batch size that maximize tokens per micro-batch, then
 retained gradient energy, then step time, under ``budget_gib`` less the GPU allowance
 (``experiments.memory.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
 ``dryrun.reserve=flat``, ``dryrun.cuda_context_gib``):
@@ -23,8 +24,9 @@ Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` ano
 ``experiments/conf/plan/`` or ``results/plan/``); the printed commands say which one trains and which one only
 traces. Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``, ``batch_size`` (a fixed
 micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``, ``max_iters``,
-``calibration``, ``refresh_costs``, ``workers`` (processes for missing cost traces) and the choice space ``modes, state_budgets, state_dtypes, weight_dtypes,
-dense_8bit, project_head, actions, layer_recompute, max_batch_size`` (``experiments.planner.costs.Space``);
+``calibration``, ``refresh_costs``, ``workers`` (processes for missing cost traces) and the choice space ``modes,
+state_budgets, state_dtypes, weight_dtypes, dense_8bit, project_head, actions, layer_recompute, embedding_dtypes,
+embedding_updates, head_updates, layer_inputs, max_batch_size`` (``experiments.planner.space.Space``);
 ``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
 committed cost table). Design and measurements: ``docs/planner.md``.
 """
@@ -123,7 +125,7 @@ def plan_nodes(run, solution, space: Space) -> dict:
 
     choice = solution.option.payload
     method = dataclasses.replace(run.method, **choice.method_changes(run.method))
-    policy = policy_for(run.activation, bool(solution.actions), **solution.actions,
+    policy = policy_for(run.activation, bool(solution.actions), **solution.policy_actions(),
                         layer_recompute=solution.layer_recompute)
     train = dataclasses.replace(run.train, batch_size=solution.batch)
     plain = to_plain_dict(dataclasses.replace(run, method=method, activation=policy, train=train))
@@ -241,7 +243,7 @@ def checked_name(prep: Prepared, run, planner: dict, budget: float, name: str | 
     model's floor (its leanest weights + the GPU allowance ``ctx`` GiB) and a name that is not one file name."""
     if budget < prep.floor_gib:
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{prep.weights_gib:.2f} GiB ({prep.lowest} projected weights) + {reserve_label(run)} "
+                        f"{prep.weights_gib:.2f} GiB ({prep.lowest}) + {reserve_label(run)} "
                         f"{ctx:.2f} = {prep.floor_gib:.2f} GiB")
     name = name or planner.get("name") or plan_name(run, budget, planner.get("batch_size"))
     if not RUN_ID.fullmatch(name):

@@ -13,13 +13,15 @@ from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label
 from experiments.models import TORCH_DTYPES
 from experiments.planner.cache import TABLE_DIR, USER_DIR, Table
-from experiments.planner.costs import GIB, Space, derive, measure, target_layers
-from experiments.planner.model import calibrate, param_bytes, region_flops, weight_stats
+from experiments.planner.costs import GIB, Space, derive, layer_variants, lin, measure, target_layers
+from experiments.planner.model import calibrate, int8_table_bytes, param_bytes, region_flops, weight_stats
 from experiments.planner.report import model_label
 from experiments.planner.tracing import default_workers
+from experiments.planner.vocab import admissible, first_refusal, model_facts
 
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
-              "layer_recompute", "max_batch_size")
+              "layer_recompute", "embedding_dtypes", "embedding_updates", "head_updates", "layer_inputs",
+              "max_batch_size")
 
 
 def space_from(planner: dict) -> Space:
@@ -50,6 +52,39 @@ def workers_from(planner: dict) -> int:
     return workers
 
 
+def floor(run, space: Space, table: Table, stats: dict, lowest: str):
+    """The fewest GiB the model's weights can take (its projected weights in ``lowest``; with INT8 embedding and
+    LM head when the space offers them and the model takes them: ``experiments.planner.vocab.int8_table_bytes``),
+    what they are, and a function caching the INT8 tables' bytes (called once the budget holds them)."""
+    layers = target_layers(run)
+    weights, label = param_bytes(stats, layers, lowest) / GIB, f"{lowest} projected weights"
+    if "int8" not in space.embedding_dtypes:
+        return weights, label, lambda: None
+    key = f"weights:vocab-int8:{lowest}"
+    hit = table.get(key)
+    both = hit["value"] if hit else int8_table_bytes(run, lowest)
+    if both is not None and lin(*both, layers) / GIB < weights:
+        weights, label = lin(*both, layers) / GIB, f"{label}, INT8 embedding and LM head"
+    return weights, label, lambda: table.memo(key, lambda: both)
+
+
+def vocab_choices(run, space: Space, table: Table) -> dict:
+    """The vocabulary settings of ``space`` the app accepts for ``run`` (``experiments.planner.vocab.admissible``;
+    the model's facts from the table or a 1-layer model on fake tensors); none at all is refused in one line."""
+    def facts():
+        with layer_variants(run) as with_layers:
+            return model_facts(run, with_layers)
+
+    known = table.memo("model_facts", facts)
+    vocab = admissible(space, run, known)
+    if not any(vocab.values()):
+        keys = ", ".join(f"{k}={list(getattr(space, k))}" for k in ("embedding_dtypes", "embedding_updates",
+                                                                      "head_updates"))
+        raise UserError(f"{keys}: {model_label(run)} admits none of these vocabulary settings "
+                        f"({first_refusal(space, run, known)}); list bf16 and dense too")
+    return vocab
+
+
 @dataclass
 class Prepared:
     """Everything measured once per (model, settings): weights, traced costs, FLOPs, calibration."""
@@ -64,7 +99,7 @@ class Prepared:
     flops: dict
     cal: dict
     weights_gib: float
-    lowest: str  # the weight dtype with the fewest bytes
+    lowest: str  # what the leanest weights are (e.g. "int8 projected weights")
 
     @property
     def verify_dir(self) -> Path:
@@ -90,16 +125,17 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
     hit = table.get(wkey)
     stats = hit["value"] if hit else json.loads(json.dumps(weight_stats(run, space.weight_dtypes)))
     lowest = min(space.weight_dtypes, key=lambda w: param_bytes(stats, layers, w))
+    weights, label, cache = floor(run, space, table, stats, lowest)
     budget = planner.get("budget_gib")
-    weights = param_bytes(stats, layers, lowest) / GIB
     ctx = reserve_bytes(run) / GIB
     if budget is not None and budget < weights + ctx:  # before any trace
         raise UserError(f"budget_gib={budget:g} is below the floor of {model_label(run)}: its weights alone take "
-                        f"{weights:.2f} GiB ({lowest} projected weights) + {reserve_label(run)} {ctx:.2f} = "
-                        f"{weights + ctx:.2f} GiB")
+                        f"{weights:.2f} GiB ({label}) + {reserve_label(run)} {ctx:.2f} = {weights + ctx:.2f} GiB")
     table.memo(wkey, lambda: stats)  # cached once the budget holds the weights (a refused budget writes nothing)
+    cache()
     llama = stats["L1"]["llama"]
-    record = measure(run, space, llama=llama, table=table, log=log, workers=workers)
+    vocab = vocab_choices(run, space, table)
+    record = measure(run, space, llama=llama, table=table, log=log, workers=workers, vocab=vocab)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
     return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
-                    load_calibration(planner, run), weights, lowest)
+                    load_calibration(planner, run), weights, label)

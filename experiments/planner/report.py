@@ -5,6 +5,7 @@ costs' key and the calibration) and renders the record as the Markdown table it 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -64,14 +65,26 @@ def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget
             "model": model_label(run), "layers": costs.layers, "seq_len": run.train.seq_len, "budget_gib": budget,
             "reserve_gib": ctx, "reserve": reserve_label(run), "floor_gib": floor,
             "choice": {"batch_size": sol.batch, "tokens_per_micro_batch": sol.batch * run.train.seq_len,
-                       "grad_accum": run.train.grad_accum, "optimizer": choice.__dict__, "optimizer_label": choice.label(),
-                       "activation": sol.actions, "layer_recompute": sol.layer_recompute},
+                       "grad_accum": run.train.grad_accum, "optimizer": dataclasses.asdict(choice),
+                       "optimizer_label": choice.label(), "activation": sol.actions,
+                       "layer_recompute": sol.layer_recompute, "layer_codec": sol.layer_codec},
             "energy": sol.energy, "extra_time_s_per_micro_batch": sol.time,
             "predicted_gib": sol.predicted, "iterations": iterations, "verified": verified,
             "keep_saved_gib": costs.keep_saved, "costs_key": record["key"],
             "traces": record["traces"], "cached_samples": record["cached"], "calibration": cal,
             "run_command": run_command(name, plan_dir), "dryrun_command": run_command(name, plan_dir, dryrun=True),
             "train_note": train_note, "elapsed_s": elapsed_s}
+
+
+def vocab_row(v: dict | None) -> str:
+    """The input embedding's and LM head's settings as the plan sets them (``method.*`` overrides)."""
+    v = v or {"embedding_dtype": "bf16", "embedding_update": "dense", "head_update": "dense"}  # older records
+    parts = [("INT8" if v["embedding_dtype"] == "int8" else "BF16") + " embedding and lm_head",
+             {"dense": "embedding updated densely", "lazy_exact": "embedding updated by its touched rows (exact)",
+              "sparse_adam": "embedding updated by its touched rows (SparseAdam's rule)"}[v["embedding_update"]],
+             "lm_head updated inside the fused loss" if v["head_update"] == "in_loss" else "lm_head updated densely"]
+    keys = " ".join(f"method.{k}={x}" for k, x in v.items())
+    return f"{', '.join(parts)} ({keys})"
 
 
 def render_plan(rec: dict) -> str:
@@ -82,7 +95,9 @@ def render_plan(rec: dict) -> str:
     gib = lambda x: "—" if x is None else f"{x:.2f}"
     acts = c["activation"]
     if c["layer_recompute"]:
-        policy = "full layer recomputation" + "".join(f", {k} {a}" for k, a in acts.items()
+        codec = c.get("layer_codec", "keep")
+        coded = f" (layer inputs {codec}: activation.residual={codec})" if codec != "keep" else ""
+        policy = "full layer recomputation" + coded + "".join(f", {k} {a}" for k, a in acts.items()
                                                       if a != "keep" and k in ("norm", "lm_head"))
     else:
         policy = ", ".join(f"{k} {a}" for k, a in acts.items() if a != "keep") or "keep everything"
@@ -97,6 +112,7 @@ def render_plan(rec: dict) -> str:
         ("optimizer", f"Mode {o['mode']}, {o['dtype']} state, lm_head {'projected' if o['head'] else 'dense'}"
                       + (", dense weights bitsandbytes 8-bit AdamW" if o["dense_8bit"] else "")
                       + (", INT8 projected weights" if o["weights"] == "int8" else "")),
+        ("vocabulary", vocab_row(o.get("vocab"))),
         ("ranks", ranks),
         ("retained gradient energy (bound)", f"{rec['energy']:.4f}"),
         ("activations", policy),
