@@ -116,10 +116,11 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
     space = space_from(planner)
     workers = workers_from(planner)  # a bad value refused before anything is traced
     layers = target_layers(run)
-    refresh = bool(planner.get("table")) or bool(planner.get("refresh_costs"))
-    table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else  # --table: the committed file
-                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
-    if refresh:
+    # --table: the committed file, extended by what it lacks (its entries are current by their group key, which
+    # holds METER_VERSION); refresh_costs=true: traced again from scratch
+    table = (table_type or Table)(run, model_label(run), TABLE_DIR if planner.get("table") else
+                                  Path(run.results_dir).expanduser() / USER_DIR, planner.get("_overrides"))
+    if planner.get("refresh_costs"):
         table.clear()
     wkey = "weights:" + ",".join(sorted(space.weight_dtypes))
     hit = table.get(wkey)
