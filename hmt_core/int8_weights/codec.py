@@ -20,8 +20,6 @@ does for its fallbacks); both write the product straight into the output.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
@@ -44,15 +42,19 @@ def _split(cols: int, block: int) -> tuple[int, int]:
     return n, n * block
 
 
+def _absmax(v: Tensor, dim: int) -> Tensor:  # -> fp32, ``v`` reduced over ``dim``
+    high = v.amax(dim=dim)
+    return torch.maximum(high, v.amin(dim=dim).neg_(), out=high).float()
+
+
 def block_absmax(w: Tensor, block: int) -> Tensor:  # w: (rows, cols) -> (rows, nb) fp32
     rows, cols = w.shape
     n, full = _split(cols, block)
     parts = []
-    if n:
-        v = w[:, :full].reshape(rows, n, block)  # max |w| in one reduction (the ∞-norm), no |w| temporary
-        parts.append(torch.linalg.vector_norm(v, ord=math.inf, dim=2).float())
+    if n:  # max |w| as max(max w, −min w): no |w| temporary; on CPU ~20x faster than the ∞-norm's reduction
+        parts.append(_absmax(w[:, :full].reshape(rows, n, block), dim=2))
     if full < cols:
-        parts.append(torch.linalg.vector_norm(w[:, full:], ord=math.inf, dim=1, keepdim=True).float())
+        parts.append(_absmax(w[:, full:], dim=1).unsqueeze(1))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 

@@ -24,7 +24,7 @@ from hmt_core.optim.rows import row_spans
 from hmt_core.optim.settings import OptimizerSettings
 from hmt_core.optim.skip import DeviceSkip, reconcile
 from hmt_core.optim.slot import Slot, load_slot_state, slot_state
-from hmt_core.precision import QuantizedWeight, UpdateWriter, chunk_rows_for
+from hmt_core.precision import UpdateWriter, chunk_rows_for, is_quantized
 from hmt_core.rank import RankHistory
 from hmt_core.rank_budget import make_rank_budget
 
@@ -74,7 +74,7 @@ class LowRankOptimizer:
 
         r = self.rule
         for s in self.slots:
-            if not s.projected and not isinstance(s.param, QuantizedWeight):
+            if not s.projected and not is_quantized(s.param):
                 self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=r.lr, betas=(r.beta1, r.beta2), eps=r.eps,
                                                           weight_decay=r.weight_decay)
 
@@ -114,7 +114,7 @@ class LowRankOptimizer:
 
     def _keep(self, s: Slot) -> Tensor | None:  # the writer's keep flag: decay, stochastic rounding, INT8 codes
         return self.skip.keep(self.rule.weight_decay > 0 or self.writer.stochastic
-                              or isinstance(s.param, QuantizedWeight))
+                              or is_quantized(s.param))
 
     def reconcile(self) -> None:
         reconcile(s.clock for s in self.slots)
@@ -181,7 +181,7 @@ class LowRankOptimizer:
         8-bit moments (``moments8``) each chunk's moments are read as fp32, stepped, and stored back."""
         c = self.rule
         eight = None
-        if c.dense_8bit and isinstance(s.param, QuantizedWeight):
+        if c.dense_8bit and is_quantized(s.param):
             if s.name not in self.moments8:
                 self.moments8[s.name] = Moments8(tuple(grad.shape), grad.device)
             eight = self.moments8[s.name]
@@ -259,7 +259,7 @@ class LowRankOptimizer:
                 self.dense8[s.name].step()
                 return
             rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad) if grad.dim() == 2 else grad.shape[0]
-            if rows < grad.shape[0] or (c.dense_8bit and isinstance(s.param, QuantizedWeight)):
+            if rows < grad.shape[0] or (c.dense_8bit and is_quantized(s.param)):
                 # a large dense weight (embedding, lm_head): row chunks, same arithmetic; 8-bit moments: always
                 self._dense_adam_rows(s, grad, rows)
                 return
