@@ -64,7 +64,8 @@ class DeviceSkip:
                 torch.where(self.flag, o, t, out=t)
 
     def zero(self, d: Tensor) -> Tensor:  # a skipped step's direction or gradient: 0 (also where d is NaN)
-        return d if self.flag is None else d.masked_fill(self.flag, 0.0)
+        # ``where``, not ``masked_fill``: the same one op and output, ~2.5x faster on CPU with a 0-dim mask
+        return d if self.flag is None else torch.where(self.flag, 0.0, d)
 
     def keep(self, needed: bool) -> Tensor | None:  # the writer's ``keep``: only where a zero direction is not enough
         return self.flag if needed else None
