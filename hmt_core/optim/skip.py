@@ -65,8 +65,8 @@ class DeviceSkip:
                 torch.where(self.flag, o, t, out=t)
 
     def zero(self, d: Tensor) -> Tensor:  # a skipped step's direction or gradient: 0 (also where d is NaN)
-        # ``where``, not ``masked_fill``: the same one op and output, ~2.5x faster on CPU with a 0-dim mask; its zero
-        # a 0-dim tensor made once per device (a Python 0.0 is wrapped into a tensor at every call: one more op)
+        # one ``where`` (as ``masked_fill``: one op, one output); its zero a 0-dim tensor made once per device (a
+        # Python 0.0 is wrapped into a tensor at every call: one more op)
         if self.flag is None:
             return d
         key = (self.flag.device, is_fake(self.flag))
