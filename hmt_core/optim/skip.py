@@ -31,7 +31,6 @@ class DeviceSkip:
         self.flag: Tensor | None = None  # () bool on the device while updates run ``under`` it; None: no decision
         self._factors: Tensor | None = None  # (3,) fp32: ``moment_factors`` under ``flag`` (made on first use)
         self._choices: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}  # (run, skip) factors by betas, device
-        self._zeros: dict[tuple[Any, ...], Tensor] = {}  # () fp32 zero by device, fake or not (``zero``)
         self._later: list[tuple[StepClock, Tensor]] | None = None  # (clock, flag) counted by ``flush_counts``; None: at once
 
     @contextmanager
@@ -65,14 +64,7 @@ class DeviceSkip:
                 torch.where(self.flag, o, t, out=t)
 
     def zero(self, d: Tensor) -> Tensor:  # a skipped step's direction or gradient: 0 (also where d is NaN)
-        # one ``where`` (as ``masked_fill``: one op, one output); its zero a 0-dim tensor made once per device (a
-        # Python 0.0 is wrapped into a tensor at every call: one more op)
-        if self.flag is None:
-            return d
-        key = (self.flag.device, is_fake(self.flag))
-        if key not in self._zeros:
-            self._zeros[key] = torch.zeros((), device=self.flag.device)
-        return torch.where(self.flag, self._zeros[key], d)
+        return d if self.flag is None else d.masked_fill(self.flag, 0.0)
 
     def keep(self, needed: bool) -> Tensor | None:  # the writer's ``keep``: only where a zero direction is not enough
         return self.flag if needed else None
