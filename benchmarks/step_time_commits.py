@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import scipy.stats
+
 from benchmarks import host_device_memory as hdm
 from benchmarks import step_profile as sp
 from experiments.results import atomic_write_text
@@ -106,13 +108,26 @@ def measure(trees: dict[str, Path], rows: tuple[str, ...], rounds: int, steps: i
                      "ratio_per_round": ratios[label][row]} for row in rows] for label in trees}
 
 
+def paired_change(base: list[float], head: list[float]) -> tuple[float, float, float] | None:
+    """Head − base of one row's ratio to AdamW, paired by round (both checkouts ran in the same round, at the same
+    load): (mean, standard deviation, two-sided p of the paired t-test, ``scipy.stats.ttest_rel``); None with fewer
+    than 2 rounds or no spread (the reference row)."""
+    diffs = [h - b for b, h in zip(base, head)]
+    if len(diffs) < 2 or statistics.stdev(diffs) == 0:
+        return None
+    return statistics.mean(diffs), statistics.stdev(diffs), float(scipy.stats.ttest_rel(head, base).pvalue)
+
+
 def table(result: dict) -> str:
     base, head = result["trees"]["base"], result["trees"]["head"]
-    lines = [f"| row | CPU per step (ms) at {base} | × adamw fused | CPU per step (ms) at {head} | × adamw fused |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"| row | CPU per step (ms) at {base} | × adamw fused | CPU per step (ms) at {head} | × adamw fused "
+             f"| change of × (paired by round: mean ± sd, p) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for b, h in zip(result["rows"]["base"], result["rows"]["head"]):
+        change = paired_change(b["ratio_per_round"], h["ratio_per_round"])
+        cell = "–" if change is None else f"{change[0]:+.3f} ± {change[1]:.3f}, p = {change[2]:.2f}"
         lines.append(f"| {b['row']} | {b['step_cpu_median_s'] * 1e3:.1f} | {b['ratio_to_adamw_fused']:.2f} | "
-                     f"{h['step_cpu_median_s'] * 1e3:.1f} | {h['ratio_to_adamw_fused']:.2f} |")
+                     f"{h['step_cpu_median_s'] * 1e3:.1f} | {h['ratio_to_adamw_fused']:.2f} | {cell} |")
     return "\n".join(lines)
 
 
