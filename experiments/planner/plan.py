@@ -49,6 +49,7 @@ from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, Space, policy_for
+from experiments.planner.extend import extend
 from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
@@ -171,12 +172,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
     write = functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx)
     for _ in range(int(planner.get("max_iters", 8))):
-        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
-                                       llama=prep.llama, seq_scale=scale))
-        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
-            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
-        sol = fix.choose(prob)
+        prob, sol = next_choice(prep, planner, fix, step_budget, scale, log)
         if sol is None and best is not None:  # the leanest choice one sequence further was over: done
             break
         if sol is None:
@@ -209,6 +205,20 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
+
+
+def next_choice(prep: Prepared, planner: dict, fix: Corrections, step_budget: float, scale: float, log):
+    """(the corrected problem, its next choice), solved again after tracing the costs the choice's micro-batch
+    needs past the traced ones (``experiments.planner.extend``) until it needs none."""
+    while True:
+        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
+                                       llama=prep.llama, seq_scale=scale))
+        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
+            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
+        sol = fix.choose(prob)
+        if sol is None or prep.table is None or not extend(prep, sol, seq_scale=scale, log=log):
+            return prob, sol
 
 
 def write_plan(run, planner: dict, space: Space, plan_path: Path, sol, *, budget: float, ctx: float) -> float:
