@@ -93,6 +93,8 @@ def extend(prep, sol: Solution, *, seq_scale: float = 1.0, log=print) -> bool:
     for key, (name, layers, batch, _) in keyed.items():
         prep.record["samples"].setdefault(name, {})[f"L{layers}b{batch}"] = found[key]
     prep.record["segments"][-1:-1] = new_lines  # the main line stays last
+    prep.record["traces"] += traced
+    prep.record["cached"] += len(points) - traced
     prep.costs = derive(prep.record, prep.layers)
     log(f"costs: {len(points) - traced} of {len(points)} from the cost table, {traced} traced in "
         f"{time.perf_counter() - start:.0f} s")

@@ -242,9 +242,11 @@ def traced_step(run, plan_path: Path, verify_dir: Path, step: dict, step_budget:
     t0 = time.perf_counter()
     summary = verify_plan(plan_path.stem, plan_path.parent, verify_dir)
     verified = step_bytes(summary["dryrun"], run)
-    step.update(verified_peak_gib=verified / GIB, verify_s=round(time.perf_counter() - t0, 1))
+    live = summary["dryrun"]["verdict_peak_bytes"] / GIB
+    step.update(verified_peak_gib=verified / GIB, verified_live_gib=live, verify_s=round(time.perf_counter() - t0, 1))
     log(f"verify: predicted {step['predicted_peak_gib']:.3f} GiB, measured {verified / GIB:.3f} GiB "
-        f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
+        f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; live peak {live:.3f} GiB; "
+        f"{step['verify_s']:.0f} s)")
     return summary, verified
 
 
