@@ -1,21 +1,19 @@
 """The cost samples an answer needs beyond the committed ones: the reference and the chosen activation choices traced
-at the micro-batches around the answer (``extend``), so the planner never answers from a line extrapolated past its
+at the micro-batches around the answer (``extend``), so the planner (``plan_with``) never answers from a line extrapolated past its
 measurements.
 
 A phase's peak is a maximum over events affine in the micro-batch b, so it is convex in b: a secant between two
 traced micro-batches bounds it from above between them and from below outside (``experiments.planner.segments``).
 The table holds the reference up to ``MAX_TOKENS`` tokens and each activation choice's delta only on the main pair
-(b_a, b_b); beyond them the planner's lines are optimistic. Where one event overtakes another past the traced
-micro-batches the error is large: Qwen2.5-0.5B with full layer recomputation (hidden 896, vocabulary 151,936) has
-its backward peak in the fused loss's logits chunk (static) up to ~8 sequences and inside a recomputed layer
-(0.157 GiB per sequence at 2 layers, 2.3× the slope between 4 and 8) from 16 on, so the 24-layer plan at 127
-sequences was predicted 15.16 GiB and traced 30.20 (docs/planner.md). ``extend`` traces, for a solution at b
-sequences, the reference at the doublings past its top up to b and each of the solution's activation samples at
-every doubling from b_a up to there (at the sample's own depths); ``experiments.planner.costs.derive`` then holds a
-line per pair of neighbouring doublings, with each choice's delta on it, so the answer's prediction is the secant of
-its own piece. The optimizer and vocabulary samples stay static deltas measured at b_a (their states and buffers
-do not scale with b). The extra samples are cached as every cost sample (the user's cache, or the committed table
-with ``--table``).
+(b_a, b_b); past them the planner's lines are optimistic, by much where one event overtakes another there (a tied
+model with a large vocabulary under full layer recomputation: the fused loss's static logits chunk, then a
+recomputed layer's per-sequence bytes; docs/planner.md, "Micro-batches past the traced ones"). ``extend`` traces,
+for a solution at b sequences, the reference at the doublings past its top up to b and each of the solution's
+activation samples at every doubling from b_a up to there (at the sample's own depths);
+``experiments.planner.costs.derive`` then holds a line per pair of neighbouring doublings, with each choice's delta
+on it, so the answer's prediction is the secant of its own piece. The optimizer and vocabulary samples stay static
+deltas measured at b_a (measured constant in b for Qwen2.5-0.5B's chosen option, not in general). The extra samples
+are cached as every cost sample, in the user's cache (``--table`` does not trace them).
 """
 
 from __future__ import annotations
