@@ -18,14 +18,15 @@ from experiments.planner import cli as plan_cli
 
 # 2 decoder layers: the "full size" verification is a 2-layer trace (seconds), the costs' depth line is exact there
 MODEL = ["model=tiny", "model.hidden_size=64", "model.num_heads=2", "model.intermediate_size=344",
-         "model.vocab_size=8192", "model.tie_embeddings=true", "model.num_layers=2", "model.max_position_embeddings=2048",
-         "train.seq_len=2048", "train.ce_chunk_tokens=2048", "dryrun.reserve=flat", "dryrun.cuda_context_gib=0"]
-# one optimizer option and full layer recomputation only: the reference (1 … 64 sequences), the layer-recomputation
-# sample on the main pair (16, 32) and what the answer needs past it
+         "model.vocab_size=8192", "model.tie_embeddings=true", "model.num_layers=2",
+         "model.max_position_embeddings=2048", "train.seq_len=2048", "train.ce_chunk_tokens=2048",
+         "dryrun.reserve=flat", "dryrun.cuda_context_gib=0"]
+# one optimizer option and full layer recomputation only: the reference (1 … 16 sequences), the layer-recomputation
+# sample on the main pair (4, 8) and what the answer needs past them (20 traces of a few seconds)
 SPACE = ["modes=[A]", "state_dtypes=[bf16]", "weight_dtypes=[bf16]", "dense_8bit=[false]", "project_head=[false]",
          "state_budgets=[0.25]", "actions=[keep]", "layer_recompute=[true]", "max_batch_size=32",
          "embedding_dtypes=[bf16]", "embedding_updates=[dense]", "head_updates=[dense]", "layer_inputs=[keep]"]
-BUDGET = 0.3  # GiB
+BUDGET = 0.3  # GiB: above the probe and 16 sequences (0.05, 0.19), below 32 (0.38): the answer lies between
 CALIBRATION = {"device": "test", "flops_per_s": 1e11, "bytes_per_s": 1e10, "codec_s_per_byte": {"int8": 1e-9}}
 
 

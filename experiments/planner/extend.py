@@ -1,6 +1,6 @@
 """The cost samples an answer needs beyond the committed ones: the reference and the chosen activation choices traced
-at the micro-batches around the answer (``extend``), so the planner (``plan_with``) never answers from a line extrapolated past its
-measurements.
+at the micro-batches around the answer (``extend``), so the planner (``plan_with``) never answers from a line
+extrapolated past its measurements.
 
 A phase's peak is a maximum over events affine in the micro-batch b, so it is convex in b: a secant between two
 traced micro-batches bounds it from above between them and from below outside (``experiments.planner.segments``).
