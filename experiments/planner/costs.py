@@ -193,7 +193,7 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
                  for name, layers, batch, r in points]
         found = {key: table.get(key) for *_, key in keyed}
         missing = {key: (name, layers, batch, r) for name, layers, batch, r, key in keyed if found[key] is None}
-        traced = _trace_missing(run, table, missing, found, workers=workers, log=log, start=start)
+        traced = trace_missing(run, table, missing, found, workers=workers, log=log, start=start)
     samples: dict[str, dict] = {}
     for name, layers, batch, _, key in keyed:
         samples.setdefault(name, {})[f"L{layers}b{batch}"] = found[key]
@@ -208,7 +208,7 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
             **({"vocab": to_record(vocab)} if vocab is not None else {})}
 
 
-def _trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers: int, log, start: float) -> int:
+def trace_missing(run: RunConfig, table, missing: dict, found: dict, *, workers: int, log, start: float) -> int:
     """Trace ``missing`` ({entry key: (name, layers, batch, run)}), caching each in ``table`` and ``found`` as it
     finishes; returns how many were traced."""
     if not missing:
@@ -241,6 +241,11 @@ def depths(sample: dict, batch: int) -> tuple[int, int]:
     return tuple(sorted(int(n) for n, b in held if int(b) == batch))[:2]
 
 
+def traced_at(sample: dict, *batches: int) -> bool:
+    """Whether ``sample`` holds both of its depths at every one of ``batches``."""
+    return all(len(depths(sample, b)) == 2 for b in batches)
+
+
 def lin(v1: float, v2: float, layers: int) -> float:
     """Value at ``layers`` of the line through (1, v1) and (2, v2): each layer adds the same bytes."""
     return v1 + (layers - 1) * (v2 - v1)
@@ -258,6 +263,9 @@ class Derived:
     opt: dict[str, dict[str, float]] = field(default_factory=dict)
     keep_saved: dict[str, float] = field(default_factory=dict)  # component -> GiB the reference saves (L layers)
     layer_inputs: float = 0.0  # GiB per sequence of the layer inputs full layer recomputation keeps (L layers)
+    # name -> per line of ``base``: the delta over the reference on that line's micro-batches where the sample was
+    # traced at both (``experiments.planner.extend``), else None (the main line's delta, ``act``, holds there)
+    act_lines: dict[str, list[tuple[dict[str, float], dict[str, float]] | None]] = field(default_factory=dict)
 
 
 def derive(record: dict, layers: int | None = None) -> Derived:
@@ -282,13 +290,15 @@ def derive(record: dict, layers: int | None = None) -> Derived:
         static["probe"], per_seq["probe"] = at(ref, "probe", b_a), 0.0
         base.append((start, static, per_seq))
     b_a, b_b = record["segments"][-1][1:]
-    act = {}
-    for name, sample in s.items():
-        if name.startswith("act:"):
-            (st, ps), (rst, rps) = line(sample, b_a, b_b), line(ref, b_a, b_b)
-            act[name] = ({**{p: st[p] - rst[p] for p in STEP_PHASES},
-                          "probe": at(sample, "probe", b_a) - at(ref, "probe", b_a)},
-                         {p: ps[p] - rps[p] for p in STEP_PHASES})
+
+    def delta(sample: dict, lo: int, hi: int) -> tuple[dict[str, float], dict[str, float]]:
+        (st, ps), (rst, rps) = line(sample, lo, hi), line(ref, lo, hi)
+        return ({**{p: st[p] - rst[p] for p in STEP_PHASES}, "probe": at(sample, "probe", lo) - at(ref, "probe", lo)},
+                {p: ps[p] - rps[p] for p in STEP_PHASES})
+
+    act = {n: delta(v, b_a, b_b) for n, v in s.items() if n.startswith("act:")}
+    act_lines = {n: [delta(s[n], lo, hi) if traced_at(s[n], lo, hi) else None for _, lo, hi in record["segments"]]
+                 for n in act}
     opt = {n: {p: at(v, p, b_a) - at(ref, p, b_a) for p in PHASES} for n, v in s.items()
            if n.startswith(("opt:", "vocab:"))}
     first = ref[f"L1b{b_a}"]["saved"], ref[f"L2b{b_a}"]["saved"]
@@ -296,7 +306,7 @@ def derive(record: dict, layers: int | None = None) -> Derived:
              for c in sorted(set(first[0]) | set(first[1]))}
     lr = s.get("act:layer_recompute")
     inputs = 0.0 if lr is None else lin(*(lr[f"L{n}b{b_a}"]["saved"].get("residual", 0) for n in (1, 2)), layers)
-    return Derived(layers, base, act, opt, saved, inputs / GIB / b_a)
+    return Derived(layers, base, act, opt, saved, inputs / GIB / b_a, act_lines)
 
 
 def option_cost(d: Derived, choice: OptChoice, space: Space) -> dict[str, float]:

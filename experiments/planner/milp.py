@@ -60,6 +60,14 @@ class Action:
     per_seq: dict[str, float] = field(default_factory=dict)
     time: float = 0.0
     lossy: int = 0
+    # per line of ``Problem.base``: (static, per_seq) measured on that line's micro-batches, or None where the
+    # choice was measured only on the main line (``static``/``per_seq`` then hold there)
+    lines: tuple[tuple[dict[str, float], dict[str, float]] | None, ...] = ()
+
+    def on(self, line: int) -> tuple[dict[str, float], dict[str, float]]:
+        """(static, per_seq) on the reference's line ``line`` (an index into ``Problem.base``)."""
+        own = self.lines[line] if line < len(self.lines) else None
+        return own if own is not None else (self.static, self.per_seq)
 
 
 @dataclass(frozen=True)
@@ -209,22 +217,18 @@ def _phase_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
     binds only in b's piece; a conditional phase only when n = 1: big-M)."""
     big = _big_m(prob)
     for p in _phases(prob):
-        coef = {v["t",]: -1.0}
-        for i, o in enumerate(prob.options):
-            coef[v["y", i]] = o.static.get(p, 0.0)
-        for c, a in v.x:
-            act = prob.actions[c][a]
-            coef[v["x", c, a]] = act.static.get(p, 0.0)
-            coef[v["w", c, a]] = act.per_seq.get(p, 0.0)
-        if ("l",) in v:
-            coef[v["l",]] = prob.layer_recompute.static.get(p, 0.0)
-            coef[v["wl",]] = prob.layer_recompute.per_seq.get(p, 0.0)
-            for k, act in prob.layer_codecs.items():
-                coef[v["z", k]], coef[v["wz", k]] = act.static.get(p, 0.0), act.per_seq.get(p, 0.0)
-        if p in prob.conditional:
-            coef[v["n",]] = big
-        for seg in prob.base:  # active in b's piece only
-            row = {**coef, v["b",]: seg.per_seq.get(p, 0.0), v["u", seg.start]: big}
+        for j, seg in enumerate(prob.base):  # active in b's piece only; each choice's delta on this line
+            row = {v["t",]: -1.0, **{v["y", i]: o.static.get(p, 0.0) for i, o in enumerate(prob.options)}}
+            pairs = [(v["x", c, a], v["w", c, a], prob.actions[c][a]) for c, a in v.x]
+            if ("l",) in v:
+                pairs.append((v["l",], v["wl",], prob.layer_recompute))
+                pairs += [(v["z", k], v["wz", k], act) for k, act in prob.layer_codecs.items()]
+            for x, w, act in pairs:
+                static, per_seq = act.on(j)
+                row[x], row[w] = static.get(p, 0.0), per_seq.get(p, 0.0)
+            if p in prob.conditional:
+                row[v["n",]] = big
+            row.update({v["b",]: seg.per_seq.get(p, 0.0), v["u", seg.start]: big})
             hi = -seg.static.get(p, 0.0) + big + (big if p in prob.conditional else 0.0)
             out.add(row, -np.inf, hi)
 
@@ -238,7 +242,8 @@ def _big_m(prob: Problem) -> float:
     total += sum(mag(o.static) for o in prob.options)
     acts = [a for group in prob.actions.values() for a in group.values()]
     acts += [prob.layer_recompute, *prob.layer_codecs.values()] if prob.layer_recompute is not None else []
-    total += sum(mag(a.static) + mag(a.per_seq, bmax) for a in acts)
+    total += sum(max(mag(st) + mag(ps, bmax) for st, ps in [(a.static, a.per_seq), *filter(None, a.lines)])
+                 for a in acts)
     return 2 * total + 1
 
 
@@ -322,8 +327,12 @@ def min_peak(prob: Problem) -> float:
 
 def segment(prob: Problem, batch: int) -> list[Segment]:
     """The reference's lines that hold at ``batch``."""
+    return [prob.base[j] for j in _lines_at(prob, batch)]
+
+
+def _lines_at(prob: Problem, batch: int) -> list[int]:
     start = max(s.start for s in prob.base if s.start <= batch)
-    return [s for s in prob.base if s.start == start]
+    return [j for j, s in enumerate(prob.base) if s.start == start]
 
 
 def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], layer_recompute: bool,
@@ -332,20 +341,24 @@ def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], 
     extra = [prob.layer_recompute] if layer_recompute else []
     extra += [prob.layer_codecs[layer_codec]] if layer_recompute and layer_codec != KEEP else []
     nonid = layer_recompute or any(a != KEEP for a in actions.values())
-    lines = segment(prob, batch)
+    chosen = [prob.actions[c][a] for c, a in actions.items()] + extra
     out: dict[str, float | None] = {}
     for p in _phases(prob):
         if p in prob.conditional and not nonid:
             out[p] = None
             continue
-        total = max(s.static.get(p, 0.0) + batch * s.per_seq.get(p, 0.0) for s in lines) + option.static.get(p, 0.0)
-        for c, a in actions.items():
-            act = prob.actions[c][a]
-            total += act.static.get(p, 0.0) + batch * act.per_seq.get(p, 0.0)
-        for act in extra:
-            total += act.static.get(p, 0.0) + batch * act.per_seq.get(p, 0.0)
-        out[p] = total
+        out[p] = max(_on_line(prob.base[j], j, chosen, p, batch) for j in _lines_at(prob, batch)) \
+            + option.static.get(p, 0.0)
     return out
+
+
+def _on_line(seg: Segment, j: int, chosen: list[Action], p: str, batch: int) -> float:
+    """GiB of phase ``p`` at ``batch`` on the reference's line ``j`` with the ``chosen`` actions' deltas on it."""
+    total = seg.static.get(p, 0.0) + batch * seg.per_seq.get(p, 0.0)
+    for act in chosen:
+        static, per_seq = act.on(j)
+        total += static.get(p, 0.0) + batch * per_seq.get(p, 0.0)
+    return total
 
 
 def _solution(prob: Problem, v: _Vars, x: np.ndarray) -> Solution:

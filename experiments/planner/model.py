@@ -219,16 +219,14 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
         for c in COMPONENTS:
             actions[c] = {KEEP: Action()}
             for a in valid_actions(c, space):
-                delta = d.act[f"act:{c}:{a}"]
-                if (c, a) == ("attn_qkv", "recompute") and "act:attn_core:recompute" in d.act:
-                    core = d.act["act:attn_core:recompute"]
-                    delta = tuple({p: x[p] - y.get(p, 0.0) for p in x} for x, y in zip(delta, core))
-                actions[c][a] = _action(delta, action_time(c, a, d, flops, cal), int(a in LOSSY_ACTIONS), seq_scale)
+                over = "act:attn_core:recompute" if (c, a) == ("attn_qkv", "recompute") else None
+                actions[c][a] = _action(d, f"act:{c}:{a}", over, action_time(c, a, d, flops, cal),
+                                        int(a in LOSSY_ACTIONS), seq_scale)
     layer = None
     if llama and "act:layer_recompute" in d.act:
         saved = sum(d.keep_saved.get(c, 0.0) for c in (*LAYER_COMPONENTS, "norm")) * GIB
         t = d.layers * flops.get("layer", 0.0) / cal["flops_per_s"] + saved / cal["bytes_per_s"]
-        layer = _action(d.act["act:layer_recompute"], t, 0, seq_scale)
+        layer = _action(d, "act:layer_recompute", None, t, 0, seq_scale)
     codecs = layer_codecs(d, space, cal, seq_scale) if layer is not None else {}
     requires = ((("attn_qkv", "recompute"), ("attn_core", "recompute")),)
     base = tuple(Segment(start, {p: static.get(p, 0.0) for p in zero},
@@ -242,21 +240,35 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
 def layer_codecs(d: Derived, space: Space, cal: dict, seq_scale: float) -> dict[str, Action]:
     """Each layer-input codec under full layer recomputation: its measured delta over layer recomputation alone,
     the codec's time on the layer inputs' bytes (encode in forward, decode before the recompute)."""
-    lr = d.act["act:layer_recompute"]
     codec_s = cal["codec_s_per_byte"]
     out = {}
     for codec in space.layer_inputs:
         name = f"act:layer_recompute:{codec}"
         if codec != KEEP and name in d.act:
-            delta = tuple({p: x[p] - y.get(p, 0.0) for p in x} for x, y in zip(d.act[name], lr))
             t = d.layer_inputs * GIB * codec_s.get(codec, max(codec_s.values()))
-            out[codec] = _action(delta, t, int(codec in LOSSY_ACTIONS), seq_scale)
+            out[codec] = _action(d, name, "act:layer_recompute", t, int(codec in LOSSY_ACTIONS), seq_scale)
     return out
 
 
-def _action(delta: tuple[dict[str, float], dict[str, float]], t: float, lossy: int, seq_scale: float) -> Action:
-    """A measured delta (static, per sequence); per-sequence bytes and time scale with the sequence length."""
-    static, per_seq = delta
-    return Action(static={**static, "probe": static.get("probe", 0.0) * min(1.0, seq_scale)},
-                  per_seq={p: v * seq_scale for p, v in per_seq.items()}, time=t * seq_scale, lossy=lossy)
+def _action(d: Derived, name: str, over: str | None, t: float, lossy: int, seq_scale: float) -> Action:
+    """The measured delta of sample ``name`` (static, per sequence; less sample ``over``'s where given, on the same
+    line), on the main line and on each line of the reference it was traced on (``Derived.act_lines``);
+    per-sequence bytes and time scale with the sequence length."""
+    def scaled(delta, minus):
+        if delta is None or (over is not None and minus is None):
+            return None
+        if minus is not None:
+            delta = tuple({p: x[p] - y.get(p, 0.0) for p in x} for x, y in zip(delta, minus))
+        static, per_seq = delta
+        return ({**static, "probe": static.get("probe", 0.0) * min(1.0, seq_scale)},
+                {p: v * seq_scale for p, v in per_seq.items()})
+
+    over_main = d.act.get(over) if over is not None else None
+    if over is not None and over_main is None:  # nothing to subtract (e.g. the core's recompute not offered)
+        over = None
+    static, per_seq = scaled(d.act[name], over_main)
+    lines = d.act_lines.get(name, [])
+    minus = d.act_lines.get(over, [None] * len(lines)) if over is not None else [None] * len(lines)
+    return Action(static=static, per_seq=per_seq, time=t * seq_scale, lossy=lossy,
+                  lines=tuple(scaled(x, y) for x, y in zip(lines, minus)))
 

@@ -49,6 +49,7 @@ from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, Space, policy_for
+from experiments.planner.extend import extend
 from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
@@ -171,12 +172,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
     write = functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx)
     for _ in range(int(planner.get("max_iters", 8))):
-        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
-                                       llama=prep.llama, seq_scale=scale))
-        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
-            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
-        sol = fix.choose(prob)
+        prob, sol = next_choice(prep, planner, fix, step_budget, scale, log)
         if sol is None and best is not None:  # the leanest choice one sequence further was over: done
             break
         if sol is None:
@@ -211,6 +207,20 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     return out
 
 
+def next_choice(prep: Prepared, planner: dict, fix: Corrections, step_budget: float, scale: float, log):
+    """(the corrected problem, its next choice), solved again after tracing the costs the choice's micro-batch
+    needs past the traced ones (``experiments.planner.extend``) until it needs none."""
+    while True:
+        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
+                                       llama=prep.llama, seq_scale=scale))
+        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
+            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
+        sol = fix.choose(prob)
+        if sol is None or prep.table is None or not extend(prep, sol, seq_scale=scale, log=log):
+            return prob, sol
+
+
 def write_plan(run, planner: dict, space: Space, plan_path: Path, sol, *, budget: float, ctx: float) -> float:
     """Writes ``sol`` as the plan config at ``plan_path``; returns its predicted peak (GiB)."""
     predicted = max(v for v in sol.predicted.values() if v is not None)
@@ -232,9 +242,11 @@ def traced_step(run, plan_path: Path, verify_dir: Path, step: dict, step_budget:
     t0 = time.perf_counter()
     summary = verify_plan(plan_path.stem, plan_path.parent, verify_dir)
     verified = step_bytes(summary["dryrun"], run)
-    step.update(verified_peak_gib=verified / GIB, verify_s=round(time.perf_counter() - t0, 1))
+    live = summary["dryrun"]["verdict_peak_bytes"] / GIB
+    step.update(verified_peak_gib=verified / GIB, verified_live_gib=live, verify_s=round(time.perf_counter() - t0, 1))
     log(f"verify: predicted {step['predicted_peak_gib']:.3f} GiB, measured {verified / GIB:.3f} GiB "
-        f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; {step['verify_s']:.0f} s)")
+        f"({'fits' if verified <= step_budget * GIB else 'over'} {step_budget:.2f} GiB; live peak {live:.3f} GiB; "
+        f"{step['verify_s']:.0f} s)")
     return summary, verified
 
 

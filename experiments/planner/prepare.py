@@ -100,6 +100,8 @@ class Prepared:
     cal: dict
     weights_gib: float
     lowest: str  # what the leanest weights are (e.g. "int8 projected weights")
+    table: Table | None = None  # where more cost samples are read and cached (``experiments.planner.extend``)
+    workers: int = 1  # processes missing cost traces may use
 
     @property
     def verify_dir(self) -> Path:
@@ -139,4 +141,4 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
     record = measure(run, space, llama=llama, table=table, log=log, workers=workers, vocab=vocab)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
     return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
-                    load_calibration(planner, run), weights, label)
+                    load_calibration(planner, run), weights, label, table, workers)
