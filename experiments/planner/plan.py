@@ -152,6 +152,13 @@ class NoPlan(UserError):
     """No choice fits the budget at one sequence of ``train.seq_len`` tokens (predicted)."""
 
 
+# What an answer without ``verify=true`` leaves free beside its predicted live peak, as a fraction of that peak: the
+# caching allocator's slack (reserved beyond live bytes, ``dryrun.reserve=modeled``), which no cost sample predicts
+# (``Corrections``). The largest measured on verified model-card plans at 16 GiB: 14.4-17.9 % (docs/planner.md,
+# "Allocator slack in an unverified answer").
+UNVERIFIED_SLACK = 0.18
+
+
 def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | None = None, name: str | None = None,
               record_dir: Path | None = None, log=print) -> dict:
     """Solve and write the plan config; with ``verify=true`` trace it at full size and, on a miss, correct the cost
@@ -168,18 +175,20 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     record_dir = record_dir or folder
     plan_path = folder / f"{name}.yaml"
     step_budget = budget - ctx
+    live_budget = step_budget if planner.get("verify", False) else step_budget / (1 + UNVERIFIED_SLACK)
     fix, scale = Corrections(), run.train.seq_len / prep.record["seq_len"]
     iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
     write = functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx)
     for _ in range(int(planner.get("max_iters", 8))):
-        prob, sol = next_choice(prep, planner, fix, step_budget, scale, log)
+        prob, sol = next_choice(prep, planner, fix, live_budget, scale, log)
         if sol is None and best is not None:  # the leanest choice one sequence further was over: done
             break
         if sol is None:
             raise no_plan(run, planner, budget, need=min_peak(prob) + ctx, ctx=ctx, corrected=bool(iterations))
         predicted = write(sol)
         step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
-                "predicted_peak_gib": predicted, **fix.record()}
+                "predicted_peak_gib": predicted, "live_budget_gib": live_budget,
+                "slack_allowance": step_budget / live_budget - 1, **fix.record()}
         iterations.append(step)
         if not planner.get("verify", False):
             break

@@ -127,8 +127,13 @@ def render_plan(rec: dict) -> str:
                      + (f", probe {v['probe_peak_bytes'] / GIB:.2f}" if v["probe_peak_bytes"] else "")
                      + f") — {'fits' if v['fits'] else 'DOES NOT FIT'}"))
     else:
-        rows.append(("verified", "no: the peaks above are the cost model's prediction (verify=true traces the full "
-                                 "model once, as the dry-run command below does)"))
+        last = (rec.get("iterations") or [{}])[-1]
+        room = ("" if last.get("live_budget_gib") is None else
+                f", the live peak planned ≤ {last['live_budget_gib']:.2f} GiB so that the caching allocator's slack "
+                f"({last['slack_allowance']:.0%} of it, the most measured on verified plans) fits the step's "
+                f"{rec['budget_gib'] - reserve:.2f}")
+        rows.append(("verified", f"no: the peaks above are the cost model's prediction{room} (verify=true traces the "
+                                 "full model instead, as the dry-run command below does)"))
     rows.append(("TRAINS (a real run)", f"`{rec['run_command']}`" + (f" — {rec['train_note']}"
                                                                      if rec.get("train_note") else "")))
     if rec.get("dryrun_command"):
