@@ -360,6 +360,8 @@ def test_budget_below_the_weights_floor_names_the_floor(capsys, tmp_path):
     (["model=tiny", "budget_gib=1", "actions=[keep,offload_cpu]"], ["offload_cpu"]),
     (["model=tiny", "method=adamw", "budget_gib=1"], ["method=adamw"]),
     (["model=tiny", "budget_gib=16", "workers=0"], ["workers=0", "at least 1"]),
+    (["model=tiny", "--table", "table_budgets=[0]"], ["table_budgets=[0]", "list of GiB"]),
+    (["model=tiny", "--table", "table_budgets=[x]"], ["table_budgets=['x']", "list of GiB"]),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, argv, fragments):
     line = _one_line_error(capsys, [*argv, f"results_dir={tmp_path}"], *fragments)

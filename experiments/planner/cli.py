@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from experiments.errors import UserError, one_line_errors
 from experiments.models import TORCH_DTYPES
 from experiments.planner.capacity import capacity
 from experiments.planner.model import calibrate
-from experiments.planner.plan import make_plan, parse_args, prepare, run_config
+from experiments.planner.plan import make_plan, parse_args, plan_with, prepare, run_config
 from experiments.planner.report import plans_dir, render_plan
 from experiments.results import atomic_write_text
 from experiments.run import preflight, resolve_device
@@ -37,10 +38,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         if planner.get("capacity"):
             return capacity(run, planner, overrides)
         if planner.get("table"):
-            planner.pop("budget_gib", None)
-            rec = prepare(run, planner).record
-            print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
-            return rec
+            return write_table(run, planner)
         if "budget_gib" not in planner:
             raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
         plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
@@ -49,6 +47,29 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         return rec
 
     return one_line_errors(body, FileNotFoundError)
+
+
+def write_table(run, planner: dict) -> dict:
+    """``--table``: the committed cost table of this group, completed; with ``table_budgets=[16,24]`` also the
+    samples the unverified answers at those budgets trace past the table (``experiments.planner.extend``), so a
+    fresh clone answers them from the table alone. The plans themselves go to a temporary folder."""
+    planner.pop("budget_gib", None)
+    budgets = planner.pop("table_budgets", None) or []
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0 for b in budgets):
+        raise UserError(f"table_budgets={budgets}: expected a list of GiB, e.g. table_budgets=[16,24]")
+    prep = prepare(run, planner)
+    rec = prep.record
+    print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
+    with tempfile.TemporaryDirectory() as tmp:
+        for budget in budgets:
+            before = len(prep.table.user)
+            try:
+                plan_with(prep, {**planner, "verify": False, "plan_dir": tmp}, float(budget), log=lambda *a: None)
+            except UserError as e:  # no plan at this budget: nothing past the table to trace for it
+                print(f"cost table: budget_gib={budget:g}: {e}")
+                continue
+            print(f"cost table: budget_gib={budget:g}: {len(prep.table.user) - before} samples past the table added")
+    return rec
 
 
 def process_age_s() -> float:

@@ -27,8 +27,8 @@ micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, `
 ``calibration``, ``refresh_costs``, ``workers`` (processes for missing cost traces) and the choice space ``modes,
 state_budgets, state_dtypes, weight_dtypes, dense_8bit, project_head, actions, layer_recompute, embedding_dtypes,
 embedding_updates, head_updates, layer_inputs, max_batch_size`` (``experiments.planner.space.Space``);
-``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (re-trace this group of the
-committed cost table). Design and measurements: ``docs/planner.md``.
+``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (complete this group of the
+committed cost table; ``table_budgets=[16,24]`` adds the samples the unverified answers at those budgets need). Design and measurements: ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
         "calibration": str, "refresh_costs": bool, "workers": int, "capacity": bool, "calibrate": bool, "table": bool,
-        "methods": list, "readme": str, **{k: (list, int) for k in SPACE_KEYS}}
+        "methods": list, "readme": str, "table_budgets": list, **{k: (list, int) for k in SPACE_KEYS}}
 FLAGS = ("--capacity", "--calibrate", "--table")
 
 
