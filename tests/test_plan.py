@@ -398,3 +398,12 @@ def test_planner_page_capacity_table_is_what_the_committed_results_render():
     page = REPO / "docs" / "planner.md"
     assert BEGIN in page.read_text() and END in page.read_text()
     assert readme_block(page) == render_table(results)
+
+
+def test_no_plan_says_what_an_unverified_answer_leaves_for_the_allocator_and_the_remedy():
+    run = planner.run_config(["model=13b", "train.seq_len=2048"])
+    unverified = str(planner.no_plan(run, {}, 16.0, need=14.51, ctx=0.83, corrected=False, live_budget=12.85))
+    assert "needs 14.51 GiB" in unverified and "≤ 12.85 GiB" in unverified, unverified
+    assert f"{planner.UNVERIFIED_SLACK:.0%}" in unverified and "verify=true" in unverified, unverified
+    verified = str(planner.no_plan(run, {}, 16.0, need=17.06, ctx=0.83, corrected=True))
+    assert "allocator's slack" not in verified and "corrected by the verification traces" in verified, verified
