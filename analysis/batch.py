@@ -137,13 +137,24 @@ def batch_figure(found: Mapping[tuple[str, int], tuple]) -> Figure:
     return fig
 
 
+def with_batch_labels(source: Source) -> Results:
+    """The search runs, each row's setting naming its batch size also where a method ran at one batch only (the
+    setting lists only what differs among a method's runs, so such a row's was empty)."""
+    results, configs = source
+    runs = results.runs.copy()
+    empty = runs["variant_sans_lr"].fillna("") == ""
+    runs.loc[empty, "variant_sans_lr"] = [f"train.batch_size={configs[r]['train.batch_size']}"
+                                          for r in runs.loc[empty, "run_id"]]
+    return dataclasses.replace(results, runs=runs)
+
+
 def write_outputs(batch: Path, campaign: Path, controls: Path, out: Path) -> list[Path]:
     """tables/batch.{md,tex}, tables/batch_lr_search.{md,tex} and figures/batch.{png,pdf} under ``out``."""
     sources = _sources(batch, campaign, controls)
     found = batch_runs(sources)
     tables = [batch_table(found)]
     if sources[BATCH][1] is not None:
-        tables.append(dataclasses.replace(lr_search_table(sources[BATCH][1][0]), name="batch_lr_search",
+        tables.append(dataclasses.replace(lr_search_table(with_batch_labels(sources[BATCH][1])), name="batch_lr_search",
                                           title="Learning-rate search of the batch campaign: validation loss per "
                                                 "rate (seed 0; the batch size is in the setting)"))
     written = write_table_files(tables, out / "tables")

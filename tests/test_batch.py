@@ -9,9 +9,11 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
 from analysis import batch
+from analysis.load import Results
 from analysis.rows import matches
 from analysis.settings import _flatten
 
@@ -82,3 +84,12 @@ def test_a_winner_at_the_grid_edge_is_not_bracketed(tmp_path: Path) -> None:
     edge = [_copy(hmt[0], search, batch_size=64, shift=shift, lr=lr)
             for lr, shift in ((3e-3, -0.1), (1e-2, 0.0), (3e-2, 0.2), (1e-1, 0.5), (3e-1, 1.0))][0]
     assert _table(root)[("HMT default", "64")][3:7] == ["0.003 (edge)", f"{edge:.3f}", "0.003", "no"]
+
+
+def test_a_search_row_names_its_batch_even_where_its_method_ran_at_one_batch_only():
+    runs = pd.DataFrame({"run_id": ["a", "b", "c"], "variant_sans_lr": ["", None, "train.batch_size=64, x=1"]})
+    results = Results(runs=runs, metrics=pd.DataFrame(), ranks=pd.DataFrame(), rank_hist=pd.DataFrame(),
+                      activations=pd.DataFrame())
+    configs = {"a": {"train.batch_size": 32}, "b": {"train.batch_size": 32}, "c": {"train.batch_size": 64}}
+    labelled = batch.with_batch_labels((results, configs)).runs["variant_sans_lr"].tolist()
+    assert labelled == ["train.batch_size=32", "train.batch_size=32", "train.batch_size=64, x=1"], labelled
