@@ -204,6 +204,8 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
         + (f", {traced} traced in {time.perf_counter() - start:.0f} s" if traced else ""))
     return {"key": table.key, "layers": target_layers(run), "seq_len": run.train.seq_len, "llama": llama,
             "space": dataclasses.asdict(space), "segments": segments, "samples": samples, "traces": traced,
+            # Mode A's low-rank updates wait for the clipping norm (experiments.planner.deferred); None: not deferred
+            "deferred_sides": run.method.sides if run.train.max_grad_norm else None,
             "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1),
             **({"vocab": to_record(vocab)} if vocab is not None else {})}
 
