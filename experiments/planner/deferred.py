@@ -45,12 +45,18 @@ def low_numel(numel: int, smaller_side: int, rank: int, sides: str) -> int:
     return rank * (numel // smaller_side)
 
 
+def low_elements(ranks: Mapping[str, int], weights: Mapping[str, list[int]], sides: str) -> int:
+    """Ĝ elements of the projected weights in ``ranks`` (name -> rank held); ``weights``: name -> [elements,
+    smaller side] (``experiments.planner.model.weight_stats``)."""
+    return sum(low_numel(*weights[n], r, sides) for n, r in ranks.items() if n in weights)
+
+
 def deferred_bytes(ranks: Mapping[str, int], weights: Mapping[str, list[int]], sides: str) -> int:
     """Bytes the deferred updates may hold beyond the resident ones: the low-rank temporaries of the projected
     weights in ``ranks`` (name -> rank held), and for every other trainable weight its gradient and the same three
     fp32 temporaries of the dense grouped update (``update_dense_many``, after the low-rank ones are freed).
     ``weights``: name -> [elements, smaller side] (``experiments.planner.model.weight_stats``)."""
-    low = sum(low_numel(*weights[n], r, sides) for n, r in ranks.items() if n in weights)
+    low = low_elements(ranks, weights, sides)
     dense = sum(numel for n, (numel, _) in weights.items() if n not in ranks)
     return DEFERRED_COPIES * FP32 * low + (DEFERRED_COPIES + 1) * FP32 * dense
 
@@ -79,7 +85,7 @@ def deferred_excess_gib(record: dict, stats: dict, name: str, layers: int) -> fl
     temps = (deferred_bytes(two["ranks"], stats["L2"]["weights"], sides)
              - deferred_bytes(one["ranks"], stats["L1"]["weights"], sides))
     slope = two["optimizer"] - one["optimizer"]
-    low = [sum(low_numel(*stats[k]["weights"][n], r, sides) for n, r in x["ranks"].items() if n in stats[k]["weights"])
-           for k, x in (("L1", one), ("L2", two))]
-    grouped = min(deferred["chunk_bytes"], ADAM_TEMPS * FP32 * layers * (low[1] - low[0]))  # the layers' slots
+    per_layer = (low_elements(two["ranks"], stats["L2"]["weights"], sides)
+                 - low_elements(one["ranks"], stats["L1"]["weights"], sides))
+    grouped = min(deferred["chunk_bytes"], ADAM_TEMPS * FP32 * layers * per_layer)  # the layers' slots only
     return ((layers - 2) * max(0, resident + temps - slope) + grouped) / GIB
