@@ -1,7 +1,7 @@
 """The planner's bound on HMT Mode A's optimizer phase past the traced depths (``experiments.planner.deferred``).
 
 What is proven: on a small Llama shape whose LM head is large against its layers (as Llama-3.2-1B/3B's are), the
-optimizer-phase peak traced at full depth is ABOVE the line through the 1- and 2-layer traces when clipping
+optimizer-phase peak traced at full depth (6 layers) is ABOVE the line through the 1- and 2-layer traces when clipping
 defers the low-rank updates (the old prediction, which this test fails on), and at most the planner's bound;
 without clipping (nothing deferred) the bound adds nothing and the line is the full trace.
 No tolerance: fake-tensor traces count exact integer bytes on both sides, and the bound is an upper bound.
@@ -19,7 +19,7 @@ from experiments.planner.costs import GIB, layer_variants, lin, trace_sample
 from experiments.planner.deferred import deferred_excess_gib, deferred_settings
 from experiments.planner.model import weight_stats
 
-DEPTH = 12
+DEPTH = 6
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 384,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 16384, "max_position_embeddings": 256,
          "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "hidden_act": "silu", "num_hidden_layers": DEPTH}
