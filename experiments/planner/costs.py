@@ -41,6 +41,7 @@ from experiments.dryrun import trace_steps
 from experiments.memory.gpu_allowance import traced_step_bytes
 from experiments.models import load_hf_config
 from experiments.planner.cache import Table, entry_key
+from experiments.planner.deferred import deferred_settings
 from experiments.planner.segments import batch_segments
 from experiments.planner.space import (  # noqa: F401 (Space, all_options, opt_key, Vocab: the planner's API here)
     OptChoice,
@@ -204,6 +205,7 @@ def measure(run: RunConfig, space: Space, *, llama: bool, cache_dir: Path | None
         + (f", {traced} traced in {time.perf_counter() - start:.0f} s" if traced else ""))
     return {"key": table.key, "layers": target_layers(run), "seq_len": run.train.seq_len, "llama": llama,
             "space": dataclasses.asdict(space), "segments": segments, "samples": samples, "traces": traced,
+            "deferred": deferred_settings(run),  # Mode A's updates wait for the clipping norm (None: they do not)
             "cached": total - traced, "trace_s": round(time.perf_counter() - start, 1),
             **({"vocab": to_record(vocab)} if vocab is not None else {})}
 

@@ -48,6 +48,7 @@ from experiments.planner.costs import (
     option_cost,
     valid_actions,
 )
+from experiments.planner.deferred import deferred_excess_gib
 from experiments.planner.milp import Action, KEEP, Option, Problem, Segment
 from experiments.planner.vocab import from_record
 from hmt_core.activations.apply import llama_scopes
@@ -211,7 +212,10 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
                  + choice.vocab.lossy)
         sample = f"opt:{choice.mode}:{choice.dtype}:{choice.budget:g}:int8" \
             if choice.weights == "int8" and not choice.head else opt_key(choice)
-        options.append(Option(choice.label(), option_cost(d, choice, space),
+        cost = option_cost(d, choice, space)
+        if choice.mode == "A":  # the deferred low-rank update, hidden at 1-2 layers (experiments.planner.deferred)
+            cost = {**cost, "optimizer": cost["optimizer"] + deferred_excess_gib(record, stats, sample, d.layers)}
+        options.append(Option(choice.label(), cost,
                               energy(stats, record, sample, d.layers), lossy, choice))
     zero = {p: 0.0 for p in PHASES}
     actions: dict[str, dict[str, Action]] = {}
