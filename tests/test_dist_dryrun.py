@@ -100,18 +100,20 @@ def real() -> dict:
         return json.loads(Path(out, "rank0.json").read_text())
 
 
-def _close(actual: dict, expected: dict, *, late_bytes: int = 0) -> list[str]:
+def _close(actual: dict, expected: dict, *, late_bytes: int = 0, either_way: bool = False) -> list[str]:
     """Rows that differ by more than 1 % (categories: or 64 bytes, a step counter's size) — printed on failure.
 
-    ``late_bytes``: the real run (``expected``) may hold up to this many bytes more than the fake one, never less.
+    ``late_bytes``: the real run (``expected``) may hold up to this many bytes more than the fake one, never less;
+    ``either_way``: more or less (a category split of a peak whose total is held to the one-sided rule).
     """
     bad = []
     for key, value in expected.items():
         if isinstance(value, dict):
-            bad += [f"{key}.{row}" for row in _close(actual[key], value, late_bytes=late_bytes)]
+            split = key == "categories"
+            bad += [f"{key}.{row}" for row in _close(actual[key], value, late_bytes=late_bytes, either_way=split)]
             continue
         slack = max(0.01 * abs(value), 64)
-        if not -slack <= value - actual[key] <= slack + late_bytes:
+        if not -slack - (late_bytes if either_way else 0) <= value - actual[key] <= slack + late_bytes:
             bad.append(f"{key}: fake {actual[key]:,} vs real {value:,}")
     return bad
 
@@ -124,8 +126,12 @@ def test_fake_process_group_rank0_equals_real_two_process_rank0(real, name):
     # run still holds one such buffer at a later peak. Seen under load: +65,682 B and +131,200 B (the root's) in
     # the optimizer phase, +100,620 B (a decoder layer's, 100,608 B) at the backward peak, the bytes landing in
     # whatever category the meter was counting. Timing, not bytes: the real run may exceed the fake one by at
-    # most the largest such buffer, in any row, and never fall below it by more than 1 %. DDP reduces into its
-    # persistent bucket buffers, which nothing releases late, so it keeps the plain 1 %.
+    # most the largest such buffer, in any row, and never fall below it by more than 1 %. A peak's split into
+    # categories may move that buffer's bytes either way: at an equal forward peak (1,956,444 B both) a real run
+    # once counted 100,608 B more activations and 100,608 B less temp than the fake one (a layer's buffer held late
+    # where the fake run held a temporary of the same size), so a category row may also fall below by that much;
+    # the peaks and phases keep the one-sided rule. DDP reduces into its persistent bucket buffers, which nothing
+    # releases late, so it keeps the plain 1 %.
     late = LATE_RS_INPUT_BYTES if name.startswith("fsdp2") else 0
     bad = _close(fake, real[name], late_bytes=late)
     assert not bad, f"{name}: fake W=2 vs real 2-process rank 0:\n  " + "\n  ".join(bad) + f"\nfake {fake}\nreal {real[name]}"
