@@ -76,7 +76,7 @@ def row_runs(row: Row, results: Results, configs: Mapping[str, dict]) -> pd.Data
 
 
 def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Table:
-    """The chain's rows, then the controls'; Δ and the Welch verdict against the chain row above (controls:
+    """The chain's rows, then the controls'; Δ and the paired t-test's verdict against the chain row above (controls:
     against HMT default)."""
     found = {row.label: row_runs(row, *sources[row.source]) for row in ROWS}
     default = next(row.label for row in ROWS if row.source == CAMPAIGN and row.keys == HMT)
@@ -90,8 +90,8 @@ def ablation_table(sources: Mapping[str, tuple[Results, dict[str, dict]]]) -> Ta
     n_chain = sum(row.chain for row in ROWS)
     return Table("ablation", "From AdamW to HMT default, one difference at a time (tiny Llama, 300 steps; each row "
                  "at its tuned learning rate, validation loss mean ± std over seeds 1-3; Δ against the row above, "
-                 "a difference counting only when Welch's t-test gives p < 0.05), and single-difference controls "
-                 "(Δ against HMT default)",
+                 "a difference counting only when the paired t-test over seeds gives p < 0.05), and "
+                 "single-difference controls (Δ against HMT default)",
                  ["Row", "Adds", "Tuned lr", "Seeds", "Val loss", "Δ", "Differs?", "Optimizer state (MiB)"],
                  rows, ["l", "l", "l", "r", "r", "r", "r", "r"],
                  sections=[("Chain: each row adds one difference to the row above", 0),

@@ -5,7 +5,7 @@ Rows are found by configuration (``analysis.rows``): at batch 8 among the campai
 (``results/campaign``; AdamW split from the controls, ``results/campaign-controls``), at 32 and 64 among the batch
 campaign's (``results/campaign-batch``, ``experiments/sweeps/campaign_batch_*.yaml``); each row's tuned rate is
 checked against its own search (``<folder>-lr-search``). Δ is against AdamW split at the same batch, a difference
-counting only when Welch's t-test over the seeds gives p < 0.05.
+counting only when the paired t-test over the seeds (they share the data order) gives p < 0.05.
 
     python -m analysis.batch results/campaign-batch results/campaign results/campaign-controls \
         --out docs/campaign
@@ -92,7 +92,7 @@ def batch_runs(sources: Mapping[str, tuple[Source, Source | None]]) -> dict[tupl
 
 
 def batch_table(found: Mapping[tuple[str, int], tuple]) -> Table:
-    """One section per batch size, one row per method; Δ and Welch's verdict against AdamW split there."""
+    """One section per batch size, one row per method; Δ and the paired t-test's verdict against AdamW split there."""
     rows, sections = [], []
     for batch in BATCHES:
         sections.append((f"{batch} sequences × 128 tokens per step", len(rows)))
@@ -107,9 +107,9 @@ def batch_table(found: Mapping[tuple[str, int], tuple]) -> Table:
                          bracketed(runs, keys, search), str(len(runs)),
                          *loss_cells(runs, None if method is METHODS[0] else reference)])
     return Table("batch", "Batch size at equal tokens (tiny Llama, 307,200 training tokens; each row retuned at each "
-                 "batch: learning rate searched at seed 0, the best search point shown, \"(edge)\" where it is an end of "
-                 "its grid; validation loss mean ± std over seeds 1-3 at the tuned rate; Δ against "
-                 "AdamW split at the same batch, a difference counting only when Welch's t-test gives p < 0.05)",
+                 "batch: learning rate searched at seed 0, the best search point shown, \"(edge)\" where it is an end "
+                 "of its grid; validation loss mean ± std over seeds 1-3 at the tuned rate; Δ against AdamW split at "
+                 "the same batch, a difference counting only when the paired t-test over seeds gives p < 0.05)",
                  ["Method", "Batch", "Steps", "Search: best lr", "Search: loss (seed 0)", "Tuned lr", "Bracketed",
                   "Seeds", "Val loss", "Δ vs AdamW split", "Differs?"], rows,
                  ["l", "r", "r", "l", "r", "l", "r", "r", "r", "r", "r"], sections=sections)

@@ -4,7 +4,8 @@ tuned campaign row (``experiments/sweeps/campaign_embedding.yaml``) against the 
 
 Rows are found by configuration (``analysis.rows``): the savings among ``results/campaign-embedding``'s final
 runs, the rows they are compared with (HMT default, the memory-minimal setting) among ``results/campaign``'s.
-Δ is against that row, a difference counting only when Welch's t-test over the seeds gives p < 0.05.
+Δ is against that row, a difference counting only when the paired t-test over the seeds (they share the data
+order) gives p < 0.05.
 
     python -m analysis.embedding_cost results/campaign-embedding results/campaign --out docs/campaign/tables
 """
@@ -76,7 +77,7 @@ def embedding_table(sources: Mapping[str, tuple[Source, Source | None]]) -> Tabl
                      mean_mib(runs, "optim_state_bytes"), mean_mib(runs, "peak_bytes")])
     return Table("embedding_cost", "What the embedding and LM-head savings cost in loss (tiny Llama, 300 steps; each "
                  "row at its tuned learning rate, validation loss mean ± std over seeds 1-3; Δ against the row "
-                 "named, a difference counting only when Welch's t-test gives p < 0.05)",
+                 "named, a difference counting only when the paired t-test over seeds gives p < 0.05)",
                  ["Row", "Adds", "Against", "Tuned lr", "Bracketed", "Seeds", "Val loss", "Δ", "Differs?",
                   "Optimizer state (MiB)", "Peak memory (MiB)"], rows,
                  ["l", "l", "l", "l", "r", "r", "r", "r", "r", "r", "r"])

@@ -92,13 +92,20 @@ def bracketed(runs: pd.DataFrame, keys: Mapping[str, Any], search: Source | None
     return "yes" if best[2] and math.isclose(best[0], tuned) else "no"
 
 
+def loss_by_seed(runs: pd.DataFrame) -> dict[int, float]:
+    """``{seed: final validation loss}`` of a row's runs (the seeds share their data order across rows)."""
+    loss = pd.to_numeric(runs["val_loss"], errors="coerce")
+    return {int(seed): float(value) for seed, value in zip(runs["seed"], loss)}
+
+
 def loss_cells(runs: pd.DataFrame, reference: pd.DataFrame | None) -> list[str]:
-    """[val loss mean ± std, Δ of the means against ``reference``, Welch's verdict] ("—" where undefined)."""
+    """[val loss mean ± std, Δ of the means against ``reference``, the paired t-test's verdict over the seeds both
+    ran (``analysis.stats.verdict``)] ("—" where undefined)."""
     loss = pd.to_numeric(runs["val_loss"], errors="coerce")
     ref = pd.to_numeric(reference["val_loss"], errors="coerce") if reference is not None else pd.Series(dtype=float)
     delta = loss.mean() - ref.mean() if len(loss) and len(ref) else None
     return [fmt_mean_std(runs["val_loss"], ".3f") if len(runs) else "—", fmt(delta, "+.3f"),
-            stats.welch_verdict(list(loss), list(ref)) if delta is not None else "—"]
+            stats.verdict(loss_by_seed(runs), loss_by_seed(reference)) if delta is not None else "—"]
 
 
 def mean_mib(runs: pd.DataFrame, column: str) -> str:

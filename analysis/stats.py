@@ -8,9 +8,8 @@ consistent from seed to seed; a "no" means "not shown with these seeds", not "eq
 test (``scipy.stats.wilcoxon``) is not used: with n = 3 pairs its smallest two-sided p is 0.25, so it can never
 reject.
 
-Where two settings' seeds do not share a data order, or to compare unpaired, ``welch_verdict`` applies Welch's
-unequal-variance t-test (Welch, 1947; ``scipy.stats.ttest_ind(equal_var=False)``) to the two samples of final
-losses (``analysis.ablation`` uses it, as docs/campaign/findings.md states).
+Every table compares paired: an unpaired test (Welch's) would count the seeds' shared data order as noise and
+miss differences that hold at every seed.
 """
 
 from __future__ import annotations
@@ -60,38 +59,3 @@ def verdict(a: Mapping, b: Mapping) -> str:
         return "no"
     diffs = [x - y for x, y in paired(a, b)]
     return "lower" if sum(diffs) < 0 else "higher"
-
-
-def _finite_values(values: Sequence[float]) -> list[float]:
-    return [float(x) for x in values if _finite(x)]
-
-
-def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """Two-sided p-value of Welch's t-test over the finite values; NaN with fewer than two on either side. Two
-    samples with zero spread each are as different as their means say: p = 0 if they differ, 1 if equal."""
-    from scipy import stats
-
-    a, b = _finite_values(a), _finite_values(b)
-    if len(a) < 2 or len(b) < 2:
-        return math.nan
-
-    def spreadless(x: list[float]) -> bool:  # spread below float rounding: the t statistic would be noise
-        return max(x) - min(x) <= 1e-12 * (max(abs(v) for v in x) or 1.0)
-
-    if spreadless(a) and spreadless(b):
-        return 0.0 if abs(sum(a) / len(a) - sum(b) / len(b)) > 1e-12 * (max(map(abs, a + b)) or 1.0) else 1.0
-    with warnings.catch_warnings():  # scipy warns on near-identical samples; the p-value it returns is still right
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
-
-
-def welch_verdict(a: Sequence[float], b: Sequence[float]) -> str:
-    """``verdict`` for two unpaired samples by Welch's t-test: "lower" / "higher" (mean of ``a`` vs ``b``,
-    significant at ``ALPHA``), "no", or "—" (fewer than two finite values on a side)."""
-    p = welch_p(a, b)
-    if math.isnan(p):
-        return "—"
-    if p >= ALPHA:
-        return "no"
-    a, b = _finite_values(a), _finite_values(b)
-    return "lower" if sum(a) / len(a) < sum(b) / len(b) else "higher"

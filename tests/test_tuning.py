@@ -141,14 +141,20 @@ def test_tuned_local_multirun_searches_then_reruns_the_winner_with_seeds(tmp_pat
     assert "| 3 | 1.002 ± 0.001 | +0.000 | 1.000 | no |" in row, versus
 
 
-def test_seed_spread_verdict() -> None:
-    """Welch's t-test at p < 0.05: separated seeds differ, overlapping ones do not, one seed cannot tell."""
-    from analysis import stats
+def test_table_rows_are_compared_paired_by_seed() -> None:
+    """The ablation/batch/embedding rows' verdict is the paired t-test over common seeds: a difference of 0.01 at
+    every seed counts although the seeds' spread (0.1) hides it from an unpaired test; one seed cannot tell."""
+    import pandas as pd
+    from scipy import stats as scipy_stats
 
-    assert stats.welch_verdict([3.00, 3.01, 3.02], [3.10, 3.11, 3.12]) == "lower"
-    assert stats.welch_verdict([3.10, 3.11, 3.12], [3.00, 3.01, 3.02]) == "higher"
-    assert stats.welch_verdict([3.00, 3.10, 3.05], [3.02, 3.12, 3.01]) == "no"
-    assert stats.welch_verdict([3.0], [3.1, 3.2]) == "—"
-    assert stats.welch_verdict([3.0, float("nan")], [3.1, 3.2]) == "—"
-    # two samples without spread: different means are different (p = 0), equal ones are not (p = 1)
-    assert stats.welch_p([1.0, 1.0], [2.0, 2.0]) == 0.0 and stats.welch_p([1.0, 1.0], [1.0, 1.0]) == 1.0
+    from analysis.rows import loss_cells
+
+    a = pd.DataFrame({"seed": [1, 2, 3], "val_loss": [3.00, 3.10, 3.20]})
+    b = pd.DataFrame({"seed": [1, 2, 3], "val_loss": [3.011, 3.109, 3.211]})
+    welch = scipy_stats.ttest_ind(a["val_loss"], b["val_loss"], equal_var=False).pvalue
+    assert welch > 0.5, welch
+    assert loss_cells(a, b) == ["3.100 ± 0.100", "-0.010", "lower"], loss_cells(a, b)
+    assert loss_cells(b, a)[2] == "higher"
+    assert loss_cells(a.iloc[:1], b)[2] == "—"  # one common seed
+    mixed = pd.DataFrame({"seed": [1, 2, 3], "val_loss": [3.02, 3.09, 3.21]})
+    assert loss_cells(a, mixed)[2] == "no"
