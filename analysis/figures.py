@@ -9,7 +9,9 @@ recorded rank histories), so the report can say what it skipped.
 
 from __future__ import annotations
 
+import math
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +35,8 @@ CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4D4D4D", "#8C8C8C", "#B3B3B3", "#6BAED
 
 
 LEGEND_ROW_IN = 0.2  # inches per legend line (x-small type, with the spacing between entries)
+LEGEND_COLUMN_IN = 3.4  # inches per legend column beside a panel
+LEGEND_MAX_LINES = 36  # legend lines per column: a longer legend (a whole results tree) takes more columns
 
 
 def method_colors(methods) -> dict[str, str]:
@@ -47,6 +51,13 @@ def _models(frame: pd.DataFrame) -> list[str]:
 
 def _methods(frame: pd.DataFrame) -> list[str]:
     return sorted(frame["method"].dropna().unique(), key=method_sort_key)
+
+
+def legend_columns(lines: int) -> tuple[int, int]:
+    """(columns, lines per column) of a legend of ``lines`` lines, at most ``LEGEND_MAX_LINES`` lines a column,
+    so that a figure holding every setting of a results tree stays a page tall."""
+    columns = max(1, math.ceil(lines / LEGEND_MAX_LINES))
+    return columns, math.ceil(lines / columns)
 
 
 def _subplots(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
@@ -81,7 +92,9 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
     styles = setting_styles(runs, colors)
     lines = max(sum(len(textwrap.wrap(setting_label(*key), 34)) or 1 for key, _ in groups(
         data[data["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside the panel
-    fig, axes = _subplots(len(models), width=7.5, height=max(4.6, LEGEND_ROW_IN * (lines + 2) + 1.0))
+    columns, per_column = legend_columns(lines + 2)
+    fig, axes = _subplots(len(models), width=4.1 + LEGEND_COLUMN_IN * columns,
+                          height=max(4.6, LEGEND_ROW_IN * per_column + 1.0))
     for ax, model in zip(axes, models):
         for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
             style = styles[(method, variant)]
@@ -106,7 +119,7 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
         kinds = [Line2D([], [], color="black", lw=1.6, label="validation (mean, ±1 std band)"),
                  Line2D([], [], color="black", lw=0.8, alpha=0.3, label="train (mean)")]
         ax.legend(handles=handles + kinds, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
-                  borderaxespad=0)
+                  borderaxespad=0, ncols=columns)
     fig.suptitle("Loss curves (mean over seeds, ±1 std band over seeds)")
     return {"loss_curves": fig}
 
@@ -119,6 +132,10 @@ def pareto_front_min(points: list[tuple[float, float]]) -> list[tuple[float, flo
             front.append((mem, loss))
             best = loss
     return front
+
+
+def _loss_memory_label(number: int, setting: tuple[str, str], runs: pd.DataFrame) -> str:
+    return textwrap.fill(f"{number}: {setting_label(*setting)}, {runs['seed'].nunique()} seed(s)", 40)
 
 
 LOSS_MEMORY_AXES = (("optim_state_bytes", "optimizer state (MiB)", 2**20), ("peak_bytes", "peak memory (GiB)", GIB))
@@ -136,10 +153,12 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     models = _models(runs)
     styles = setting_styles(runs, colors)
-    most = max(len(groups(runs[runs["model"] == m], ("method", "variant"))) for m in models)
-    row_height = max(3.9, LEGEND_ROW_IN * (most + 1) + 1.0)  # room for a legend of every setting beside the row
-    fig, grid = plt.subplots(len(models), len(panels), figsize=(5.2 * len(panels) + 3.4, row_height * len(models)),
-                             squeeze=False, layout="constrained")
+    most = max(sum(len(_loss_memory_label(0, key, g).splitlines()) for key, g in groups(
+        runs[runs["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside a row
+    columns, per_column = legend_columns(most + 1)
+    row_height = max(3.9, LEGEND_ROW_IN * per_column + 1.0)  # room for a legend of every setting beside the row
+    fig, grid = plt.subplots(len(models), len(panels), squeeze=False, layout="constrained",
+                             figsize=(5.2 * len(panels) + LEGEND_COLUMN_IN * columns, row_height * len(models)))
     for axes, model in zip(grid, models):
         settings = groups(runs[runs["model"] == model], ("method", "variant"))
         handles = []
@@ -157,8 +176,7 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
                 ax.annotate(str(number), (mem, loss), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
                 if column == panels[0][0]:
                     handles.append(Line2D([], [], color=style.color, marker=style.marker, ls="", mec="black",
-                                          mew=0.5, label=textwrap.fill(f"{number}: {setting_label(method, variant)}"
-                                                                       f", {g['seed'].nunique()} seed(s)", 40)))
+                                          mew=0.5, label=_loss_memory_label(number, (method, variant), g)))
             front = pareto_front_min(points)
             ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1.2, zorder=2)
             xs = [p[0] for p in points]
@@ -167,7 +185,8 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
             ax.set(xlabel=label, ylabel="validation loss (nats/token), mean ± std", title=f"model {model}")
             ax.grid(alpha=0.3)
         handles.append(Line2D([], [], color="grey", ls=":", label="Pareto front (lower memory and loss)"))
-        axes[-1].legend(handles=handles, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        axes[-1].legend(handles=handles, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                        ncols=columns)
     fig.suptitle("Validation loss vs memory (mean over seeds)")
     return {"pareto_val_loss_vs_memory": fig}
 
@@ -192,8 +211,12 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     styles = setting_styles(runs, colors)
     models = _models(runs)
-    fig, axes = _subplots(len(models), width=5.0, height=4.4)
-    fig.set_size_inches(5.0 * len(models) + 3.4, 4.4)
+    labels = {(model, number): textwrap.fill(f"{model} {number}: {setting_label(method, variant)}", 40)
+              for model in models for number, ((method, variant), _) in enumerate(
+                  groups(runs[runs["model"] == model], ("method", "variant")), start=1)}
+    columns, per_column = legend_columns(sum(len(label.splitlines()) for label in labels.values()) + 1)
+    fig, axes = _subplots(len(models), width=5.0, height=max(4.4, LEGEND_ROW_IN * per_column + 1.0))
+    fig.set_size_inches(5.0 * len(models) + LEGEND_COLUMN_IN * columns, fig.get_size_inches()[1])
     handles = {}
     for ax, model in zip(axes, models):
         points = []
@@ -206,15 +229,16 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
                        zorder=3)
             ax.annotate(str(number), (mem, tps), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
             handles[(model, number)] = Line2D([], [], color=style.color, marker=style.marker, ls="", mec="black",
-                                              mew=0.5, label=f"{model} {number}: {setting_label(method, variant)}")
+                                              mew=0.5, label=labels[(model, number)])
         front = _pareto_front(points)
         ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1, zorder=2)
         ax.margins(0.12)
-        ax.set(xlabel="peak memory (GiB)", ylabel="throughput (tokens/s)", title=f"model {model}")
+        ax.set(xlabel="peak memory (GiB)", ylabel="throughput (tokens/s)",
+               title=f"Throughput vs peak memory, model {model}\n(mean over seeds)")
         ax.grid(alpha=0.3)
     front_handle = [Line2D([], [], color="grey", ls=":", label="Pareto front (less memory, more tokens/s)")]
-    fig.legend(handles=list(handles.values()) + front_handle, fontsize="x-small", loc="outside right upper")
-    fig.suptitle("Throughput vs peak memory (mean over seeds)")
+    fig.legend(handles=list(handles.values()) + front_handle, fontsize="x-small", loc="outside right upper",
+               ncols=columns)
     return {"pareto_tokens_per_s_vs_peak_memory": fig}
 
 
@@ -353,8 +377,52 @@ def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
     return {"transfers_and_checkpoints": fig}
 
 
-ALL_FIGURES = (loss_curves_figure, loss_memory_figure, pareto_figure, memory_category_figure, rank_figures,
-               activation_error_figure, transfer_figure)
+MAX_MODEL_PANELS = 3  # a figure with a panel (or row) per model draws more models one figure per model
+MAX_SETTINGS = 40  # a model with more settings (a whole results tree's searches) gets no such figure: unreadable
+
+
+def one_model(results: Results, model: str) -> Results:
+    """``results`` restricted to ``model``'s runs (every table keyed by ``run_id``)."""
+    ids = set(results.runs.loc[results.runs["model"] == model, "run_id"])
+    tables = {name: getattr(results, name) for name in ("metrics", "ranks", "rank_hist", "activations")}
+    return Results(runs=results.runs[results.runs["run_id"].isin(ids)], warnings=results.warnings,
+                   **{name: t[t["run_id"].isin(ids)] if "run_id" in t else t for name, t in tables.items()})
+
+
+def _settings(results: Results, model: str) -> int:
+    runs = _variant_column(results.completed())
+    return len(groups(runs[runs["model"] == model], ("method", "variant")))
+
+
+FigureMaker = Callable[[Results, dict], dict[str, Figure | str]]  # name -> figure, or why it was not drawn
+
+
+def per_model(make: FigureMaker) -> FigureMaker:
+    """``make`` as is for at most ``MAX_MODEL_PANELS`` models; for more (a whole results tree), once per model,
+    each figure named ``<name>_<model>``, so that no figure grows wider or taller than a page or two. A model with
+    more than ``MAX_SETTINGS`` settings is not drawn: the reason takes the figure's place."""
+
+    def made(results: Results, colors: dict) -> dict[str, Figure | str]:
+        models = _models(results.runs) if len(results.runs) else []
+        crowded = {m: n for m in models if (n := _settings(results, m)) > MAX_SETTINGS}
+        if len(models) <= MAX_MODEL_PANELS and not crowded:
+            return make(results, colors)
+        name = make.__name__.removesuffix("_figure")
+        out: dict[str, Figure | str] = {}
+        for model in models:
+            if model in crowded:
+                out[f"{name}_{model}"] = (f"{crowded[model]} settings of model {model}, more than a legend can name "
+                                          f"({MAX_SETTINGS}): report one campaign's folder at a time")
+            else:
+                out.update({f"{key}_{model}": fig for key, fig in make(one_model(results, model), colors).items()})
+        return out
+
+    made.__name__ = make.__name__
+    return made
+
+
+ALL_FIGURES = (per_model(loss_curves_figure), per_model(loss_memory_figure), per_model(pareto_figure),
+               per_model(memory_category_figure), rank_figures, activation_error_figure, transfer_figure)
 
 
 def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:

@@ -140,7 +140,10 @@ def write_report(results: Results, out: Path, *, with_figures: bool = True, sear
         if not made:
             skipped.append(f"figures/{make.__name__.removesuffix('_figure').removesuffix('_figures')} (no data)")
         for name, fig in made.items():
-            written += [str(p.relative_to(out)) for p in figs.save(fig, out / "figures", name)]
+            if isinstance(fig, str):
+                skipped.append(f"figures/{name} ({fig})")
+            else:
+                written += [str(p.relative_to(out)) for p in figs.save(fig, out / "figures", name)]
     index = ["# Report", "", f"{len(results.runs)} runs, {len(results.completed())} completed.", "", "Written:", ""]
     index += [f"- [{w}]({w})" for w in written] + ["", "Skipped:", ""] + [f"- {s}" for s in skipped or ["nothing"]]
     if results.warnings:  # paths relative to the results folder would be nicer, but these name the files exactly

@@ -303,3 +303,31 @@ def test_compile_latex_without_pdflatex_is_an_error_before_writing(campaign: Pat
     err = capsys.readouterr().err
     assert exited.value.code == 2, exited.value
     assert err.startswith("error: --compile-latex: pdflatex is not on PATH") and not out.exists(), err
+
+
+def test_figures_of_many_models_are_drawn_per_model_and_a_crowded_model_is_named_not_drawn(
+        results, monkeypatch) -> None:
+    """A whole results tree: more models than ``MAX_MODEL_PANELS`` give one figure per model; a model with more
+    settings than a legend can name is skipped with the reason (no figure collapses to a point, no warning)."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    colors = figures.method_colors(results.runs["method"].unique())
+    make = figures.per_model(figures.pareto_figure)
+    assert list(make(results, colors)) == ["pareto_tokens_per_s_vs_peak_memory"]  # 2 models: one figure
+    monkeypatch.setattr(figures, "MAX_MODEL_PANELS", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        made = make(results, colors)
+        assert sorted(made) == ["pareto_tokens_per_s_vs_peak_memory_tiny",
+                                "pareto_tokens_per_s_vs_peak_memory_tiny-ft"]
+        for fig in made.values():
+            fig.canvas.draw()  # constrained layout would warn here if the panels collapsed
+            plt.close(fig)
+    monkeypatch.setattr(figures, "MAX_SETTINGS", 5)  # tiny has 6 settings here, tiny-ft 2
+    made = make(results, colors)
+    assert made["pareto_tiny"] == (  # the figure maker's name: the figure was never made
+        "6 settings of model tiny, more than a legend can name (5): report one campaign's folder at a time"), made
+    assert not isinstance(made["pareto_tokens_per_s_vs_peak_memory_tiny-ft"], str)
+    plt.close("all")
