@@ -29,12 +29,10 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from analysis.ablation import HMT, PRETRAIN  # noqa: E402
 from analysis.figures import FIXED_COLORS, save  # noqa: E402
-from analysis.load import Results, load_results  # noqa: E402
-from analysis.rows import Source, bracketed, loss_cells, row_runs, run_configs, search_best, tuned_rate  # noqa: E402
-from analysis.rundirs import find_run_dirs, read_status  # noqa: E402
+from analysis.load import Results  # noqa: E402
+from analysis.rows import Source, bracketed, loss_cells, row_runs, search_best, tuned_rate, with_search  # noqa: E402
 from analysis.tables import DASH, Table, fmt, lr_search_table, write_table_files  # noqa: E402
 from experiments.errors import OneLineErrorParser, one_line_errors  # noqa: E402
-from experiments.sweeps.tuning import search_results_dir  # noqa: E402
 
 BATCH, CAMPAIGN, CONTROLS = "batch", "campaign", "controls"
 BATCHES = (8, 32, 64)  # sequences of 128 tokens per step; 8 is the campaign's own
@@ -60,24 +58,10 @@ METHODS = (
 )
 
 
-def _load(folder: Path, *, may_be_empty: bool) -> Source:
-    """(runs, configs) of ``folder``; with ``may_be_empty``, a folder not made yet or without a finished run (the
-    batch campaign while its searches run) reads as no runs, so its rows say "not run"."""
-    if may_be_empty and not any(read_status(d) in ("completed", "failed") for d in find_run_dirs(folder)):
-        runs = pd.DataFrame(columns=["run_id", "status", "setting", "lr", "steps", "val_loss"])
-        return Results(runs=runs, metrics=pd.DataFrame(), ranks=pd.DataFrame(), rank_hist=pd.DataFrame(),
-                       activations=pd.DataFrame()), {}
-    return load_results(folder), run_configs(folder)
-
-
 def _sources(batch: Path, campaign: Path, controls: Path) -> dict[str, tuple[Source, Source | None]]:
     """name -> ((final runs, configs), (search runs, configs) or None)."""
-    out = {}
-    for name, folder in ((BATCH, batch), (CAMPAIGN, campaign), (CONTROLS, controls)):
-        search = Path(search_results_dir(str(folder)))
-        out[name] = (_load(folder, may_be_empty=name == BATCH),
-                     _load(search, may_be_empty=False) if search.is_dir() else None)
-    return out
+    return {name: with_search(folder, may_be_empty=name == BATCH)
+            for name, folder in ((BATCH, batch), (CAMPAIGN, campaign), (CONTROLS, controls))}
 
 
 def batch_runs(sources: Mapping[str, tuple[Source, Source | None]]) -> dict[tuple[str, int], tuple]:

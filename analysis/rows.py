@@ -18,12 +18,12 @@ from typing import Any
 import pandas as pd
 
 from analysis import stats
-from analysis.load import Results
-from analysis.rundirs import find_run_dirs, read_run
+from analysis.load import Results, load_results
+from analysis.rundirs import find_run_dirs, read_run, read_status
 from analysis.settings import _flatten
 from analysis.tables import MIB, fmt, fmt_mean_std
 from experiments.errors import UserError
-from experiments.sweeps.tuning import select_lr
+from experiments.sweeps.tuning import search_results_dir, select_lr
 
 ABSENT = {"method.dense_lr_scale": 1.0, "method.embedding_dtype": "bf16", "method.embedding_update": "dense",
           "method.head_update": "dense"}
@@ -38,6 +38,23 @@ def run_configs(results_dir: Path) -> dict[str, dict]:
         if run is not None:
             out[str(run.summary.get("run_id") or path.name)] = _flatten(run.config)
     return out
+
+
+def load_source(folder: Path, *, may_be_empty: bool = False) -> Source:
+    """(runs, configs) of ``folder``; with ``may_be_empty``, a folder not made yet or without a finished run (a
+    campaign while its searches run) reads as no runs, so its rows say "not run"."""
+    if may_be_empty and not any(read_status(d) in ("completed", "failed") for d in find_run_dirs(folder)):
+        runs = pd.DataFrame(columns=["run_id", "status", "setting", "lr", "steps", "val_loss", "seed"])
+        return Results(runs=runs, metrics=pd.DataFrame(), ranks=pd.DataFrame(), rank_hist=pd.DataFrame(),
+                       activations=pd.DataFrame()), {}
+    return load_results(folder), run_configs(folder)
+
+
+def with_search(folder: Path, *, may_be_empty: bool = False) -> tuple[Source, Source | None]:
+    """(final runs, search runs or None) of a tuned campaign's folder and its ``<folder>-lr-search``."""
+    search = Path(search_results_dir(str(folder)))
+    return (load_source(folder, may_be_empty=may_be_empty),
+            load_source(search, may_be_empty=may_be_empty) if search.is_dir() else None)
 
 
 def matches(config: Mapping[str, Any], keys: Mapping[str, Any]) -> bool:
