@@ -1,28 +1,30 @@
 """An upper bound on HMT Mode A's optimizer-phase peak past the traced depths, when clipping defers the updates.
 
-With ``train.max_grad_norm`` set, every projected weight's low-rank update waits for the global norm
-(``hmt_core.optim.hooks``: ``deferred_low``), and ``finish_step`` runs Adam over all of them at once
-(``hmt_core.optim.grouped.update_low_rank_many``): for every projected weight of every layer, three fp32 tensors
-of Ĝ's shape are alive together — the accumulated Ĝ (``pending``), its clipped copy (``torch._foreach_mul``) and
-Adam's direction — until the last weight is written; the dense weights' gradients wait too, and their grouped
-update (``update_dense_many``) holds the same three fp32 temporaries per element once the low-rank ones are freed.
-Those events grow per layer by the resident bytes (weights and optimizer state, alive in every event of the phase)
-plus at most 3 × 4 bytes per Ĝ element and 4 + 3 × 4 per dense element (a gradient of at most 4 bytes: the
-layer norms, a few KiB a layer). At 1 and 2 layers
-another event of the phase (the dense embedding/head update, after the low-rank temporaries are freed) can be the
-larger, and then the line through the traced peaks has the resident slope only and misses the deferred event at
-depth (Llama-3.2-3B, 28 layers: 6.84 GiB on the line, 9.13 traced; docs/planner.md, "Depth").
+Why a bound is needed. With ``train.max_grad_norm`` set, every projected weight's low-rank update waits for the
+global norm (``hmt_core.optim.hooks``: ``deferred_low``). ``finish_step`` then runs Adam over all of them at once
+(``hmt_core.optim.grouped.update_low_rank_many``), so for every projected weight of every layer three fp32 tensors
+of Ĝ's shape are alive together: the accumulated Ĝ (``pending``), its clipped copy (``torch._foreach_mul``) and
+Adam's direction. The dense weights' gradients wait too; their grouped update (``update_dense_many``) holds the
+same three fp32 temporaries per element once the low-rank ones are freed. At 1 and 2 layers another event of the
+phase can be larger (the dense embedding/head update), and then the line through the traced peaks has only the
+resident slope and misses the deferred event at depth (Llama-3.2-3B, 28 layers: 6.84 GiB on the line, 9.13
+traced; docs/planner.md, "Depth").
 
-The bound: the deferred event at 2 layers is at most the traced peak there, so at L layers it is at most
-peak(2) + (L − 2) × (resident slope + T), T = 12 × Ĝ elements + 16 × dense elements per layer. Over the line
-this adds (L − 2) × max(0, resident slope + T − the peak's slope), plus the grouped Adam's own temporaries (moments in fp32,
-numerators, denominators: 4 × 4 bytes per element of a group's directions), which grow with the slots of a group
-until its directions reach a quarter of a row chunk (``hmt_core.precision.chunk_budget``), so at most
-min(one chunk, 16 × the layers' Ĝ elements at L layers) (a weight outside the layers, the LM head, is the same
-at every depth) (a 12-layer model of hidden size 128 grows them from 2 to 6 layers, by
-more than T): zero where the deferred event was
-already the traced peak (its slope is the line's), otherwise an upper bound (not exact: the deferred event at
-2 layers is below the traced peak by an amount no sample shows).
+Per layer the deferred event grows by
+- the resident bytes (weights and optimizer state, alive in every event of the phase),
+- T = 12 bytes per Ĝ element (three fp32 tensors) + 16 bytes per dense element (a gradient of at most 4 bytes
+  and three fp32 temporaries; the layer norms, a few KiB a layer),
+- and the grouped Adam's own temporaries (fp32 moments, numerators, denominators: 16 bytes per element of a
+  group's directions). These grow with a group's slots only until its directions reach a quarter of a row chunk
+  (``hmt_core.precision.chunk_budget``), so they add at most min(one chunk, 16 × the layers' Ĝ elements at L
+  layers). A 12-layer model of hidden size 128 grows them from 2 to 6 layers by more than T. A weight outside the
+  layers (the LM head) adds the same at every depth.
+
+The bound. The deferred event at 2 layers is at most the traced peak there, so at L layers it is at most
+peak(2) + (L − 2) × (resident slope + T) + the grouped temporaries' growth. Over the line this adds
+(L − 2) × max(0, resident slope + T − the peak's slope) plus that growth. It is exact (zero added) where the
+deferred event already was the traced peak (its slope is the line's), and otherwise an upper bound: how far the
+deferred event at 2 layers lies below the traced peak, no sample shows.
 """
 
 from __future__ import annotations

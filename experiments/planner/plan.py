@@ -28,7 +28,8 @@ micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, `
 state_budgets, state_dtypes, weight_dtypes, dense_8bit, project_head, actions, layer_recompute, embedding_dtypes,
 embedding_updates, head_updates, layer_inputs, max_batch_size`` (``experiments.planner.space.Space``);
 ``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (complete this group of the
-committed cost table; ``table_budgets=[16,24]`` adds the samples the unverified answers at those budgets need). Design and measurements: ``docs/planner.md``.
+committed cost table; ``table_budgets=[16,24]`` adds the samples the unverified answers at those budgets need).
+Design and measurements: ``docs/planner.md``.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
             break
         if sol is None:
             raise no_plan(run, planner, budget, need=min_peak(prob) + ctx, ctx=ctx, corrected=bool(iterations),
-                          live_budget=None if live_budget == step_budget else live_budget)
+                          live_budget=None if planner.get("verify", False) else live_budget)
         predicted = write(sol)
         step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
                 "predicted_peak_gib": predicted, "live_budget_gib": live_budget,
@@ -217,12 +218,13 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     return out
 
 
-def next_choice(prep: Prepared, planner: dict, fix: Corrections, step_budget: float, scale: float, log):
-    """(the corrected problem, its next choice), solved again after tracing the costs the choice's micro-batch
-    needs past the traced ones (``experiments.planner.extend``) until it needs none."""
+def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: float, scale: float, log):
+    """(the corrected problem, its next choice) with the predicted live peak at most ``live_budget`` GiB, solved
+    again after tracing the costs the choice's micro-batch needs past the traced ones
+    (``experiments.planner.extend``) until it needs none."""
     while True:
         prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=step_budget,
+                                       flops=prep.flops, cal=prep.cal, budget_gib=live_budget,
                                        llama=prep.llama, seq_scale=scale))
         if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
             prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
