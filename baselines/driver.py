@@ -68,11 +68,20 @@ def _replicated(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def restore_base_lrs(optimizer: torch.optim.Optimizer, base_lrs: list[float] | None) -> None:
+    """Each group's ``initial_lr`` from ``base_lrs``, a checkpoint written before the groups carried it (which kept
+    them beside the optimizer's state); None: the loaded groups carry their own."""
+    if base_lrs is not None:
+        for group, base in zip(optimizer.param_groups, base_lrs):
+            group["initial_lr"] = base
+
+
 class OptimizerDriver:
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None) -> None:
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
-        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:  # the base rate, where torch's LR schedulers keep it: saved with
+            group.setdefault("initial_lr", group["lr"])  # the groups (state_dict, DCP's get_optimizer_state_dict)
 
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -109,14 +118,14 @@ class OptimizerDriver:
         self.optimizer.zero_grad(set_to_none=True)
 
     def set_lr_scale(self, scale: float) -> None:
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * scale
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         yield from iter_state_tensors(self.optimizer.state)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "base_lrs": list(self.base_lrs)}
+        return {"optimizer": self.optimizer.state_dict()}  # base rates: each group's initial_lr
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # torch restores every saved group option, the kernel choice too, and places each ``step`` counter by the
@@ -127,7 +136,7 @@ class OptimizerDriver:
                                           if k in self.optimizer.defaults}
         groups = [{**group, **run} for group in saved["param_groups"]]
         self.optimizer.load_state_dict({**saved, "param_groups": groups})
-        self.base_lrs = list(state["base_lrs"])
+        restore_base_lrs(self.optimizer, state.get("base_lrs"))
 
 
 class Built(NamedTuple):
@@ -192,6 +201,9 @@ class OptimizerMethod:
         if self.built is None:
             return {}
         return {**self.built.summary, **state_bytes_summary(self.state_tensors(), self.device)}  # per rank (FSDP2)
+
+    def torch_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.driver.optimizer if self.driver is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         return self.driver.state_dict()

@@ -190,6 +190,15 @@ class HMTMethod:
     def set_lr_scale(self, scale: float) -> None:
         self.opt.set_lr(self.config.lr * scale)
 
+    def torch_optimizer(self) -> None:
+        return None  # its state is its slots' (``state_dict``), not a torch.optim.Optimizer's
+
+    @property
+    def slots(self) -> list:
+        """One ``hmt_core.optim`` slot per trained parameter: its moments, basis and settings (a distributed
+        checkpoint splits FSDP2's row-sharded moments by them, ``hmt_core.optim.sharded_state``)."""
+        return self.opt.slots
+
     def state_tensors(self) -> Iterator[torch.Tensor]:
         yield from self.opt.state_tensors()  # the embedding's row moments are its slot's m, v
         if self.rows is not None:

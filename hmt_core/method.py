@@ -90,6 +90,12 @@ class Method(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def torch_optimizer(self) -> torch.optim.Optimizer | None:
+        """The ``torch.optim.Optimizer`` that holds all of this method's state, its base learning rates included
+        (each group's ``initial_lr``, as torch's LR schedulers keep them), or None. A distributed checkpoint can
+        then save and reshard it by ``torch.distributed.checkpoint.state_dict``; otherwise ``state_dict``."""
+        ...
+
 
 class NotTraceableError(RuntimeError):
     """Raised by a method whose code cannot run on FakeTensorMode's shape-only tensors (``mode=dryrun``): the dry

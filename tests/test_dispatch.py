@@ -270,3 +270,34 @@ def test_fused_adamw_is_the_single_tensor_update_up_to_rounding():
         diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(model.parameters(), twin.parameters()))
         assert update > 0 and diff <= 1e-4 * update, \
             f"step {step}: max |fused - single| {diff:.3e}, largest update {update:.3e}"
+
+
+@pytest.mark.parametrize("name", ["adamw", "galore", "apollo", "hmt"])
+def test_every_method_is_a_method_and_says_which_torch_optimizer_holds_its_state(name: str) -> None:
+    """The checkpointer reaches a method only through ``hmt_core.method.Method``: the baselines hand over their
+    ``torch.optim`` optimizer, whose groups carry the base rates the LR schedule scales (``initial_lr``); HMT has
+    none (its state is its slots')."""
+    from experiments import methods
+    from hmt_core.method import Method
+
+    model = nn.ModuleDict({"mlp": nn.Linear(8, 8, bias=False), "head": nn.Linear(8, 4, bias=False)})
+    raw = {"name": name, "lr": 2e-3} | ({} if name == "adamw" else {"target_patterns": ["mlp"], "rank": 2})
+    method = methods.make_method(methods.make_config(raw))
+    model = method.prepare(model)
+    method.attach(model, max_grad_norm=1.0)
+    assert isinstance(method, Method)
+    opt = method.torch_optimizer()
+    if name == "hmt":
+        assert opt is None
+        return
+    assert isinstance(opt, torch.optim.Optimizer)
+    method.set_lr_scale(0.25)
+    assert [g["lr"] for g in opt.param_groups] == [0.25 * g["initial_lr"] for g in opt.param_groups], opt.param_groups
+    assert all(g["initial_lr"] > 0 for g in opt.param_groups)
+    saved = method.state_dict()
+    method.set_lr_scale(1.0)
+    for group in opt.param_groups:  # a resume restores the base rates with the groups
+        group["initial_lr"] = 9.0
+    method.load_state_dict(saved)
+    method.set_lr_scale(0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.5 * g["initial_lr"] for g in saved["optimizer"]["param_groups"]]

@@ -54,11 +54,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from baselines.driver import restore_base_lrs
 from experiments.dist import dtensor_state
 from experiments.checkpoint.manager import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from experiments.checkpoint import store as ck
 from hmt_core.hmt import HMTMethod
+from hmt_core.method import Method
 from hmt_core.optim import sharded_state
 
 
@@ -68,9 +70,9 @@ PAUSE_SEALED_ENV = "HMT_DIST_CHECKPOINT_PAUSE_S"
 PER_RANK_STATE: dict[tuple[str, str], str] = {}
 
 
-def torch_optimizer(method) -> torch.optim.Optimizer | None:
+def torch_optimizer(method: Method) -> torch.optim.Optimizer | None:
     """The method's optimizer when it is torch's own AdamW (saved through ``get_optimizer_state_dict``)."""
-    opt = getattr(getattr(method, "driver", None), "optimizer", None)
+    opt = method.torch_optimizer()
     return opt if type(opt) is torch.optim.AdamW else None
 
 
@@ -135,17 +137,15 @@ class DistCheckpointer(Checkpointer):
 
     # ---- state ----------------------------------------------------------------------------------------------
     def _state_dict(self, state: LoopState | None) -> dict:
-        opt = torch_optimizer(self.method)
-        driver = getattr(self.method, "driver", None)
-        loop = None if state is None else {"state": dataclasses.asdict(state), "rng": ck.rng_state(),
-                                           "base_lrs": list(driver.base_lrs) if driver is not None else None}
+        opt = torch_optimizer(self.method)  # its groups carry the base rates (initial_lr)
+        loop = None if state is None else {"state": dataclasses.asdict(state), "rng": ck.rng_state()}
         sd = {"model": get_model_state_dict(self.model), "loop": _blob(loop) if loop is not None else io.BytesIO()}
         if opt is not None:
             sd["optim"] = get_optimizer_state_dict(self.model, opt)
         elif state is None:
             sd["method"] = io.BytesIO()
         elif self._row_sharded():
-            replicated, sd["hmt_rows"] = sharded_state.split_state(self.method.state_dict(), self.method.opt.slots)
+            replicated, sd["hmt_rows"] = sharded_state.split_state(self.method.state_dict(), self.method.slots)
             sd["method"] = _blob(replicated)
         elif self.ctx.mode == "fsdp2":  # galore-torch/apollo-torch on DTensors: gathered, any world size reads it
             sd["method"] = _blob(dtensor_state.gather(self.method.state_dict()))
@@ -198,18 +198,17 @@ class DistCheckpointer(Checkpointer):
         opt = torch_optimizer(self.method)
         if opt is not None:
             set_optimizer_state_dict(self.model, opt, sd["optim"])
+            restore_base_lrs(opt, loop.get("base_lrs"))  # a checkpoint from before the groups carried them
         else:
             method_state = _unblob(sd["method"], device)
             if self._row_sharded():
-                rows = sharded_state.row_templates(method_state, self.method.opt.slots)
+                rows = sharded_state.row_templates(method_state, self.method.slots)
                 if rows:
                     dcp.load({"hmt_rows": rows}, checkpoint_id=str(point.path))
                 method_state = sharded_state.join_state(method_state, rows)
             elif self.ctx.mode == "fsdp2":
                 method_state = dtensor_state.distribute(method_state, self._mesh())
             self.method.load_state_dict(method_state)
-        if loop["base_lrs"] is not None:
-            self.method.driver.base_lrs = list(loop["base_lrs"])
         ck.set_rng_state(loop["rng"])
         return LoopState(**loop["state"])
 
