@@ -76,24 +76,29 @@ def retuned_table(name: str, title: str, rows: Sequence[Method], source: tuple[S
 
 
 def curves_figure(rows: Sequence[Method], source: tuple[Source, Source | None], title: str) -> Figure:
-    """Validation loss (seed mean, ±1 std band) against training tokens, one line per row."""
+    """Validation loss (seed mean, ±1 std band) against training tokens, one line per row: the whole run, and its
+    second half on its own scale (where the rows' differences are a few hundredths of a nat)."""
     results = source[0][0]
     found = found_rows(rows, source)
-    fig, ax = plt.subplots(figsize=(7.2, 4.0), layout="constrained")
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.0), layout="constrained")
     for row in rows:
         metrics = results.metrics
         if not len(found[row.label]) or "loss/val" not in metrics:
             continue
         band = seed_band(metrics[metrics["run_id"].isin(found[row.label]["run_id"])], "loss/val")
         tokens = (band.index.to_numpy() + 1) * TOKENS_PER_STEP / 1e6
-        label = f"{row.label} ({int(band['n'].iloc[0])} seeds)"
-        ax.plot(tokens, band["mean"], color=row.color, marker="o", ms=3, lw=1.4, label=label)
-        ax.fill_between(tokens, band["mean"] - band["std"].fillna(0), band["mean"] + band["std"].fillna(0),
-                        color=row.color, alpha=0.15, lw=0)
-    ax.set(xlabel="training tokens (millions)", ylabel="validation loss, whole split (nats/token)", title=title)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
+        low, high = band["mean"] - band["std"].fillna(0), band["mean"] + band["std"].fillna(0)
+        half = tokens >= tokens[-1] / 2
+        for ax, keep in zip(axes, (tokens > 0, half)):
+            ax.plot(tokens[keep], band["mean"][keep], color=row.color, marker="o", ms=3, lw=1.4,
+                    label=f"{row.label} ({int(band['n'].iloc[0])} seeds)")
+            ax.fill_between(tokens[keep], low[keep], high[keep], color=row.color, alpha=0.15, lw=0)
+    for ax, which in zip(axes, ("whole run", "second half")):
+        ax.set(xlabel="training tokens (millions)", ylabel="validation loss, whole split (nats/token)", title=which)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    if axes[1].get_legend_handles_labels()[0]:
+        axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
     return fig
 
 

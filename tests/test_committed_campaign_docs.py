@@ -1,14 +1,14 @@
 """docs/campaign's tables are what the committed runs give: the report (``analysis.report``), the ablation table
-(``analysis.ablation``), the batch table (``analysis.batch``) and the embedding-cost table
-(``analysis.embedding_cost``), regenerated from results/ into a temporary
-folder, match the committed files byte for byte (the figures are left out: their pixels depend on the font
-library, and the report's own determinism test covers them)."""
+(``analysis.ablation``), the batch table (``analysis.batch``), the embedding-cost table (``analysis.embedding_cost``)
+and the horizon/statistics tables (``analysis.retuned``), regenerated from results/ into a temporary folder, match
+the committed files byte for byte (the figures are left out: their pixels depend on the font library, and the
+report's own determinism test covers them)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import ablation, batch, embedding_cost, report
+from analysis import ablation, batch, embedding_cost, report, retuned
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS, DOCS = REPO / "results", REPO / "docs" / "campaign"
@@ -38,4 +38,10 @@ def test_ablation_and_batch_tables_regenerate_byte_identical(tmp_path: Path) -> 
 def test_embedding_cost_table_regenerates_byte_identical(tmp_path: Path) -> None:
     assert embedding_cost.main([str(RESULTS / "campaign-embedding"), str(RESULTS / "campaign"), "--out",
                                 str(tmp_path / "tables")]) == 0
+    assert _differing(tmp_path / "tables", DOCS / "tables") == []
+
+
+def test_horizon_and_statistics_tables_regenerate_byte_identical(tmp_path: Path) -> None:
+    assert retuned.main([str(RESULTS / "campaign-horizon"), str(RESULTS / "campaign-stats"), "--out",
+                         str(tmp_path)]) == 0
     assert _differing(tmp_path / "tables", DOCS / "tables") == []
