@@ -36,8 +36,9 @@ from analysis.ablation import PRETRAIN  # noqa: E402
 from analysis.batch import METHODS, Method  # noqa: E402
 from analysis.figures import save, seed_band  # noqa: E402
 from analysis.main_table import relative_change, val_curve  # noqa: E402
-from analysis.rows import (Source, bracketed, loss_by_seed, loss_cells, row_runs, search_best, tuned_rate,  # noqa: E402
-                           with_search)
+from analysis.load import Results  # noqa: E402
+from analysis.rows import (Source, bracketed, loss_by_seed, loss_cells, matches, row_runs, search_best,  # noqa: E402
+                           tuned_rate, with_search)
 from analysis.tables import DASH, Table, fmt, fmt_p, lr_search_table, write_table_files  # noqa: E402
 from experiments.errors import OneLineErrorParser, one_line_errors  # noqa: E402
 
@@ -73,6 +74,15 @@ def retuned_table(name: str, title: str, rows: Sequence[Method], source: tuple[S
     return Table(name, title, ["Method", "Search: best lr", "Search: loss (seed 0)", "Tuned lr", "Bracketed", "Seeds",
                                "Val loss", f"Δ vs {rows[0].label}", "p (paired)", "Differs?", "Last quarter (%)"],
                  lines, ["l", "l", "r", "l", "r", "r", "r", "r", "r", "r", "r"])
+
+
+def with_row_labels(search: Source, rows: Sequence[Method]) -> Results:
+    """The search runs, each setting named by its row's label (the search table would otherwise call AdamW split
+    plain "adamw": the setting names only what differs among one method's runs)."""
+    results, configs = search
+    label = {r: next((row.label for row in rows if matches(configs.get(r, {}), row.keys)), "")
+             for r in results.runs["run_id"]}
+    return dataclasses.replace(results, runs=results.runs.assign(variant_sans_lr=results.runs["run_id"].map(label)))
 
 
 def curves_figure(rows: Sequence[Method], source: tuple[Source, Source | None], title: str) -> Figure:
@@ -119,7 +129,8 @@ def write_outputs(horizon: Path, statistics: Path, out: Path) -> list[Path]:
         source = with_search(folder, may_be_empty=True)
         tables.append(retuned_table(name, title, rows, source))
         if source[1] is not None and len(source[1][0].runs):
-            tables.append(dataclasses.replace(lr_search_table(source[1][0]), name=f"{name}_lr_search",
+            tables.append(dataclasses.replace(lr_search_table(with_row_labels(source[1], rows)),
+                                              name=f"{name}_lr_search",
                                               title=f"Learning-rate search of the {name} campaign: validation loss "
                                                     "per rate (seed 0)"))
         if name == "horizon":
