@@ -69,6 +69,14 @@ README_END = "<!-- results-table:end -->"
 REPORT_ENTRIES = frozenset({"index.md", "data", "tables", "figures"})  # what a report folder holds
 
 
+def kept_pages(out: Path) -> list[Path]:
+    """Hand-written Markdown pages beside a previous report's entries (docs/campaign/findings.md): carried into
+    the new report, the only files of ``out`` it does not replace."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if p.name not in REPORT_ENTRIES and p.is_file() and p.suffix == ".md")
+
+
 def for_display(results: Results) -> Results:
     """``results`` with each setting's label replaced by its short name (``analysis.labels``; the overrides kept
     as ``variant_overrides``): what the tables and figures show."""
@@ -161,11 +169,13 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def check_out_dir(out: Path) -> None:
-    """``out`` must be new, empty or a previous report (it is replaced whole), somewhere this user can write."""
+    """``out`` must be new, empty or a previous report (it is replaced whole but for its own Markdown pages,
+    ``kept_pages``), somewhere this user can write."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder; give a new folder (or a previous report)")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in REPORT_ENTRIES)
+        kept = set(kept_pages(out)) if (out / "index.md").is_file() else set()
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in REPORT_ENTRIES and p not in kept)
         if foreign:
             held = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise UserError(f"--out {out} is a folder that is not a previous report (it holds {held}); "
@@ -242,6 +252,8 @@ def build_report(args: argparse.Namespace) -> int:
     staging.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the report gets the usual permissions
     try:
         done = write_report(results, staging, with_figures=not args.no_figures, search=search, memory=memory)
+        for page in kept_pages(args.out):
+            shutil.copy2(page, staging / page.name)
         replace_dir(staging, args.out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

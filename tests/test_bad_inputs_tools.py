@@ -187,6 +187,22 @@ def test_out_that_is_someone_elses_folder_is_left_alone(nested_results: Path, tm
     assert snapshot(theirs) == before and no_leftovers(tmp_path)
 
 
+def test_a_previous_reports_own_markdown_pages_are_kept(previous_report: Path, nested_results: Path,
+                                                         tmp_path: Path) -> None:
+    """docs/campaign holds findings.md beside the report's entries: regenerating keeps it, byte for byte; a folder
+    of Markdown pages that was never a report (no index.md) is still someone else's and left alone."""
+    (previous_report / "findings.md").write_text("# What it means\n")
+    assert report(nested_results, "--out", previous_report).returncode == 0
+    assert (previous_report / "findings.md").read_text() == "# What it means\n"
+    assert (previous_report / "index.md").is_file() and no_leftovers(tmp_path)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "draft.md").write_text("draft\n")
+    before = snapshot(notes)
+    assert_one_line_error(report(nested_results, "--out", notes), f"--out {notes}", "draft.md")
+    assert snapshot(notes) == before
+
+
 def test_out_below_a_file_cannot_be_made(nested_results: Path, tmp_path: Path) -> None:
     (tmp_path / "blocker").write_text("")
     assert_one_line_error(report(nested_results, "--out", tmp_path / "blocker" / "report"), tmp_path / "blocker")
