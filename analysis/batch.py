@@ -30,8 +30,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from analysis.ablation import HMT, PRETRAIN  # noqa: E402
 from analysis.figures import FIXED_COLORS, save  # noqa: E402
 from analysis.load import Results  # noqa: E402
-from analysis.rows import Source, bracketed, loss_cells, row_runs, search_best, tuned_rate, with_search  # noqa: E402
-from analysis.tables import DASH, Table, fmt, lr_search_table, write_table_files  # noqa: E402
+from analysis.rows import Source, bracketed, loss_cells, row_runs, search_cells, tuned_rate, with_search  # noqa: E402
+from analysis.tables import Table, lr_search_table, write_table_files  # noqa: E402
 from experiments.errors import OneLineErrorParser, one_line_errors  # noqa: E402
 
 BATCH, CAMPAIGN, CONTROLS = "batch", "campaign", "controls"
@@ -84,10 +84,7 @@ def batch_table(found: Mapping[tuple[str, int], tuple]) -> Table:
         for method in METHODS:
             runs, keys, (final, search) = found[(method.label, batch)]
             steps = str(int(runs["steps"].iloc[0])) if len(runs) else "—"
-            best = search_best(keys, search)
-            searched = [DASH, DASH] if best is None else [f"{best[0]:g}" + ("" if best[2] else " (edge)"),
-                                                         fmt(best[1], ".3f")]
-            rows.append([method.label, str(batch), steps, *searched, tuned_rate(runs, final[1]),
+            rows.append([method.label, str(batch), steps, *search_cells(keys, search), tuned_rate(runs, final[1]),
                          bracketed(runs, keys, search), str(len(runs)),
                          *loss_cells(runs, None if method is METHODS[0] else reference)])
     return Table("batch", "Batch size at equal tokens (tiny Llama, 307,200 training tokens; each row retuned at each "

@@ -37,9 +37,9 @@ from analysis.batch import METHODS, Method  # noqa: E402
 from analysis.figures import save, seed_band  # noqa: E402
 from analysis.main_table import relative_change, val_curve  # noqa: E402
 from analysis.load import Results  # noqa: E402
-from analysis.rows import (Source, bracketed, loss_by_seed, loss_cells, matches, row_runs, search_best,  # noqa: E402
+from analysis.rows import (Source, bracketed, loss_by_seed, loss_cells, matches, row_runs, search_cells,  # noqa: E402
                            tuned_rate, with_search)
-from analysis.tables import DASH, Table, fmt, fmt_p, lr_search_table, write_table_files  # noqa: E402
+from analysis.tables import Table, fmt, fmt_p, lr_search_table, write_table_files  # noqa: E402
 from experiments.errors import OneLineErrorParser, one_line_errors  # noqa: E402
 
 ADAMW = Method(label="AdamW (one rate)", color="#7F7F7F", source8="campaign",
@@ -62,15 +62,13 @@ def retuned_table(name: str, title: str, rows: Sequence[Method], source: tuple[S
     lines = []
     for row in rows:
         runs = found[row.label]
-        best = search_best(row.keys, search)
-        searched = [DASH, DASH] if best is None else [f"{best[0]:g}" + ("" if best[2] else " (edge)"),
-                                                     fmt(best[1], ".3f")]
         p = stats.paired_p(loss_by_seed(runs), loss_by_seed(reference)) if row is not rows[0] else None
         last = relative_change(val_curve(final[0], runs["run_id"]), 0.75, 1.0) if len(runs) else None
         loss, delta, verdict = loss_cells(runs, None if row is rows[0] else reference)
-        lines.append([row.label, *searched, tuned_rate(runs, final[1]), bracketed(runs, row.keys, search),
-                      str(len(runs)), loss, delta, fmt_p(p), verdict, fmt(None if last is None else 100 * last,
-                                                                                   "+.2f")])
+        last_pct = None if last is None else 100 * last
+        lines.append([row.label, *search_cells(row.keys, search), tuned_rate(runs, final[1]),
+                      bracketed(runs, row.keys, search), str(len(runs)), loss, delta, fmt_p(p), verdict,
+                      fmt(last_pct, "+.2f")])
     return Table(name, title, ["Method", "Search: best lr", "Search: loss (seed 0)", "Tuned lr", "Bracketed", "Seeds",
                                "Val loss", f"Δ vs {rows[0].label}", "p (paired)", "Differs?", "Last quarter (%)"],
                  lines, ["l", "l", "r", "l", "r", "r", "r", "r", "r", "r", "r"])

@@ -21,7 +21,7 @@ from analysis import stats
 from analysis.load import Results, load_results
 from analysis.rundirs import find_run_dirs, read_run, read_status
 from analysis.settings import _flatten
-from analysis.tables import MIB, fmt, fmt_mean_std
+from analysis.tables import DASH, MIB, fmt, fmt_mean_std
 from experiments.errors import UserError
 from experiments.sweeps.tuning import search_results_dir, select_lr
 
@@ -97,6 +97,12 @@ def search_best(keys: Mapping[str, Any], search: Source | None) -> tuple[float, 
         return None
     best, inside = select_lr(losses)
     return best, float(losses[best]), inside
+
+
+def search_cells(keys: Mapping[str, Any], search: Source | None) -> list[str]:
+    """[the search's best rate ("(edge)" at an end of its grid), its loss] of ``keys``'s row; dashes without one."""
+    best = search_best(keys, search)
+    return [DASH, DASH] if best is None else [f"{best[0]:g}" + ("" if best[2] else " (edge)"), fmt(best[1], ".3f")]
 
 
 def bracketed(runs: pd.DataFrame, keys: Mapping[str, Any], search: Source | None) -> str:
