@@ -307,6 +307,9 @@ def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optim
     run = planner.run_config([*modeled, f"results_dir={root / 'results'}"])
     prep = planner.prepare(run, {**planner.parse_args(SPACE)[0], "calibration": str(root / "cal.json")})
     b = rec["choice"]["batch_size"]
+    # the record says when its own search already traced the leanest choice one sequence further over (the capacity
+    # search then skips next_batch)
+    assert rec["leanest_over_batch"] in (None, b + 1), (rec["leanest_over_batch"], b)
     nxt = next_batch(prep, {"plan_dir": str(tmp_path / "cap" / "plans")}, run, budget, b + 1, "cap",
                      tmp_path / "cap", lambda _: None, max_traces=1)
     assert nxt["exact"] and "batch_size" not in nxt, (nxt, [s["batch_size"] for s in steps])

@@ -233,7 +233,9 @@ def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
                  "plan": rec["choice"]["optimizer_label"],
                  "activation": rec["choice"]["activation"], "layer_recompute": rec["choice"]["layer_recompute"],
                  "run_command": rec["run_command"]}
-        if entry["fits"] and s == seq:
+        if entry["fits"] and s == seq and rec.get("leanest_over_batch") == entry["batch_size"] + 1:
+            entry.update(exact=True, next_traces=0)  # the plan's own search traced one sequence more over
+        elif entry["fits"] and s == seq:
             entry.update(next_batch(prep, planner, run, size, entry["batch_size"] + 1, name, results, log))
         out[str(size)] = entry
         log(f"  hmt @ {size} GiB: {entry['tokens']:,} tokens ({entry['traces']} full traces)")

@@ -213,6 +213,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
+    out["leanest_over_batch"] = fix.over  # the least micro-batch whose leanest choice a trace put over (or None)
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
