@@ -107,6 +107,27 @@ def test_milp_piecewise_reference_and_infeasible_budget():
     assert solve(dataclasses.replace(prob, budget=4.9)) is None
 
 
+def test_a_reference_not_convex_in_the_micro_batch_is_read_piecewise():
+    """A phase's peak is convex in b, but the reference's bytes at a card's depth are a line through 1- and 2-layer
+    traces, which need not be (Llama-3.2-3B's backward: 10.9 GiB per sequence between b = 1 and 2 at 28 layers,
+    7.1 from b = 4). Each secant holds on its own piece (b from its first micro-batch to the next line's): at b = 8
+    the prediction is the traced 90 GiB, not the b = 1→2 secant carried to b = 8 (−10 + 20·8 = 150), and the
+    integer program's answer at a 90 GiB budget is 8 sequences (the maximum of all secants would allow 5)."""
+    from experiments.planner.capacity import predicted_gib
+
+    traced = {1: 10.0, 2: 30.0, 4: 50.0, 8: 90.0}  # backward GiB at the target depth (2 layers): slopes 20, 10, 10
+    entry = lambda gib: {"forward": 0, "backward": int(gib * GIB), "optimizer": 0, "probe": 0, "saved": {}}  # noqa: E731
+    record = {"segments": [[1, 1, 2], [1, 2, 4], [1, 4, 8]], "layers": 2,
+              "samples": {"ref": {f"L{n}b{b}": entry(v) for b, v in traced.items() for n in (1, 2)}}}
+    base = derive(record, 2).base
+    assert sorted(start for start, *_ in base) == [1, 2, 4], base
+    for b, v in traced.items():
+        assert predicted_gib(base, b, probe=False) == pytest.approx(v), (b, predicted_gib(base, b, probe=False))
+    prob = Problem(budget=90.0, base=tuple(Segment(*line) for line in base), options=[Option("o", {})], actions={},
+                   conditional=(), max_batch=64)
+    assert solve(prob).batch == 8, solve(prob)
+
+
 def _summary(sol, live_gib: float) -> dict:
     """A verification dry run's summary whose live phase peaks are the prediction's (``live_gib`` the verdict)."""
     return {"dryrun": {"verdict_peak_bytes": int(live_gib * GIB)},

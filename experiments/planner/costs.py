@@ -286,11 +286,11 @@ def derive(record: dict, layers: int | None = None) -> Derived:
         per_seq = {p: (at(sample, p, b_b) - at(sample, p, b_a)) / max(1, b_b - b_a) for p in STEP_PHASES}
         return {p: at(sample, p, b_a) - b_a * per_seq[p] for p in STEP_PHASES}, per_seq
 
-    base = []
-    for start, b_a, b_b in record["segments"]:
+    base = []  # each secant holds from its own first micro-batch to the next line's (experiments.planner.segments)
+    for _, b_a, b_b in record["segments"]:
         static, per_seq = line(ref, b_a, b_b)
         static["probe"], per_seq["probe"] = at(ref, "probe", b_a), 0.0
-        base.append((start, static, per_seq))
+        base.append((b_a, static, per_seq))
     b_a, b_b = record["segments"][-1][1:]
 
     def delta(sample: dict, lo: int, hi: int) -> tuple[dict[str, float], dict[str, float]]:

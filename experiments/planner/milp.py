@@ -73,8 +73,8 @@ class Action:
 @dataclass(frozen=True)
 class Segment:
     """A line of the reference's GiB per phase, static + per_seq·b, for micro-batches b ≥ ``start`` up to the next
-    larger start. Lines with the same start hold together (the peak is their maximum: convex in b); a new start
-    begins a new piece (the fused loss's logits chunk filling up bends the cost down)."""
+    larger start. Lines with the same start hold together (the peak is their maximum); the planner's costs give each
+    secant its own start (``experiments.planner.segments``: the reference at a card's depth need not be convex)."""
 
     start: int
     static: dict[str, float]
