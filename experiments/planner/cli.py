@@ -61,8 +61,10 @@ def write_table(run, planner: dict) -> dict:
     rec = prep.record
     print(f"cost table: {rec['traces']} samples traced in {rec['trace_s']:.0f} s into results/plan/costs/")
     with tempfile.TemporaryDirectory() as tmp:
-        for budget in budgets:  # each from the table alone, as a fresh clone answers (not a record another
-            prep = prepare(run, planner, log=lambda *a: None)  # budget's answer already extended)
+        for budget in budgets:
+            # each budget from the table alone, as a fresh clone answers it (not from a record that another budget's
+            # answer already extended)
+            prep = prepare(run, planner, log=lambda *a: None)
             before = len(prep.table.user)
             try:
                 plan_with(prep, {**planner, "verify": False, "plan_dir": tmp}, float(budget), log=lambda *a: None)

@@ -28,9 +28,9 @@ def batch_segments(run: RunConfig, max_batch: int = 1024) -> list[list[int]]:
     maximum of all secants is the same bound). The reference at a card's depth is a line through 1- and 2-layer
     traces, which need not be convex in b (Llama-3.2-3B's backward: 10.9 GiB per sequence from b = 1 to 2, 7.1 from
     4): there the maximum of all secants would carry the steep small-b secant to every b, so each holds on its own
-    interval only. The fused loss
-    (``train.fused_ce``) holds ``min(b·seq_len, ce_chunk_tokens)`` tokens of logits, a kink the other way: past
-    b = k = ⌊chunk / seq_len⌋ + 1 its per-sequence bytes drop, so the pieces before and from k are separate."""
+    interval only. The fused loss (``train.fused_ce``) holds ``min(b·seq_len, ce_chunk_tokens)`` tokens of logits,
+    a kink the other way: past b = k = ⌊chunk / seq_len⌋ + 1 its per-sequence bytes drop, so the pieces before and
+    from k are separate."""
     t = run.train
     chunk = getattr(t, "ce_chunk_tokens", None) if getattr(t, "fused_ce", False) else None
     k = chunk // t.seq_len + 1 if chunk else 1
