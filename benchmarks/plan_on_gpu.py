@@ -80,7 +80,9 @@ def judge(plan: dict, outcome: dict, summary: dict | None) -> dict:
     memory = (summary or {}).get("memory") or {}
     budget = float(plan["budget_gib"]) * GIB
     nvml_used = outcome.get("nvml_max_used_bytes")
-    if outcome.get("outcome") == "completed":
+    if outcome.get("outcome") == "completed" and summary is None:
+        verdict, note = ERROR, "the run ended without a summary.json (did it train?)"
+    elif outcome.get("outcome") == "completed":
         over = nvml_used is not None and nvml_used > budget
         verdict = MISS if over else PASS
         note = f"NVML used up to {nvml_used / GIB:.2f} GiB > budget {budget / GIB:g} GiB" if over else None
@@ -164,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-dir", type=Path, default=Path("results"))
     ap.add_argument("--child-cap-gib", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--child-outcome", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("child_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    a, rest = ap.parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    child_args = argv[argv.index("--") + 1:] if "--" in argv else []  # the child's experiments.run arguments
+    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if a.child_cap_gib is not None:
-        return run_capped(a.child_cap_gib, [x for x in rest if x != "--"], a.child_outcome)
+        return run_capped(a.child_cap_gib, child_args, a.child_outcome)
     missing = [str(p) for p in a.plans if not p.is_file()]
     if not a.plans or missing:
         ap.error(f"plan records not found: {', '.join(missing) or '(none given)'}")

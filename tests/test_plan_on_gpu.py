@@ -37,6 +37,11 @@ def test_verdicts(outcome, used_gib, verdict):
     assert rec["predicted_peak(GiB)"] == 19.4 and rec["batch_size"] == 29 and rec["cuda_max_allocated(GiB)"] == 19
 
 
+def test_a_completed_run_without_a_summary_is_an_error():
+    rec = P.judge(PLAN, {"outcome": "completed", "cap_gib": 23.17, "nvml_max_used_bytes": GIB}, None)
+    assert rec["verdict"] == ERROR and "summary" in rec["note"], rec
+
+
 def test_the_run_trains_the_plan_from_its_hydra_group(tmp_path):
     args = P.run_overrides(PLAN, plans_dir=tmp_path / "res" / "plans", steps=4, runs_dir=tmp_path)
     assert args[:3] == [f"hydra.searchpath=[file://{tmp_path / 'res'}]", "+plans=m-s64-1gib", "device=cuda"]
@@ -49,7 +54,8 @@ def _child(tmp_path, *extra, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * GIB}))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: capped.append((f, i)))
     outcome = tmp_path / "outcome.json"
-    code = P.run_capped(20.0, [f"results_dir={tmp_path}", "run_id=r", *MICRO, *extra], outcome)
+    code = P.main(["--child-cap-gib", "20", "--child-outcome", str(outcome), "--", f"results_dir={tmp_path}",
+                   "run_id=r", *MICRO, *extra])  # as the parent's command line passes them
     return code, json.loads(outcome.read_text()), capped
 
 

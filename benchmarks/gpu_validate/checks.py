@@ -19,6 +19,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from experiments.memory.gpu_allowance import GpuTarget, allowance_for
+
 PASS, MISS, INFO, NOT_APPLICABLE, SKIPPED, ERROR = "PASS", "MISS", "INFO", "N/A", "SKIPPED", "ERROR"
 VERDICTS = (PASS, MISS, INFO, NOT_APPLICABLE, SKIPPED, ERROR)
 _SEVERITY = {NOT_APPLICABLE: 0, INFO: 1, PASS: 2, SKIPPED: 3, MISS: 4, ERROR: 5}
@@ -127,6 +129,27 @@ def device_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (a folder name)."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return slug or "unknown-device"
+
+
+# Device-name patterns of each GPU generation the allowance model knows (experiments.memory.gpu_allowance).
+_ARCH_PATTERNS = (("ada", r"\bl4\b|\bl40|rtx 40\d\d|ada generation"),
+                  ("blackwell", r"\bg?b\d00\b|rtx pro \d000|rtx 50\d\d"),
+                  ("hopper", r"\bg?h\d00\b|\bh20\b"),
+                  ("ampere", r"\ba\d{2,3}g?\b|rtx 30\d\d|rtx a\d{4}"))
+
+
+def gpu_arch(device_name: str) -> str | None:
+    """The GPU generation of a device name ('NVIDIA H200' -> 'hopper'), or None when the name is not recognised."""
+    name = device_name.lower()
+    return next((arch for arch, pattern in _ARCH_PATTERNS if re.search(pattern, name)), None)
+
+
+def modeled_workspace_bytes(device_name: str) -> int:
+    """The cuBLAS and cuBLASLt workspaces a training step allocates through the caching allocator — one each for
+    the main thread and autograd's device thread (``experiments.memory.gpu_allowance``): in
+    ``torch.cuda.max_memory_allocated`` but in no tensor the meter or the dry run counts. 0 for an unknown device."""
+    arch = gpu_arch(device_name)
+    return 0 if arch is None else allowance_for(GpuTarget(arch=arch)).replayed_bytes
 
 
 def gib(nbytes: float | None) -> float | None:
