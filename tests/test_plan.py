@@ -31,6 +31,7 @@ from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, pre
 from experiments.planner.report import render_plan
 
 REPO = Path(__file__).resolve().parent.parent
+HOPPER_ALLOWANCE_GIB = (1_677_590_528 + 2 * (32 + 1) * 2**20) / 2**30  # outside the allocator (H200) + workspaces
 
 
 # ---- the integer program on hand-checkable instances --------------------------------------------------------------
@@ -204,12 +205,12 @@ def test_plan_is_verified_within_its_budget(planned):
 
 
 def test_plan_under_the_gpu_allowance_holds_the_allocators_reserved_bytes(planned):
-    """``dryrun.reserve=modeled`` (the default): the budget less the Hopper allowance (0.834 GiB, worked out in
+    """``dryrun.reserve=modeled`` (the default): the budget less the Hopper allowance (1.627 GiB, worked out in
     ``test_budget_below_the_weights_floor_names_the_floor``) holds the verification's predicted reserved bytes (the
     allocator's slack beyond the live peak included). The costs come from the fixture's cache (their key does not
     depend on ``dryrun.reserve``): only the verification traces run."""
     root, _ = planned
-    reserve = (426 + 362 + 66) / 1024  # GiB
+    reserve = HOPPER_ALLOWANCE_GIB
     budget = round(reserve + 0.1, 3)
     rec = plan_cli.main([*MODEL[:-2], *SPACE, f"budget_gib={budget}", f"results_dir={root / 'results'}",
                         f"plan_dir={root / 'mine'}", f"calibration={root / 'cal.json'}", "name=m", "verify=true"])
@@ -316,7 +317,7 @@ def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optim
 
     root, _ = planned
     modeled = MODEL[:-2]  # the default dryrun.reserve=modeled (the fixture's cost cache does not depend on it)
-    budget = round(BUDGET + (426 + 362 + 66) / 1024, 3)  # the Hopper allowance on top (see the test above)
+    budget = round(BUDGET + HOPPER_ALLOWANCE_GIB, 3)  # the Hopper allowance on top (see the test above)
     _biased_cache(root / "results" / "plan_costs", tmp_path / "results" / "plan_costs", 0.01)
     argv = [*modeled, *SPACE, f"budget_gib={budget}", f"results_dir={tmp_path / 'results'}",
             f"calibration={root / 'cal.json'}", "name=c", "verify=true", "max_iters=12"]
@@ -370,13 +371,13 @@ def test_budget_below_the_weights_floor_names_the_floor(capsys, tmp_path):
                            "budget_gib=7", "floor", "GiB")
     # 7B: INT8 projected weights (6,476,267,520 elements, 1 byte each + an fp32 scale per block of 256,
     # hmt_core.int8_weights.BLOCK) = 6.126 GiB; BF16 embedding, LM head and norms (262,410,240 elements) = 0.489 GiB;
-    # + the Hopper GPU allowance: 426 MiB context + 362 MiB lazily loaded kernels (379,584,512 B) + 2 x (32 MiB
-    # cuBLAS + 1 MiB cuBLASLt workspace) = 854 MiB = 0.834 GiB -> 7.45 GiB
-    assert "7.45 GiB" in line and "GPU allowance (hopper" in line, line
+    # + the Hopper GPU allowance: 1,677,590,528 B of context, kernels and libraries (measured on an H200) + 2 x
+    # (32 MiB cuBLAS + 1 MiB cuBLASLt workspace) = 1.627 GiB -> 8.24 GiB
+    assert "8.24 GiB" in line and "GPU allowance (hopper" in line, line
     # INT8 embedding and LM head offered (the default space): 2 x 32,000 x 4,096 elements at 1 byte + an fp32 scale
-    # per 256 instead of 2 bytes = 258,048,000 B (0.240 GiB) less -> 7.21 GiB
+    # per 256 instead of 2 bytes = 258,048,000 B (0.240 GiB) less -> 8.00 GiB
     line = _one_line_error(capsys, ["model=7b", "budget_gib=7", f"results_dir={tmp_path}"], "budget_gib=7", "floor")
-    assert "7.21 GiB" in line and "INT8 embedding and LM head" in line, line
+    assert "8.00 GiB" in line and "INT8 embedding and LM head" in line, line
     # with the flat reserve: + the 1 GiB dryrun.cuda_context_gib = 7.61 GiB
     line = _one_line_error(capsys, ["model=7b", "budget_gib=7", "dryrun.reserve=flat", "embedding_dtypes=[bf16]",
                                     f"results_dir={tmp_path}"], "budget_gib=7", "floor", "GiB")

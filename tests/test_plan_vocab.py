@@ -95,7 +95,7 @@ def test_every_emitted_option_is_accepted_by_the_app(extra, offered):
 ])
 def test_bad_vocabulary_choices_are_one_line(capsys, tmp_path, argv, fragments):
     with pytest.raises(SystemExit) as exc:
-        plan_cli.main(["model=tiny", "model.num_layers=1", "train.seq_len=32", "budget_gib=1", *argv,
+        plan_cli.main(["model=tiny", "model.num_layers=1", "train.seq_len=32", "budget_gib=2", *argv,
                        f"results_dir={tmp_path}"])
     assert exc.value.code not in (0, None)
     err = capsys.readouterr().err
