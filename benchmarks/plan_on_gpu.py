@@ -24,7 +24,6 @@ import os
 import runpy
 import subprocess
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,8 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_validate.checks import ERROR, GIB, MISS, PASS, device_slug
-from benchmarks.gpu_validate.cuda_backend import CudaBackend, child_env
-from experiments.memory.gpu_stats import first_visible_gpu_handle
+from benchmarks.gpu_validate.cuda_backend import CudaBackend, NvmlPoller, child_env
 from experiments.results import atomic_write_text
 
 SCHEMA = "hmt-plan-on-gpu/1"
@@ -49,30 +47,16 @@ def run_overrides(plan: dict, *, plans_dir: Path, steps: int, runs_dir: Path) ->
             f"results_dir={runs_dir}", f"run_id=plan-{plan['name']}", "force=true"]
 
 
-class NvmlUsedSampler:
-    """The most device memory in use (NVML, every ``interval_s``) while a child runs; this process never creates
-    a CUDA context of its own, so what NVML counts is the child's."""
+class NvmlUsedSampler(NvmlPoller):
+    """The most device memory in use (NVML "used", device-wide) while a child runs."""
 
     def __init__(self, interval_s: float = 0.05) -> None:
-        self.interval_s, self.max_used = interval_s, None
-        self._stop, self._thread = threading.Event(), None
-        self._nvml, self._handle = first_visible_gpu_handle()
+        super().__init__(interval_s)
+        self.max_used: int | None = None
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            used = int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-            self.max_used = used if self.max_used is None else max(self.max_used, used)
-
-    def __enter__(self) -> NvmlUsedSampler:
-        if self._handle is not None:
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def sample(self, nvml, handle) -> None:
+        used = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+        self.max_used = used if self.max_used is None else max(self.max_used, used)
 
 
 def judge(plan: dict, outcome: dict, summary: dict | None) -> dict:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,22 @@ def test_a_missing_plan_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmarks.plan_on_gpu", str(tmp_path / "nope.json")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "nope.json" in proc.stderr, proc
+
+
+def test_the_sampler_keeps_the_most_nvml_used(monkeypatch):
+    """Polled in a thread: whatever NVML answered, the sampler keeps the largest (a fake NVML here)."""
+    answered = []
+
+    class FakeNvml:
+        @staticmethod
+        def nvmlDeviceGetMemoryInfo(handle):
+            answered.append([5, 9, 7][len(answered) % 3] * GIB)
+            return type("M", (), {"used": answered[-1]})
+
+    from benchmarks.gpu_validate import cuda_backend
+    monkeypatch.setattr(cuda_backend, "_nvml", lambda: (FakeNvml, "handle"))
+    with P.NvmlUsedSampler(interval_s=0.001) as sampler:
+        deadline = time.monotonic() + 10
+        while len(answered) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(answered) >= 3 and sampler.max_used == max(answered) == 9 * GIB, (answered, sampler.max_used)

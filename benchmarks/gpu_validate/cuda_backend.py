@@ -61,37 +61,50 @@ def _nvml():
     return first_visible_gpu_handle()
 
 
-class PcieSampler:
-    """Polls NVML's PCIe TX/RX throughput (KB/s over NVML's ~20 ms window) in a thread while a run executes."""
+class NvmlPoller:
+    """Polls the first visible GPU through NVML every ``interval_s`` in a thread while a child process runs (this
+    process never creates a CUDA context); a subclass reads what it needs in ``sample``."""
 
     def __init__(self, interval_s: float = 0.05) -> None:
         self.interval_s = interval_s
-        self.tx: list[float] = []
-        self.rx: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml, self._handle = None, None
 
-    def __enter__(self) -> PcieSampler:
+    def sample(self, nvml, handle) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample(self._nvml, self._handle)
+            except Exception:  # counter not supported on this device/driver: stop sampling
+                return
+
+    def __enter__(self):
         self._nvml, self._handle = _nvml()
         if self._handle is not None:
             self._thread = threading.Thread(target=self._loop, daemon=True)
             self._thread.start()
         return self
 
-    def _loop(self) -> None:
-        nvml = self._nvml
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.tx.append(float(nvml.nvmlDeviceGetPcieThroughput(self._handle, nvml.NVML_PCIE_UTIL_TX_BYTES)))
-                self.rx.append(float(nvml.nvmlDeviceGetPcieThroughput(self._handle, nvml.NVML_PCIE_UTIL_RX_BYTES)))
-            except Exception:  # counter not supported on this device/driver: stop sampling
-                return
-
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+class PcieSampler(NvmlPoller):
+    """NVML's PCIe TX/RX throughput (KB/s over NVML's ~20 ms window) while a run executes."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        super().__init__(interval_s)
+        self.tx: list[float] = []
+        self.rx: list[float] = []
+
+    def sample(self, nvml, handle) -> None:
+        self.tx.append(float(nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_TX_BYTES)))
+        self.rx.append(float(nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_RX_BYTES)))
 
     def result(self) -> dict | None:
         if self._handle is None or not self.tx:
