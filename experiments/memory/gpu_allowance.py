@@ -24,7 +24,6 @@ from torch.distributed.fsdp import FSDPModule
 from experiments.memory.allocator_model import AllocEvent, replay
 from experiments.config import GPU_ARCHS, RunConfig
 
-MiB = 2**20
 GIB = 2**30
 
 # The CUDA context and the kernels and libraries a training step loads (cuBLAS/cuBLASLt, cuSOLVER, Triton modules),
