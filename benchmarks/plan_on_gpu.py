@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_validate.checks import ERROR, GIB, MISS, PASS, device_slug
+from benchmarks.gpu_validate.checks import ERROR, GIB, MISS, PASS
 from benchmarks.gpu_validate.cuda_backend import CudaBackend, NvmlPoller, child_env
+from benchmarks.gpu_validate.orchestrate import Session
+from benchmarks.gpu_validate.plan import short_cuda_run
 from experiments.results import atomic_write_text
 
 SCHEMA = "hmt-plan-on-gpu/1"
@@ -42,9 +44,8 @@ def run_overrides(plan: dict, *, plans_dir: Path, steps: int, runs_dir: Path) ->
     """``experiments.run`` arguments that train the plan for ``steps`` steps (the first 3 metered, the rest
     timed) from its Hydra group: ``plans_dir`` (named ``plans``) holds the record and its ``.yaml``."""
     return [f"hydra.searchpath=[file://{plans_dir.resolve().parent}]", f"+{plans_dir.name}={plan['name']}",
-            "device=cuda", f"train.steps={steps}", "train.warmup_steps=1", f"train.eval_every={steps}",
-            "train.eval_batches=1", "train.log_every=1", "train.progress=false", "train.confirm=false",
-            f"results_dir={runs_dir}", f"run_id=plan-{plan['name']}", "force=true"]
+            *short_cuda_run(steps), "train.confirm=false", f"results_dir={runs_dir}", f"run_id=plan-{plan['name']}",
+            "force=true"]
 
 
 class NvmlUsedSampler(NvmlPoller):
@@ -118,12 +119,12 @@ def run_capped(cap_gib: float, args: list[str], outcome_path: Path) -> int:
     return 0 if record["outcome"] == "completed" else 1
 
 
-def check_plan(plan_path: Path, session: Path, *, steps: int, timeout_s: float) -> dict:
+def check_plan(plan_path: Path, session: Session, *, steps: int, timeout_s: float) -> dict:
     plan = json.loads(plan_path.read_text(encoding="utf-8"))
     cap_gib = float(plan["budget_gib"]) - float(plan.get("reserve_gib") or 0.0)
-    runs_dir = session / "runs"
-    run_dir, log = runs_dir / f"plan-{plan['name']}", session / "logs" / f"plan-{plan['name']}.log"
-    outcome_path = session / "logs" / f"plan-{plan['name']}.{OUTCOME_FILE}"
+    runs_dir = session.runs_dir
+    run_dir, log = runs_dir / f"plan-{plan['name']}", session.logs_dir / f"plan-{plan['name']}.log"
+    outcome_path = session.logs_dir / f"plan-{plan['name']}.{OUTCOME_FILE}"
     log.parent.mkdir(parents=True, exist_ok=True)
     outcome_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.plan_on_gpu", "--child-cap-gib", str(cap_gib), "--child-outcome",
@@ -164,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print("plan_on_gpu: no CUDA device (torch.cuda.is_available() is False); nothing to check here")
         return 0
     name = CudaBackend().device_name()  # through NVML: no CUDA context in this process
-    session = a.results_dir.resolve() / "gpu" / f"{device_slug(name)}-{datetime.now(timezone.utc).date()}"
-    out, records = session / "plan_on_gpu.json", []
+    session = Session.create(a.results_dir, name, datetime.now(timezone.utc).date())  # gpu_validate's folder
+    out, records = session.dir / "plan_on_gpu.json", []
     for path in a.plans:
         records.append(check_plan(path, session, steps=a.steps, timeout_s=a.timeout_s))
         print(json.dumps(records[-1]))

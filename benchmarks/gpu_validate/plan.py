@@ -82,11 +82,16 @@ class Options:
                 "budget_s": self.budget_s, "runner": self.runner}
 
 
+def short_cuda_run(steps: int) -> list[str]:
+    """A few real steps on CUDA (the first 3 metered, the rest timed), one small evaluation at the end."""
+    return ["device=cuda", f"train.steps={steps}", "train.warmup_steps=1", f"train.eval_every={steps}",
+            "train.eval_batches=1", "train.log_every=1", "train.progress=false"]
+
+
 def train_overrides(spec: MethodSpec, model: str, opts: Options) -> list[str]:
-    """Overrides of the training run: a few real steps on CUDA (the first 3 metered, the rest timed)."""
+    """Overrides of the training run (``short_cuda_run``)."""
     return [*spec.overrides, f"model={model}", f"train.seq_len={opts.seq_len}", f"train.batch_size={opts.batch_size}",
-            f"train.steps={opts.steps}", "train.warmup_steps=1", f"train.eval_every={opts.steps}",
-            "train.eval_batches=1", "train.log_every=1", "train.progress=false", "device=cuda", "seed=0"]
+            *short_cuda_run(opts.steps), "seed=0"]
 
 
 def dryrun_overrides(spec: MethodSpec, model: str, opts: Options) -> list[str]:
