@@ -82,7 +82,7 @@ def _nonfinite_blocks(absmax: Tensor) -> Tensor:  # absmax: (nb,) ≥ 0, +Inf or
 
 def _scale(absmax: Tensor, qmax: float, bad: Tensor) -> Tensor:  # absmax, bad: (nb,) -> (nb,) fp32
     """absmax / qmax per block; 1 for an all-zero block, NaN for a non-finite one (``bad``)."""
-    return (absmax / qmax).masked_fill_(absmax == 0, 1.0).masked_fill_(bad, math.nan)
+    return _kernels.div_rn(absmax, qmax).masked_fill_(absmax == 0, 1.0).masked_fill_(bad, math.nan)
 
 
 def _unblock(xb: Tensor, shape: list[int], dtype: torch.dtype) -> Tensor:
@@ -196,7 +196,7 @@ def outlier_quant(
     half = 2 ** (bits - 1)
     absmax = torch.maximum(lo.abs(), hi.abs())
     bad = _nonfinite_blocks(absmax)  # a non-finite block: codes 0, scale and offset NaN (decodes to NaN)
-    scale = torch.where(asym, (hi - lo) / (2**bits - 1), absmax / (half - 1))
+    scale = torch.where(asym, _kernels.div_rn(hi - lo, 2**bits - 1), _kernels.div_rn(absmax, half - 1))
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).masked_fill_(bad, math.nan)
     offset = torch.where(asym, lo, -half * scale)
     codes = torch.round((xb - offset[:, None]) / scale[:, None]).clamp_(0, 2**bits - 1)

@@ -86,7 +86,7 @@ def quantize(w: Tensor, block: int = BLOCK,  # w: (rows, cols) float -> (q (rows
     if not stochastic and not is_fake(absmax) and absmax.numel() and not bool(torch.isfinite(absmax).all()):
         raise ValueError("int8 weight quantization: the weight contains NaN or Inf")
     # absmax ≥ 0, NaN only for a block with a NaN (refused above when converting; a skipped update keeps its codes)
-    scale = torch.div(absmax, QMAX).masked_fill_(absmax == 0, 1.0)
+    scale = kernels.div_rn(absmax, QMAX).masked_fill_(absmax == 0, 1.0)
     y = scaled_op(torch.div, w, scale, block, None)
     y = stochastic_round_int(y, generator, noise) if stochastic else y.round_()
     return y.clamp_(-QMAX, QMAX).to(torch.int8), scale  # |W/s| ≤ 127 up to one fp32 rounding of the division

@@ -103,3 +103,11 @@ def use_triton(*tensors: Tensor, backend: str | None = None, gemm: bool = False)
         raise RuntimeError("kernels backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton "
                            "is imported) to run the kernels on CPU in Triton's interpreter")
     return True
+
+
+def div_rn(t: Tensor, divisor: float) -> Tensor:
+    """``t / divisor`` correctly rounded on every device, as the kernels' ``tl.math.div_rn``. A Python number as the
+    divisor takes ATen's CUDA shortcut ``t * (1 / divisor)`` (``div_true_kernel_cuda``: a CPU-scalar divisor "may lose
+    one bit of precision"), so the same fallback would round differently on CPU and CUDA; a 0-dim tensor on ``t``'s
+    device keeps the IEEE division (one fill kernel, no host synchronization)."""
+    return t / t.new_full((), divisor)
