@@ -85,7 +85,22 @@ def judge(plan: dict, outcome: dict, summary: dict | None) -> dict:
             "nvml_max_used(GiB)": _gib(nvml_used), "nvml_used_at_end(GiB)": _gib(memory.get("nvml_used_bytes")),
             "tracker_peak(GiB)": _gib(memory.get("tracker_peak_bytes")),
             "step_time(s)": (summary or {}).get("step_time_s"), "tokens_per_s(tok/s)": (summary or {}).get("tokens_per_s"),
+            # memory is judged, not learning: the losses are recorded so that a run that diverged is seen
+            "train_loss_first(nats)": outcome.get("first_train_loss"),
+            "train_loss_last(nats)": (summary or {}).get("train_loss"), "val_loss(nats)": (summary or {}).get("val_loss"),
             "wall(s)": outcome.get("wall_s")}
+
+
+def first_train_loss(run_dir: Path) -> float | None:
+    """The first logged step's training loss (``metrics.jsonl``), or None."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        loss = json.loads(line).get("loss/train") if line.strip() else None
+        if loss is not None:
+            return float(loss)
+    return None
 
 
 def _gib(nbytes) -> float | None:
@@ -140,7 +155,8 @@ def check_plan(plan_path: Path, session: Session, *, steps: int, timeout_s: floa
             outcome = {"outcome": "error", "message": f"timed out after {timeout_s:.0f} s (log: {log})"}
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return judge(plan, {**outcome, "cap_gib": cap_gib, "nvml_max_used_bytes": sampler.max_used}, summary)
+    return judge(plan, {**outcome, "cap_gib": cap_gib, "nvml_max_used_bytes": sampler.max_used,
+                        "first_train_loss": first_train_loss(run_dir)}, summary)
 
 
 def main(argv: list[str] | None = None) -> int:

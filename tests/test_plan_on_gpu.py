@@ -67,6 +67,16 @@ def test_the_child_records_a_completed_run(tmp_path, monkeypatch):
     assert (tmp_path / "r" / "status").read_text().strip() == "completed"
 
 
+def test_the_record_carries_the_losses_so_a_diverged_run_is_seen(tmp_path, monkeypatch):
+    code, _, _ = _child(tmp_path, monkeypatch=monkeypatch)
+    first = P.first_train_loss(tmp_path / "r")
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    rec = P.judge(PLAN, {"outcome": "completed", "cap_gib": 20.0, "first_train_loss": first}, summary)
+    assert code == 0 and first is not None and first > 0, first
+    assert rec["train_loss_first(nats)"] == first and rec["train_loss_last(nats)"] == summary["train_loss"], rec
+    assert P.first_train_loss(tmp_path / "missing") is None
+
+
 def test_the_child_tells_an_out_of_memory_error_apart(tmp_path, monkeypatch):
     code, outcome, _ = _child(tmp_path, "train.memory_cap_gib=0.0001", monkeypatch=monkeypatch)
     assert (code, outcome["outcome"]) == (1, "oom"), outcome
