@@ -349,3 +349,36 @@ def test_a_checkpoint_of_implicit_kernels_resumes_fused_with_its_step_counters_o
     assert old.state_dict()["state"][0]["step"].device == CPU, "the old checkpoint's counter was on the host"
     assert group["fused"] is True and group["foreach"] is None, group
     assert placed == {"step": CUDA, "exp_avg": CUDA, "exp_avg_sq": CUDA}, placed
+
+
+def test_the_codecs_divide_cuda_tensors_by_device_tensors_never_by_a_cpu_scalar():
+    """ATen's CUDA division by a CPU scalar (a Python number, or a 0-dim CPU tensor) multiplies by its reciprocal
+    (``div_true_kernel_cuda``), which rounds differently from the Triton kernels' ``div_rn``: on an H200 every codec
+    case then differed from its kernel. Every division of a CUDA tensor in the codecs' PyTorch paths must take a
+    divisor on the device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hmt_core import kernels
+    from hmt_core.activations import codecs
+    from hmt_core.int8_weights import codec as weight_codec
+
+    divisions = {torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor, torch.ops.aten.div.Scalar,
+                 torch.ops.aten.div_.Scalar}
+    found: list[str] = []
+
+    class CpuScalarDivisors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in divisions and isinstance(args[0], Tensor) and args[0].device.type == "cuda":
+                d = args[1]
+                if not isinstance(d, Tensor) or (d.dim() == 0 and d.device.type == "cpu"):
+                    found.append(f"{func} by {d!r}")
+            return func(*args, **(kwargs or {}))
+
+    with fake_cuda(), kernels.using("torch"):
+        x = torch.randn(16, 300, device=CUDA)
+        with CpuScalarDivisors():
+            for op, args in ((codecs.int8_block_quant, (64,)), (codecs.fp8_block_quant, (64, "e4m3")),
+                             (codecs.outlier_quant, (4, 64, 3.0, 2)), (codecs.outlier_quant, (8, 64, 3.0, 2))):
+                op._init_fn(x, *args)  # the custom op's body: a dispatch mode sees only the op itself otherwise
+            weight_codec.quantize(x, 64)
+    assert not found, "CUDA divisions by a CPU scalar:\n" + "\n".join(found)
