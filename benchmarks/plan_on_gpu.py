@@ -34,7 +34,7 @@ from benchmarks.gpu_validate.checks import ERROR, GIB, MISS, PASS
 from benchmarks.gpu_validate.cuda_backend import CudaBackend, NvmlPoller, child_env
 from benchmarks.gpu_validate.orchestrate import Session
 from benchmarks.gpu_validate.plan import short_cuda_run
-from experiments.results import atomic_write_text
+from experiments.results import atomic_write_text, read_metrics
 
 SCHEMA = "hmt-plan-on-gpu/1"
 OUTCOME_FILE = "outcome.json"  # the child's own record: completed | oom | error
@@ -93,14 +93,7 @@ def judge(plan: dict, outcome: dict, summary: dict | None) -> dict:
 
 def first_train_loss(run_dir: Path) -> float | None:
     """The first logged step's training loss (``metrics.jsonl``), or None."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        loss = json.loads(line).get("loss/train") if line.strip() else None
-        if loss is not None:
-            return float(loss)
-    return None
+    return next((float(m["loss/train"]) for m in read_metrics(run_dir) if m.get("loss/train") is not None), None)
 
 
 def _gib(nbytes) -> float | None:

@@ -169,8 +169,9 @@ def finite_or_none(value: Any) -> float | None:
 
 # ------------------------------------------------------------------------------------------------ kernel checks
 # Tolerances of the Triton kernels vs their references (as tests/test_kernels.py on CPU): codecs must be bit
-# identical; the fused update rounds once to bf16 (≤ 1 ulp of the fp64 result); the bf16 projection is compared
-# with the PyTorch fallback relative to its largest value; fp32 ops to fp32 summation-order slack.
+# identical; the bf16 fused update within the error of fp32 arithmetic rounded once to bf16
+# (``kernel_checks.fp32_then_bf16_bound``); the bf16 projection is compared with the PyTorch fallback relative to its
+# largest value; fp32 ops to fp32 summation-order slack.
 KERNEL_TARGETS: dict[str, tuple[str, float]] = {
     "fused_update/bf16": ("max_err(fp32 bound)", 1.0),
     "fused_update/fp32": ("max_rel_err", 1e-5),
