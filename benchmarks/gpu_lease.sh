@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_lease.sh wheels                  # here (network): the pinned wheels into .whl/ (~27 MB)
 #   bash benchmarks/gpu_lease.sh validate [BUDGET_S]     # there: python -m benchmarks.gpu_validate (default 440 s)
 #   bash benchmarks/gpu_lease.sh plans PLAN.json ...     # there: python -m benchmarks.plan_on_gpu --steps 4
+#   bash benchmarks/gpu_lease.sh sweep NAME [OVERRIDES]  # there: a tuned sweep file, every run of a phase at once
+#                                                        # (submitit's local executor), its run folders tarred
 #
 # "there" carries .whl/ (and the plans' folder) with the working tree; results are tarred into $OUT (or ./gpu-out).
 set -u
@@ -78,6 +80,23 @@ case "${1:-}" in
       --results-dir .gpu-results "$@" > "$OUT/plan_on_gpu.log" 2>&1
     t "plan_on_gpu rc=$?"; tail -25 "$OUT/plan_on_gpu.log"
     tar czf "$OUT/results.tgz" --exclude='*.pickle' --exclude='*.pt' --exclude='*.safetensors' -C .gpu-results gpu ;;
-  *) echo "usage: bash benchmarks/gpu_lease.sh wheels | validate [BUDGET_S] | plans PLAN.json ..." >&2; exit 2 ;;
+  sweep)
+    shift
+    sweep=$1
+    shift
+    install
+    mkdir -p ~/.cache/hmt && cp .gpu-cache/* ~/.cache/hmt/ 2>/dev/null  # the corpus' tokenizer and token files
+    touch "$OUT/.sweep-start"
+    t "sweep $sweep"
+    OMP_NUM_THREADS=1 timeout "${SWEEP_TIMEOUT_S:-330}" python3 -m experiments.run -m hydra.sweeper.file="$sweep" \
+      hydra/launcher=submitit_local hydra.launcher.gpus_per_node=1 hydra.launcher.timeout_min=20 "$@" \
+      > "$OUT/sweep.log" 2>&1
+    t "sweep rc=$?"; grep -v "^\[.*#[0-9]* :" "$OUT/sweep.log" | tail -15
+    python3 -m experiments.sweep status "$sweep" "$@" > "$OUT/sweep_status.txt" 2>&1; tail -3 "$OUT/sweep_status.txt"
+    find results -mindepth 2 -maxdepth 2 -type d -newer "$OUT/.sweep-start" -not -path 'results/.multirun*' \
+      > "$OUT/run_dirs.txt"
+    tar czf "$OUT/sweep-results.tgz" -T "$OUT/run_dirs.txt" results/.multirun ;;
+  *) echo "usage: bash benchmarks/gpu_lease.sh wheels | validate [BUDGET_S] | plans PLAN.json ... | sweep NAME" >&2
+     exit 2 ;;
 esac
 t done

@@ -67,6 +67,8 @@ def _check_card(model: ModelConfig) -> None:
 MODEL_PHASES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "small": ModelConfig(name="small", hidden_size=384, num_layers=6, num_heads=6, intermediate_size=1024),
+    # 29.5 M parameters (14 % in the embedding and LM head): the campaign's larger model (docs/campaign/findings.md)
+    "30m": ModelConfig(name="30m", hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1376),
     "125m": ModelConfig(name="125m", hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
                         vocab_size=32000),
     "350m": ModelConfig(name="350m", hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=2736,
