@@ -3,7 +3,7 @@
 # (docs/gpu_validation.md, "On a lent machine"). Three steps:
 #
 #   bash benchmarks/gpu_lease.sh wheels                  # here (network): the pinned wheels into .whl/ (~27 MB)
-#   bash benchmarks/gpu_lease.sh validate [BUDGET_S]     # there: python -m benchmarks.gpu_validate (default 440 s)
+#   bash benchmarks/gpu_lease.sh validate [BUDGET_S] [ARGS]  # there: python -m benchmarks.gpu_validate (440 s)
 #   bash benchmarks/gpu_lease.sh plans PLAN.json ...     # there: python -m benchmarks.plan_on_gpu --steps 4
 #   bash benchmarks/gpu_lease.sh sweep NAME [OVERRIDES]  # there: a tuned sweep file, every run of a phase at once
 #                                                        # (submitit's local executor), its run folders tarred
@@ -66,9 +66,10 @@ case "${1:-}" in
   wheels) wheels ;;
   validate)
     budget=${2:-440}
+    extra=("${@:3}")  # more gpu_validate arguments, e.g. --methods adamw,hmt
     install
     t "gpu_validate (budget $budget s)"
-    timeout $((budget + 50)) python3 -m benchmarks.gpu_validate --budget-s "$budget" --results-dir .gpu-results \
+    timeout $((budget + 50)) python3 -m benchmarks.gpu_validate --budget-s "$budget" --results-dir .gpu-results "${extra[@]}" \
       > "$OUT/gpu_validate.log" 2>&1
     t "gpu_validate rc=$?"; tail -45 "$OUT/gpu_validate.log"
     tar czf "$OUT/results.tgz" --exclude='*.pickle' --exclude='*.pt' --exclude='*.safetensors' -C .gpu-results gpu ;;
