@@ -86,7 +86,6 @@ case "${1:-}" in
     sweep=$1
     shift
     install
-    mkdir -p ~/.cache/hmt && cp .gpu-cache/* ~/.cache/hmt/ 2>/dev/null  # the corpus' tokenizer and token files
     touch "$OUT/.sweep-start"
     t "sweep $sweep"
     OMP_NUM_THREADS=1 timeout "${SWEEP_TIMEOUT_S:-330}" python3 -m experiments.run -m hydra.sweeper.file="$sweep" \
