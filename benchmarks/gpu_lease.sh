@@ -95,7 +95,9 @@ case "${1:-}" in
     python3 -m experiments.sweep status "$sweep" "$@" > "$OUT/sweep_status.txt" 2>&1; tail -3 "$OUT/sweep_status.txt"
     find results -mindepth 2 -maxdepth 2 -type d -newer "$OUT/.sweep-start" -not -path 'results/.multirun*' \
       > "$OUT/run_dirs.txt"
-    tar czf "$OUT/sweep-results.tgz" -T "$OUT/run_dirs.txt" results/.multirun ;;
+    # results only: a preempted run's checkpoint (hundreds of MB) and submitit's pickles would not come back
+    tar czf "$OUT/sweep-results.tgz" --exclude='*/checkpoints' --exclude='*/model' --exclude='*.pkl' \
+      --exclude='*.pt' -T "$OUT/run_dirs.txt" ;;
   *) echo "usage: bash benchmarks/gpu_lease.sh wheels | validate [BUDGET_S] | plans PLAN.json ... | sweep NAME" >&2
      exit 2 ;;
 esac
