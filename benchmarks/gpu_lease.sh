@@ -93,7 +93,7 @@ case "${1:-}" in
       > "$OUT/sweep.log" 2>&1
     t "sweep rc=$?"; grep -v "^\[.*#[0-9]* :" "$OUT/sweep.log" | tail -15
     python3 -m experiments.sweep status "$sweep" "$@" > "$OUT/sweep_status.txt" 2>&1; tail -3 "$OUT/sweep_status.txt"
-    find results -mindepth 2 -maxdepth 2 -type d -newer "$OUT/.sweep-start" -not -path 'results/.multirun*' \
+    find results -mindepth 2 -maxdepth 2 -type d -newer "$OUT/.sweep-start" -not -name .multirun \
       > "$OUT/run_dirs.txt"
     # results only: a preempted run's checkpoint (hundreds of MB) and submitit's pickles would not come back
     tar czf "$OUT/sweep-results.tgz" --exclude='*/checkpoints' --exclude='*/model' --exclude='*.pkl' \
