@@ -7,6 +7,8 @@ retuned in a campaign of their own, compared with AdamW split seed by seed.
 - **Statistics** (``results/campaign-stats``, ``experiments/sweeps/campaign_stats_*.yaml``): the same rows and
   single-rate AdamW at the campaign's 300 steps, each retuned on a grid 1.5× apart around its campaign winner,
   seeds 1-5, whole-split evaluation.
+- **Larger model** (``results/campaign-30m``, ``experiments/sweeps/campaign_30m.yaml``, ``--larger``): the statistics
+  rows on ``model=30m`` (29.5 M parameters against tiny's 5.3 M), each searched on 5 rates 2× apart, seeds 1-5.
 
 A row is found by configuration (``analysis.rows``); its tuned rate is checked against its own search
 (``<folder>-lr-search``). Δ and p are against AdamW split: the paired t-test over the seeds both ran (a seed fixes
@@ -14,7 +16,8 @@ the data order and initialisation for every row; ``analysis.stats``). "Last quar
 row's seed-mean validation curve over the last quarter of training, (L(0.75T) − L(T)) / L(T), as in
 ``analysis.main_table.flattening_table``.
 
-    python -m analysis.retuned results/campaign-horizon results/campaign-stats --out docs/campaign
+    python -m analysis.retuned results/campaign-horizon results/campaign-stats --out docs/campaign \
+        --larger results/campaign-30m
 """
 
 from __future__ import annotations
@@ -46,7 +49,16 @@ ADAMW = Method(label="AdamW (one rate)", color="#7F7F7F", source8="campaign",
                keys={**PRETRAIN, "method.name": "adamw", "method.dense_lr_scale": 1.0})
 HORIZON_ROWS = METHODS  # AdamW split first: the reference of every Δ
 STATISTICS_ROWS = (*METHODS, ADAMW)
+LARGER_MODEL = "30m"
 TOKENS_PER_STEP = 8 * 128
+
+
+def at_model(rows: Sequence[Method], model: str) -> tuple[Method, ...]:
+    """The same rows on another model (``model.name``)."""
+    return tuple(dataclasses.replace(row, keys={**row.keys, "model.name": model}) for row in rows)
+
+
+LARGER_ROWS = at_model(STATISTICS_ROWS, LARGER_MODEL)
 
 
 def found_rows(rows: Sequence[Method], source: tuple[Source, Source | None]) -> dict[str, pd.DataFrame]:
@@ -119,18 +131,28 @@ STATISTICS_TITLE = ("Statistics: the campaign's 300 steps (tiny Llama), each row
                     "(74,496 tokens), mean ± std over seeds 1-5; Δ and p against AdamW split, paired by seed")
 
 
-def write_outputs(horizon: Path, statistics: Path, out: Path) -> list[Path]:
-    """tables/{horizon,statistics}{,_lr_search}.{md,tex} and figures/horizon.{png,pdf} under ``out``."""
+LARGER_TITLE = ("Larger model: the statistics campaign's 300 steps of 8 × 128 tokens on a 29.5 M-parameter Llama "
+                "(model=30m: hidden 512, 8 layers), each row searched on 5 rates 2× apart at seed 0, validation loss "
+                "on the whole validation split (74,496 tokens), mean ± std over seeds 1-5; Δ and p against AdamW "
+                "split, paired by seed")
+
+
+def write_outputs(horizon: Path, statistics: Path, out: Path, larger: Path | None = None) -> list[Path]:
+    """tables/{horizon,statistics,larger_model}{,_lr_search}.{md,tex} and figures/horizon.{png,pdf} under
+    ``out`` (larger_model only with ``larger``)."""
     tables, written = [], []
-    for name, folder, rows, title in (("horizon", horizon, HORIZON_ROWS, HORIZON_TITLE),
-                                      ("statistics", statistics, STATISTICS_ROWS, STATISTICS_TITLE)):
+    campaigns = [("horizon", horizon, HORIZON_ROWS, HORIZON_TITLE),
+                 ("statistics", statistics, STATISTICS_ROWS, STATISTICS_TITLE)]
+    if larger is not None:
+        campaigns.append(("larger_model", larger, LARGER_ROWS, LARGER_TITLE))
+    for name, folder, rows, title in campaigns:
         source = with_search(folder, may_be_empty=True)
         tables.append(retuned_table(name, title, rows, source))
         if source[1] is not None and len(source[1][0].runs):
             tables.append(dataclasses.replace(lr_search_table(with_row_labels(source[1], rows)),
                                               name=f"{name}_lr_search",
-                                              title=f"Learning-rate search of the {name} campaign: validation loss "
-                                                    "per rate (seed 0)"))
+                                              title=f"Learning-rate search of the {name.replace('_', ' ')} "
+                                                    "campaign: validation loss per rate (seed 0)"))
         if name == "horizon":
             fig = curves_figure(rows, source, "Validation loss over 1,200 steps, each row at its tuned rate")
             written += save(fig, out / "figures", "horizon")
@@ -142,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("horizon", type=Path, help="the horizon campaign's results (results/campaign-horizon)")
     parser.add_argument("statistics", type=Path, help="the statistics campaign's results (results/campaign-stats)")
     parser.add_argument("--out", type=Path, required=True, help="folder for tables/ and figures/ (docs/campaign)")
+    parser.add_argument("--larger", type=Path, help="the larger model's results (results/campaign-30m)")
     args = parser.parse_args(argv)
-    written = one_line_errors(lambda: write_outputs(args.horizon, args.statistics, args.out), OSError)
+    written = one_line_errors(lambda: write_outputs(args.horizon, args.statistics, args.out, args.larger), OSError)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
 

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+import yaml
 from scipy import stats as scipy_stats
 
 from analysis import retuned
@@ -48,3 +49,31 @@ def test_rows_paired_p_and_last_quarter(tmp_path: Path) -> None:
     assert rows["GaLore rank 64"][3:7] == ["not run", "—", "0", "—"], rows
     assert (out / "tables" / "statistics.md").exists() and (out / "figures" / "horizon.png").exists()
     assert "not run" in (out / "tables" / "statistics.md").read_text()
+
+
+def _rename_model(run: Path, model: str) -> None:
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["model"]["name"] = model
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def test_the_larger_model_rows_take_only_that_models_runs(tmp_path: Path) -> None:
+    root = tmp_path / "campaign-30m"
+    hmt = _final("campaign", HMT_DEFAULT)
+    _copy(hmt[0], root, batch_size=8, shift=0.0)  # still tiny: no larger-model row may take it
+    moved = [_copy(d, root, batch_size=8, shift=0.5) for d in _final("campaign-controls", ADAMW_SPLIT)]
+    for run in root.iterdir():
+        if run.name.startswith(("adamw", "hmt")) and run.name != f"{hmt[0].name}-b8":
+            _rename_model(run, retuned.LARGER_MODEL)
+    larger = {row[0]: row for row in retuned.retuned_table("larger_model", "", retuned.LARGER_ROWS,
+                                                           retuned.with_search(root)).rows}
+    tiny = {row[0]: row for row in retuned.retuned_table("statistics", "", retuned.STATISTICS_ROWS,
+                                                         retuned.with_search(root)).rows}
+    split = ADAMW_SPLIT.label
+    assert larger[split][5:7] == [str(len(moved)), f"{statistics.mean(moved):.3f} ± {statistics.stdev(moved):.3f}"], \
+        larger[split]
+    assert larger[HMT_DEFAULT.label][5] == "0" and tiny[HMT_DEFAULT.label][5] == "1" and tiny[split][5] == "0", \
+        (larger, tiny)
+    out = tmp_path / "docs"
+    assert retuned.main([str(root), str(root), "--out", str(out), "--larger", str(root)]) == 0
+    assert "29.5 M-parameter" in (out / "tables" / "larger_model.md").read_text()
