@@ -219,6 +219,12 @@ def load_results(results_dir: str | Path, warn: Callable[[str], None] | None = N
         damaged = f" ({skipped} damaged run(s) skipped: see the warnings above)" if skipped else ""
         raise UserError(f"no runs with summary.json under {root}{damaged}")
     _add_settings(runs, configs)
+    return _results(runs, metrics, ranks, hist, acts, warnings)
+
+
+def _results(runs: list[dict], metrics: list[dict], ranks: list[dict], hist: list[dict], acts: list[dict],
+             warnings: list[str]) -> Results:
+    """The loaded rows as frames, in a fixed row and column order."""
     metric_frame = _frame(metrics, ("run_id", "step"), ["run_id", "step"])
     if len(metric_frame):  # fixed column order: run_id, step, then metric keys sorted
         metric_frame = metric_frame[["run_id", "step"] + sorted(c for c in metric_frame if c not in ("run_id", "step"))]

@@ -137,9 +137,14 @@ LARGER_TITLE = ("Larger model: the statistics campaign's 300 steps of 8 × 128 t
                 "split, paired by seed")
 
 
+FIGURE_TITLES = {"horizon": "Validation loss over 1,200 steps, each row at its tuned rate",
+                 "larger_model": "Validation loss over 300 steps of the 29.5 M-parameter model, each row at its "
+                                 "tuned rate"}
+
+
 def write_outputs(horizon: Path, statistics: Path, out: Path, larger: Path | None = None) -> list[Path]:
-    """tables/{horizon,statistics,larger_model}{,_lr_search}.{md,tex} and figures/horizon.{png,pdf} under
-    ``out`` (larger_model only with ``larger``)."""
+    """tables/{horizon,statistics,larger_model}{,_lr_search}.{md,tex} and figures/{horizon,larger_model}.{png,pdf}
+    under ``out`` (larger_model only with ``larger``, its figure once a row has final runs)."""
     tables, written = [], []
     campaigns = [("horizon", horizon, HORIZON_ROWS, HORIZON_TITLE),
                  ("statistics", statistics, STATISTICS_ROWS, STATISTICS_TITLE)]
@@ -153,9 +158,8 @@ def write_outputs(horizon: Path, statistics: Path, out: Path, larger: Path | Non
                                               name=f"{name}_lr_search",
                                               title=f"Learning-rate search of the {name.replace('_', ' ')} "
                                                     "campaign: validation loss per rate (seed 0)"))
-        if name == "horizon":
-            fig = curves_figure(rows, source, "Validation loss over 1,200 steps, each row at its tuned rate")
-            written += save(fig, out / "figures", "horizon")
+        if name in FIGURE_TITLES and any(len(runs) for runs in found_rows(rows, source).values()):
+            written += save(curves_figure(rows, source, FIGURE_TITLES[name]), out / "figures", name)
     return write_table_files(tables, out / "tables") + written
 
 

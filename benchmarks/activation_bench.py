@@ -115,6 +115,33 @@ def train_and_validate(args, corpus, name: str) -> tuple[float, float]:
     return float(loss), sum(val) / len(val)
 
 
+def print_comparison(res: dict) -> None:
+    """Each preset's activation bytes, step time and gradient cosine against full_ckpt, per component, and the
+    targets (HMT's activations at most selective's, its step at most 0.8× full_ckpt's)."""
+    ref = res["full_ckpt"]
+    mib = 2.0**20
+    print(f"\n{'preset':<10} {'act@fwd_end':>12} {'saved(hooks)':>13} {'peak-params':>12} {'step':>8} "
+          f"{'act/fc':>7} {'time/fc':>8} {'grad_cos':>9}")
+    for name in NAMES:
+        r = res[name]
+        print(f"{name:<10} {r['act_fwd_end'] / mib:>9.2f}MiB {r['saved_hooks'] / mib:>10.2f}MiB "
+              f"{r['peak_minus_params'] / mib:>9.2f}MiB {r['step_s']:>7.3f}s "
+              f"{r['act_fwd_end'] / ref['act_fwd_end']:>7.3f} "
+              f"{r['step_s'] / ref['step_s']:>8.3f} {r['grad_cos']:>9.6f}")
+    comps = sorted({c for n in NAMES for c in res[n]["components"]})
+    print("\nsaved for backward per component (MiB, pack hooks; 'other' = logits/loss outside the model's layers)")
+    print(f"{'preset':<10} " + " ".join(f"{c[:12]:>12}" for c in comps))
+    for name in NAMES:
+        print(f"{name:<10} " + " ".join(f"{res[name]['components'].get(c, 0) / mib:>12.2f}" for c in comps))
+    hmt, sel = res["hmt"], res["selective"]
+    mem_ok = hmt["act_fwd_end"] <= sel["act_fwd_end"]
+    time_ok = hmt["step_s"] <= 0.8 * ref["step_s"]
+    print(f"\ntarget hmt act <= selective act: {'HIT' if mem_ok else 'MISS'} "
+          f"({hmt['act_fwd_end'] / mib:.2f} vs {sel['act_fwd_end'] / mib:.2f} MiB)")
+    print(f"target hmt time <= 0.8 x full_ckpt: {'HIT' if time_ok else 'MISS'} "
+          f"({hmt['step_s'] / ref['step_s']:.3f} x)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=512)
@@ -148,28 +175,7 @@ def main() -> None:
     model = make_model(args, corpus.vocab_size)
     ids = corpus.train.batch(0)
     res = memory_and_time(args, model, ids)
-    ref = res["full_ckpt"]
-    mib = 2.0**20
-    print(f"\n{'preset':<10} {'act@fwd_end':>12} {'saved(hooks)':>13} {'peak-params':>12} {'step':>8} "
-          f"{'act/fc':>7} {'time/fc':>8} {'grad_cos':>9}")
-    for name in NAMES:
-        r = res[name]
-        print(f"{name:<10} {r['act_fwd_end'] / mib:>9.2f}MiB {r['saved_hooks'] / mib:>10.2f}MiB "
-              f"{r['peak_minus_params'] / mib:>9.2f}MiB {r['step_s']:>7.3f}s "
-              f"{r['act_fwd_end'] / ref['act_fwd_end']:>7.3f} "
-              f"{r['step_s'] / ref['step_s']:>8.3f} {r['grad_cos']:>9.6f}")
-    comps = sorted({c for n in NAMES for c in res[n]["components"]})
-    print("\nsaved for backward per component (MiB, pack hooks; 'other' = logits/loss outside the model's layers)")
-    print(f"{'preset':<10} " + " ".join(f"{c[:12]:>12}" for c in comps))
-    for name in NAMES:
-        print(f"{name:<10} " + " ".join(f"{res[name]['components'].get(c, 0) / mib:>12.2f}" for c in comps))
-    hmt, sel = res["hmt"], res["selective"]
-    mem_ok = hmt["act_fwd_end"] <= sel["act_fwd_end"]
-    time_ok = hmt["step_s"] <= 0.8 * ref["step_s"]
-    print(f"\ntarget hmt act <= selective act: {'HIT' if mem_ok else 'MISS'} "
-          f"({hmt['act_fwd_end'] / mib:.2f} vs {sel['act_fwd_end'] / mib:.2f} MiB)")
-    print(f"target hmt time <= 0.8 x full_ckpt: {'HIT' if time_ok else 'MISS'} "
-          f"({hmt['step_s'] / ref['step_s']:.3f} x)")
+    print_comparison(res)
     if args.train_steps > 0:
         print(f"\ntraining {args.train_steps} AdamW steps (lr {args.lr}) from the same init and batches; val loss on "
               f"{args.val_batches} fixed held-out batches")

@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments import methods
 from experiments.config import ModelConfig, TrainConfig, register_configs, to_run_config
+from hmt_core.hmt import projected_weight_names
 
 GIB = 2**30
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
@@ -195,6 +197,61 @@ def print_quant(errors: dict) -> None:
         print(f"{block:<12} {cells} {errors[labels[0]][block]['scale_bytes_per_element']:>13.4f}")
 
 
+def measure_training(a: argparse.Namespace, result: dict, save: Callable[[], None]) -> None:
+    """(b) tiny step time, (c) tiny training bf16 vs int8 and the quantization error of trained weights."""
+    t = step_times(a.time_reps, warmup=3)
+    result["step_time"] = t
+    save()
+    print(f"\n(b) tiny step time (median of {a.time_reps}, 1 thread): bf16 {t['median_step_s']['bf16']:.3f} s, "
+          f"int8 {t['median_step_s']['int8']:.3f} s, ratio {t['ratio_int8_over_bf16']:.2f}x (target <= 1.3x)")
+    runs = {}
+    for wd in ("bf16", "int8"):
+        runs[wd], model = train_tiny(wd, a.steps)
+        if wd == "bf16":
+            names = projected_weight_names(model, ("attn", "mlp"))
+            trained = [p.detach().float() for n, p in model.named_parameters() if n in names]
+    gap = abs(runs["int8"]["val_loss"] - runs["bf16"]["val_loss"]) / runs["bf16"]["val_loss"]
+    result["train"] = {"steps": a.steps, "runs": runs, "val_loss_rel_gap": gap}
+    save()
+    print(f"\n(c) tiny, {a.steps} steps: val loss bf16 {runs['bf16']['val_loss']:.4f}, "
+          f"int8 {runs['int8']['val_loss']:.4f}, gap {100 * gap:.2f}% (target <= 3%)")
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(4096, 4096, generator=gen) * 0.02
+    outliers = init.clone()
+    outliers[:, torch.randperm(4096, generator=gen)[:8]] *= 20  # 0.2% of the input features 20x larger
+    result["quant_error"] = quant_errors({"N(0,0.02^2) 4096x4096": [init],
+                                          "same, 8 outlier inputs x20": [outliers],
+                                          f"tiny after {a.steps} bf16 steps": trained})
+    save()
+    print_quant(result["quant_error"])
+
+
+def measure_dryrun(a: argparse.Namespace, result: dict, save: Callable[[], None]) -> None:
+    """(a) full-size dry-run peaks of every row, checked against TARGETS_GIB."""
+    wanted = [r.strip() for r in a.rows.split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"error: --rows: unknown rows {unknown}; choose from {list(ROWS)}")
+    kept = result.get("dryrun", {})
+    same_shape = (kept.get("seq_len"), kept.get("batch_size")) == (a.seq, 1)
+    result["dryrun"] = {"seq_len": a.seq, "batch_size": 1, "sizes": kept.get("sizes", {}) if same_shape else {}}
+    for size in [s.strip() for s in a.sizes.split(",") if s.strip()]:
+        rows = result["dryrun"]["sizes"].get(size, {})
+        for label in wanted:
+            rows[label] = dry_run(size, ROWS[label], a.seq)
+            result["dryrun"]["sizes"][size] = rows
+            save()
+            print(f"  traced {size} {label}: "
+                  + (f"{rows[label]['peak_bytes'] / GIB:.2f} GiB" if rows[label]["ok"] else "n/a")
+                  + f" in {rows[label]['wall_s']} s", flush=True)
+        print_dry(size, rows, a.seq)
+        target = TARGETS_GIB.get(size)
+        best = rows.get("hmt int8 (memory-minimal)")
+        if target is not None and best is not None and best["ok"]:
+            print(f"  target {size} hmt int8 memory-minimal <= {target} GiB: {best['peak_bytes'] / GIB:.2f} GiB "
+                  + ("(met)" if best["peak_bytes"] <= target * GIB else "(MISSED)"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="7b,13b")
@@ -220,56 +277,9 @@ def main() -> None:
         tmp.replace(out_dir / "int8_bench.json")
 
     if not a.skip_train:
-        t = step_times(a.time_reps, warmup=3)
-        result["step_time"] = t
-        save()
-        print(f"\n(b) tiny step time (median of {a.time_reps}, 1 thread): bf16 {t['median_step_s']['bf16']:.3f} s, "
-              f"int8 {t['median_step_s']['int8']:.3f} s, ratio {t['ratio_int8_over_bf16']:.2f}x (target <= 1.3x)")
-        runs = {}
-        for wd in ("bf16", "int8"):
-            runs[wd], model = train_tiny(wd, a.steps)
-            if wd == "bf16":
-                from hmt_core.hmt import projected_weight_names
-
-                names = projected_weight_names(model, ("attn", "mlp"))
-                trained = [p.detach().float() for n, p in model.named_parameters() if n in names]
-        gap = abs(runs["int8"]["val_loss"] - runs["bf16"]["val_loss"]) / runs["bf16"]["val_loss"]
-        result["train"] = {"steps": a.steps, "runs": runs, "val_loss_rel_gap": gap}
-        save()
-        print(f"\n(c) tiny, {a.steps} steps: val loss bf16 {runs['bf16']['val_loss']:.4f}, "
-              f"int8 {runs['int8']['val_loss']:.4f}, gap {100 * gap:.2f}% (target <= 3%)")
-        gen = torch.Generator().manual_seed(0)
-        init = torch.randn(4096, 4096, generator=gen) * 0.02
-        outliers = init.clone()
-        outliers[:, torch.randperm(4096, generator=gen)[:8]] *= 20  # 0.2% of the input features 20x larger
-        result["quant_error"] = quant_errors({"N(0,0.02^2) 4096x4096": [init],
-                                              "same, 8 outlier inputs x20": [outliers],
-                                              f"tiny after {a.steps} bf16 steps": trained})
-        save()
-        print_quant(result["quant_error"])
+        measure_training(a, result, save)
     if not a.skip_dryrun:
-        wanted = [r.strip() for r in a.rows.split(",") if r.strip()]
-        unknown = [r for r in wanted if r not in ROWS]
-        if unknown:
-            raise SystemExit(f"error: --rows: unknown rows {unknown}; choose from {list(ROWS)}")
-        kept = result.get("dryrun", {})
-        same_shape = (kept.get("seq_len"), kept.get("batch_size")) == (a.seq, 1)
-        result["dryrun"] = {"seq_len": a.seq, "batch_size": 1, "sizes": kept.get("sizes", {}) if same_shape else {}}
-        for size in [s.strip() for s in a.sizes.split(",") if s.strip()]:
-            rows = result["dryrun"]["sizes"].get(size, {})
-            for label in wanted:
-                rows[label] = dry_run(size, ROWS[label], a.seq)
-                result["dryrun"]["sizes"][size] = rows
-                save()
-                print(f"  traced {size} {label}: "
-                      + (f"{rows[label]['peak_bytes'] / GIB:.2f} GiB" if rows[label]["ok"] else "n/a")
-                      + f" in {rows[label]['wall_s']} s", flush=True)
-            print_dry(size, rows, a.seq)
-            target = TARGETS_GIB.get(size)
-            best = rows.get("hmt int8 (memory-minimal)")
-            if target is not None and best is not None and best["ok"]:
-                print(f"  target {size} hmt int8 memory-minimal <= {target} GiB: {best['peak_bytes'] / GIB:.2f} GiB "
-                      + ("(met)" if best["peak_bytes"] <= target * GIB else "(MISSED)"))
+        measure_dryrun(a, result, save)
     save()
     print(f"\nwrote {out_dir / 'int8_bench.json'}")
 

@@ -4,8 +4,6 @@ by configuration among its own folder's runs, Δ is against the campaign row it 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from analysis.load import load_results
 from analysis.rows import matches, run_configs
 from analysis.settings import _flatten
 from experiments.errors import UserError
+from tests.test_ablation import _variant
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -23,19 +22,6 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 def _runs(keys: dict) -> list[Path]:
     return [d for d in sorted((RESULTS / "campaign").iterdir()) if (d / "summary.json").exists()
             and matches(_flatten(yaml.safe_load((d / "config.yaml").read_text())), keys)]
-
-
-def _variant(src: Path, root: Path, name: str, method: dict, shift: float) -> None:
-    """A copy of run ``src`` as run ``name`` with ``method`` keys changed and val_loss + ``shift``."""
-    dst = root / name
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints"))
-    config = yaml.safe_load((dst / "config.yaml").read_text())
-    config["method"].update(method)
-    config["run_id"] = name
-    (dst / "config.yaml").write_text(yaml.safe_dump(config))
-    summary = json.loads((dst / "summary.json").read_text())
-    summary["run_id"], summary["val_loss"] = name, summary["val_loss"] + shift
-    (dst / "summary.json").write_text(json.dumps(summary))
 
 
 def _table(root: Path) -> dict[str, list[str]]:

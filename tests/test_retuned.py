@@ -77,3 +77,4 @@ def test_the_larger_model_rows_take_only_that_models_runs(tmp_path: Path) -> Non
     out = tmp_path / "docs"
     assert retuned.main([str(root), str(root), "--out", str(out), "--larger", str(root)]) == 0
     assert "29.5 M-parameter" in (out / "tables" / "larger_model.md").read_text()
+    assert (out / "figures" / "larger_model.png").exists()  # drawn once a row has final runs
