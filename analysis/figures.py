@@ -45,11 +45,11 @@ def method_colors(methods) -> dict[str, str]:
     return {**FIXED_COLORS, **spare}
 
 
-def _models(frame: pd.DataFrame) -> list[str]:
+def models_in(frame: pd.DataFrame) -> list[str]:
     return sorted(frame["model"].dropna().unique(), key=model_sort_key)
 
 
-def _methods(frame: pd.DataFrame) -> list[str]:
+def methods_in(frame: pd.DataFrame) -> list[str]:
     return sorted(frame["method"].dropna().unique(), key=method_sort_key)
 
 
@@ -60,7 +60,7 @@ def legend_columns(lines: int) -> tuple[int, int]:
     return columns, math.ceil(lines / columns)
 
 
-def _subplots(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
+def panel_subplots(n: int, width: float = 5.0, height: float = 3.8) -> tuple[Figure, list]:
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False, layout="constrained")
     return fig, list(axes[0])
 
@@ -88,12 +88,12 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
     data = results.metrics.merge(runs, on="run_id")
     if data.empty:
         return {}
-    models = _models(data)
+    models = models_in(data)
     styles = setting_styles(runs, colors)
     lines = max(sum(len(textwrap.wrap(setting_label(*key), 34)) or 1 for key, _ in groups(
         data[data["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside the panel
     columns, per_column = legend_columns(lines + 2)
-    fig, axes = _subplots(len(models), width=4.1 + LEGEND_COLUMN_IN * columns,
+    fig, axes = panel_subplots(len(models), width=4.1 + LEGEND_COLUMN_IN * columns,
                           height=max(4.6, LEGEND_ROW_IN * per_column + 1.0))
     for ax, model in zip(axes, models):
         for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
@@ -151,7 +151,7 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
     panels = [(c, label, scale) for c, label, scale in LOSS_MEMORY_AXES if c in runs and runs[c].notna().any()]
     if runs.empty or not panels:
         return {}
-    models = _models(runs)
+    models = models_in(runs)
     styles = setting_styles(runs, colors)
     most = max(sum(len(_loss_memory_label(0, key, g).splitlines()) for key, g in groups(
         runs[runs["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside a row
@@ -193,12 +193,7 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
 
 def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Points not dominated by one with less (or equal) memory and more throughput."""
-    front, best = [], -np.inf
-    for mem, tps in sorted(points, key=lambda p: (p[0], -p[1])):
-        if tps > best:
-            front.append((mem, tps))
-            best = tps
-    return front
+    return [(mem, -negated) for mem, negated in pareto_front_min([(mem, -tps) for mem, tps in points])]
 
 
 def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
@@ -210,12 +205,12 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
     if runs.empty:
         return {}
     styles = setting_styles(runs, colors)
-    models = _models(runs)
+    models = models_in(runs)
     labels = {(model, number): textwrap.fill(f"{model} {number}: {setting_label(method, variant)}", 40)
               for model in models for number, ((method, variant), _) in enumerate(
                   groups(runs[runs["model"] == model], ("method", "variant")), start=1)}
     columns, per_column = legend_columns(sum(len(label.splitlines()) for label in labels.values()) + 1)
-    fig, axes = _subplots(len(models), width=5.0, height=max(4.4, LEGEND_ROW_IN * per_column + 1.0))
+    fig, axes = panel_subplots(len(models), width=5.0, height=max(4.4, LEGEND_ROW_IN * per_column + 1.0))
     fig.set_size_inches(5.0 * len(models) + LEGEND_COLUMN_IN * columns, fig.get_size_inches()[1])
     handles = {}
     for ax, model in zip(axes, models):
@@ -254,7 +249,7 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
     runs = runs.dropna(subset=columns, how="all")
     if runs.empty:
         return {}
-    models = _models(runs)
+    models = models_in(runs)
     counts = [len(groups(runs[runs["model"] == model], ("method", "mode", "variant"))) for model in models]
     lines = max(len(_tick(m, mode, v).splitlines()) for m, mode, v in zip(runs["method"].astype(str),
                                                                           runs["mode"].astype(str), runs["variant"]))
@@ -280,101 +275,6 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
     fig.legend(handles[::-1], labels[::-1], title="category", fontsize="small", loc="outside right center")
     fig.suptitle("Peak memory by category")
     return {"memory_by_category": fig}
-
-
-def _rank_grid(ranks: pd.DataFrame) -> tuple[list[str], list[int], np.ndarray]:
-    """Layers x steps of ranks; a layer keeps its last recorded rank until the next record."""
-    layers = sorted(ranks["layer"].unique())
-    steps = sorted(ranks["step"].unique())
-    grid = ranks.pivot_table(index="layer", columns="step", values="rank", aggfunc="last")
-    grid = grid.reindex(index=layers, columns=steps).ffill(axis=1)
-    return layers, steps, grid.to_numpy(dtype=float)
-
-
-def rank_figures(results: Results, colors: dict) -> dict[str, Figure]:
-    if results.ranks.empty:
-        return {}
-    runs = results.completed()[["run_id", "method", "model", "seed", "steps"]]
-    ranks = results.ranks.merge(runs, on="run_id")
-    figures = {}
-    for (method, model), g in groups(ranks):
-        run_id = g.sort_values(["seed", "run_id"])["run_id"].iloc[0]
-        seed = g[g["run_id"] == run_id]["seed"].iloc[0]
-        layers, steps, grid = _rank_grid(g[g["run_id"] == run_id])
-        fig, ax = plt.subplots(figsize=(7.5, max(2.5, 0.22 * len(layers) + 1.5)), layout="constrained")
-        total = g[g["run_id"] == run_id]["steps"].iloc[0]  # the last record holds until training ends
-        end = float(total) if pd.notna(total) and total > steps[-1] else steps[-1] + 1
-        x_edges = np.array(list(steps) + [end], dtype=float)  # a rank holds from its record to the next
-        image = ax.pcolormesh(x_edges, np.arange(len(layers) + 1) - 0.5, grid, cmap="viridis")
-        ax.invert_yaxis()
-        ax.set_yticks(range(len(layers)), layers if len(layers) <= 48 else [""] * len(layers), fontsize="x-small")
-        ax.set(xlabel="optimizer step", ylabel="layer", title=f"{method} on {model}: rank per layer (seed {seed})")
-        fig.colorbar(image, ax=ax, label="rank (dimensions)")
-        figures[f"rank_heatmap_{method}_{model}"] = fig
-    if not results.rank_hist.empty:
-        hist = results.rank_hist.merge(runs, on="run_id")
-        fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
-        methods = _methods(hist)
-        all_ranks = sorted(hist["rank"].unique())
-        width = 0.8 / max(len(methods), 1)
-        for i, method in enumerate(methods):
-            counts = hist[hist["method"] == method].groupby("rank")["count"].sum().reindex(all_ranks, fill_value=0)
-            share = counts / counts.sum() if counts.sum() else counts
-            ax.bar(np.arange(len(all_ranks)) + (i - (len(methods) - 1) / 2) * width, share.values, width,
-                   color=colors[method], label=method)
-        ax.set_xticks(range(len(all_ranks)), [str(r) for r in all_ranks])
-        ax.set(xlabel="rank (dimensions)", ylabel="share of basis refreshes (all layers)",
-               title="Rank distribution over training")
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-        figures["rank_distribution"] = fig
-    return figures
-
-
-def _grouped_bars(ax, frame: pd.DataFrame, category: str, value: str, colors: dict, scale: float = 1.0) -> None:
-    categories = sorted(frame[category].unique(), key=model_sort_key if category == "model" else str)
-    methods = _methods(frame)
-    width = 0.8 / max(len(methods), 1)
-    for i, method in enumerate(methods):
-        means = frame[frame["method"] == method].groupby(category)[value].mean().reindex(categories)
-        ax.bar(np.arange(len(categories)) + (i - (len(methods) - 1) / 2) * width, means.values / scale, width,
-               color=colors[method], label=method, edgecolor="black", lw=0.4)
-    ax.set_xticks(range(len(categories)), [str(c) for c in categories])
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    ax.grid(axis="y", alpha=0.3)
-
-
-def activation_error_figure(results: Results, colors: dict) -> dict[str, Figure]:
-    acts = results.activations.dropna(subset=["rel_err"]) if len(results.activations) else results.activations
-    if acts.empty:
-        return {}
-    acts = acts.merge(results.completed()[["run_id", "method", "model"]], on="run_id")
-    models = _models(acts)
-    fig, axes = _subplots(len(models), width=6.0)
-    for ax, model in zip(axes, models):
-        frame = acts[acts["model"] == model].assign(rel_err=lambda f: f["rel_err"].astype(float))
-        _grouped_bars(ax, frame, "component", "rel_err", colors)
-        if (frame["rel_err"] > 0).all() and frame["rel_err"].max() / frame["rel_err"].min() > 100:
-            ax.set_yscale("log")
-        ax.set(title=f"model {model}", xlabel="activation component",
-               ylabel="relative error ‖x̂−x‖/‖x‖ (dimensionless)")
-    fig.suptitle("Activation compression error by component")
-    return {"activation_error": fig}
-
-
-def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
-    runs = results.completed()
-    panels = [(c, label) for c, label in (("host_device_bytes", "host↔device traffic (GiB)"),
-                                          ("checkpoint_bytes", "checkpoint size (GiB)"))
-              if c in runs and (pd.to_numeric(runs[c], errors="coerce").fillna(0) != 0).any()]  # all 0: nothing to draw
-    if not panels:
-        return {}
-    fig, axes = _subplots(len(panels))
-    for ax, (column, label) in zip(axes, panels):
-        frame = runs.dropna(subset=[column]).assign(**{column: lambda f, c=column: f[c].astype(float)})
-        _grouped_bars(ax, frame, "model", column, colors, scale=GIB)
-        ax.set(xlabel="model", ylabel=label, title=label.split(" (")[0])
-    fig.suptitle("Host-device traffic and checkpoint sizes")
-    return {"transfers_and_checkpoints": fig}
 
 
 MAX_MODEL_PANELS = 3  # a figure with a panel (or row) per model draws more models one figure per model
@@ -403,7 +303,7 @@ def per_model(make: FigureMaker) -> FigureMaker:
     more than ``MAX_SETTINGS`` settings is not drawn: the reason takes the figure's place."""
 
     def made(results: Results, colors: dict) -> dict[str, Figure | str]:
-        models = _models(results.runs) if len(results.runs) else []
+        models = models_in(results.runs) if len(results.runs) else []
         crowded = {m: n for m in models if (n := _settings(results, m)) > MAX_SETTINGS}
         if len(models) <= MAX_MODEL_PANELS and not crowded:
             return make(results, colors)
@@ -419,10 +319,6 @@ def per_model(make: FigureMaker) -> FigureMaker:
 
     made.__name__ = make.__name__
     return made
-
-
-ALL_FIGURES = (per_model(loss_curves_figure), per_model(loss_memory_figure), per_model(pareto_figure),
-               per_model(memory_category_figure), rank_figures, activation_error_figure, transfer_figure)
 
 
 def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:

@@ -55,7 +55,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import figures as figs
-from analysis import labels, latex, main_table, tables
+from analysis import labels, latex, main_table, system_figures, tables
 from analysis.diagnostics import summarize_warnings
 from analysis.load import Results, load_results, write_parquet
 from analysis.memory_by_size import dryrun_rows, memory_by_size_table
@@ -105,6 +105,9 @@ def replace_readme_block(text: str, block: str, path: Path | str = "README") -> 
 
 
 APPENDIX_TABLES = ("settings",)  # in the LaTeX document's appendix, after the paper's tables
+ALL_FIGURES = (figs.per_model(figs.loss_curves_figure), figs.per_model(figs.loss_memory_figure),
+               figs.per_model(figs.pareto_figure), figs.per_model(figs.memory_category_figure),
+               system_figures.rank_figures, system_figures.activation_error_figure, system_figures.transfer_figure)
 NOT_IN_DOCUMENT = ("runs",)  # every run and its state: a diagnostic (tables/runs.md, index.md), not a paper table
 
 
@@ -143,7 +146,7 @@ def write_report(results: Results, out: Path, *, with_figures: bool = True, sear
     document.write_text(latex.all_tables_document(in_document, appendix))
     written.append(str(document.relative_to(out)))
     colors = figs.method_colors(results.runs["method"].dropna().unique() if len(results.runs) else [])
-    for make in figs.ALL_FIGURES if with_figures else ():
+    for make in ALL_FIGURES if with_figures else ():
         made = make(shown, colors)
         if not made:
             skipped.append(f"figures/{make.__name__.removesuffix('_figure').removesuffix('_figures')} (no data)")

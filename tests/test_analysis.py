@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from analysis import figures, main_table, report, tables
+from analysis import figures, main_table, report, system_figures, tables
 from analysis.load import load_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -177,8 +177,8 @@ def test_one_colour_per_method_in_every_figure(results_dir: Path) -> None:
     assert colors["hmt"] == figures.FIXED_COLORS["hmt"] and colors["newopt"] not in figures.FIXED_COLORS.values()
     seen: dict[str, set] = {}
     for make in (figures.loss_curves_figure, figures.loss_memory_figure, figures.pareto_figure,
-                 figures.activation_error_figure,
-                 figures.transfer_figure, figures.rank_figures, figures.memory_category_figure):
+                 system_figures.activation_error_figure,
+                 system_figures.transfer_figure, system_figures.rank_figures, figures.memory_category_figure):
         for name, fig in make(results, colors).items():
             for ax in fig.axes:
                 if ax.get_label() == "<colorbar>":
