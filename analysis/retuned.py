@@ -108,10 +108,10 @@ def curves_figure(rows: Sequence[Method], source: tuple[Source, Source | None], 
         band = seed_band(metrics[metrics["run_id"].isin(found[row.label]["run_id"])], "loss/val")
         tokens = (band.index.to_numpy() + 1) * TOKENS_PER_STEP / 1e6
         low, high = band["mean"] - band["std"].fillna(0), band["mean"] + band["std"].fillna(0)
-        half = tokens >= tokens[-1] / 2
+        half, seeds = tokens >= tokens[-1] / 2, int(band["n"].iloc[0])
         for ax, keep in zip(axes, (tokens > 0, half)):
             ax.plot(tokens[keep], band["mean"][keep], color=row.color, marker="o", ms=3, lw=1.4,
-                    label=f"{row.label} ({int(band['n'].iloc[0])} seeds)")
+                    label=f"{row.label} ({seeds} seed{'' if seeds == 1 else 's'})")
             ax.fill_between(tokens[keep], low[keep], high[keep], color=row.color, alpha=0.15, lw=0)
     for ax, which in zip(axes, ("whole run", "second half")):
         ax.set(xlabel="training tokens (millions)", ylabel="validation loss, whole split (nats/token)", title=which)

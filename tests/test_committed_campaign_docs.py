@@ -1,6 +1,6 @@
 """docs/campaign's tables are what the committed runs give: the report (``analysis.report``), the ablation table
 (``analysis.ablation``), the batch table (``analysis.batch``), the embedding-cost table (``analysis.embedding_cost``)
-and the horizon/statistics tables (``analysis.retuned``), regenerated from results/ into a temporary folder, match
+and the horizon/statistics/larger-model tables (``analysis.retuned``), regenerated from results/ into a temporary folder, match
 the committed files byte for byte (the figures are left out: their pixels depend on the font library, and the
 report's own determinism test covers them)."""
 
@@ -41,7 +41,7 @@ def test_embedding_cost_table_regenerates_byte_identical(tmp_path: Path) -> None
     assert _differing(tmp_path / "tables", DOCS / "tables") == []
 
 
-def test_horizon_and_statistics_tables_regenerate_byte_identical(tmp_path: Path) -> None:
+def test_horizon_statistics_and_larger_model_tables_regenerate_byte_identical(tmp_path: Path) -> None:
     assert retuned.main([str(RESULTS / "campaign-horizon"), str(RESULTS / "campaign-stats"), "--out",
-                         str(tmp_path)]) == 0
+                         str(tmp_path), "--larger", str(RESULTS / "campaign-30m")]) == 0
     assert _differing(tmp_path / "tables", DOCS / "tables") == []
