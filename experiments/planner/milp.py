@@ -291,23 +291,33 @@ def _setup(prob: Problem, with_budget: bool = True):
     return v, n, rows, lb, ub, integrality, Bounds(lo, hi)
 
 
+PIN_TOLERANCES = (1e-6, 1e-4)  # relative slack of an earlier tier's optimum pinned for the next (HiGHS: 1e-7)
+
+
 def solve(prob: Problem) -> Solution | None:
     """The lexicographic optimum (``TIERS``; the last, least predicted peak, only breaks ties), or None when no
-    choice fits ``prob.budget`` at one sequence."""
+    choice fits ``prob.budget`` at one sequence. Each tier's optimum is pinned, with a relative slack, as a
+    constraint of the next; where HiGHS finds the next tier infeasible at every slack of ``PIN_TOLERANCES`` (its
+    tolerances against an ill-conditioned corrected cost model), the earlier tiers' optimum is the answer: the
+    later tiers only break its ties."""
     v, n, rows, lb, ub, integrality, bounds = _setup(prob)
     objectives = _objectives(prob, v, n)
-    res = None
+    res, best = None, 0.0
     for tier in TIERS:
         c = objectives[tier]
-        res = _solve(c, rows, lb, ub, integrality, bounds)
-        if res is None:
-            if tier == "tokens":
+        found = _solve(c, rows, lb, ub, integrality, bounds)
+        for slack in PIN_TOLERANCES[1:] if found is None and res is not None else ():
+            ub[-1] = best + slack * max(1.0, abs(best))
+            if (found := _solve(c, rows, lb, ub, integrality, bounds)) is not None:
+                break
+        if found is None:
+            if res is None:
                 return None
-            raise RuntimeError(f"MILP tier {tier!r} infeasible after the earlier tiers' optima (tolerance)")
-        best = float(c @ res.x)
+            break
+        res, best = found, float(c @ found.x)
         rows.append(c.copy())
         lb.append(-np.inf)
-        ub.append(best + 1e-6 * max(1.0, abs(best)))  # HiGHS' feasibility tolerance is 1e-7
+        ub.append(best + PIN_TOLERANCES[0] * max(1.0, abs(best)))
     return _solution(prob, v, res.x)
 
 
