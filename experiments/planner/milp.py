@@ -297,9 +297,9 @@ PIN_TOLERANCES = (1e-6, 1e-4)  # relative slack of an earlier tier's optimum pin
 def solve(prob: Problem) -> Solution | None:
     """The lexicographic optimum (``TIERS``; the last, least predicted peak, only breaks ties), or None when no
     choice fits ``prob.budget`` at one sequence. Each tier's optimum is pinned, with a relative slack, as a
-    constraint of the next; where HiGHS finds the next tier infeasible at every slack of ``PIN_TOLERANCES`` (its
-    tolerances against an ill-conditioned corrected cost model), the earlier tiers' optimum is the answer: the
-    later tiers only break its ties."""
+    constraint of the next; where HiGHS finds the next tier infeasible at every slack of ``PIN_TOLERANCES`` (seen
+    once, with a cost model corrected by a verification), the earlier tiers' optimum is the answer: the later
+    tiers only break its ties."""
     v, n, rows, lb, ub, integrality, bounds = _setup(prob)
     objectives = _objectives(prob, v, n)
     res, best = None, 0.0
