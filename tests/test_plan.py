@@ -25,7 +25,8 @@ import yaml
 
 from experiments.planner import cli as plan_cli
 from experiments.planner import plan as planner
-from experiments.planner.capacity import BEGIN, END, bracket, largest_batch, load_results, readme_block, render_table
+from experiments.planner.bracket import bracket
+from experiments.planner.capacity import BEGIN, END, largest_batch, load_results, readme_block, render_table
 from experiments.planner.costs import GIB, derive, trace_sample
 from experiments.planner import milp
 from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, predict, solve
@@ -166,7 +167,7 @@ def test_a_miss_by_the_allocators_slack_alone_searches_the_leanest_choice():
     """A verification whose live peak fits but whose reserved bytes do not (the allocator's slack) takes nothing off
     the other choices' budget: the next trace is the leanest choice at the same micro-batch; when that misses too,
     the micro-batch is searched between the largest verified fit and the smallest miss — the capacity procedure's
-    answer (``plan_capacity.next_batch``). On ``_instance``: with b ≤ 2 the optimum (big option, all kept, 9 GiB)
+    answer (``experiments.planner.hmt_capacity.next_batch``). On ``_instance``: with b ≤ 2 the optimum (big option, all kept, 9 GiB)
     is not the leanest at 2 (small, recompute + int8, 4 GiB), which is traced next. Unbounded, the optimum is 8
     sequences at 2 + 8·1 = 10 GiB, already the leanest at 8 (so not traced twice); reserved 13 GiB there is 3 GiB
     over at ≤ 10/8 GiB per sequence, so 5 sequences next; 5 fits with 8 over, so 6 (bisection); one sequence under
@@ -339,7 +340,7 @@ def test_a_missed_verification_corrects_the_model_and_reaches_the_capacity_optim
     verified micro-batch — the same as the capacity procedure's: its leanest choice one sequence further, traced at
     full size, is over (``next_batch``: exact). Like with like: both judge the allocator's predicted reserved bytes
     (``dryrun.reserve=modeled``, the default) against the budget less the same GPU allowance."""
-    from experiments.planner.capacity import next_batch
+    from experiments.planner.hmt_capacity import next_batch
 
     root, _ = planned
     modeled = MODEL[:-2]  # the default dryrun.reserve=modeled (the fixture's cost cache does not depend on it)
@@ -460,8 +461,14 @@ def test_planner_page_capacity_table_is_what_the_committed_results_render():
 
 def test_no_plan_says_what_an_unverified_answer_leaves_for_the_allocator_and_the_remedy():
     run = planner.run_config(["model=13b", "train.seq_len=2048"])
-    unverified = str(planner.no_plan(run, {}, 16.0, need=14.51, ctx=0.83, corrected=False, live_budget=12.85))
+    err = planner.no_plan(run, {}, 16.0, need=14.51, ctx=0.83, traced=[], live_budget=12.85)
+    unverified = str(err)
     assert "needs 14.51 GiB" in unverified and "≤ 12.85 GiB" in unverified, unverified
     assert f"{planner.UNVERIFIED_SLACK:.0%}" in unverified and "verify=true" in unverified, unverified
-    verified = str(planner.no_plan(run, {}, 16.0, need=17.06, ctx=0.83, corrected=True))
+    assert not err.traced and err.excess_gib == pytest.approx(14.51 - 16.0), err.excess_gib  # predicted
+    # two verification traces over (step bytes 15.9 and 15.4 GiB against 16 − 0.83): excess measured, the least
+    err = planner.no_plan(run, {}, 16.0, need=17.06, ctx=0.83,
+                          traced=[{"verified_peak_gib": 15.9}, {"verified_peak_gib": 15.4}])
+    verified = str(err)
     assert "allocator's slack" not in verified and "corrected by the verification traces" in verified, verified
+    assert err.traced and err.excess_gib == pytest.approx(15.4 + 0.83 - 16.0), err.excess_gib

@@ -150,7 +150,12 @@ def verify_plan(name: str, folder: Path, results: Path) -> dict:
 
 
 class NoPlan(UserError):
-    """No choice fits the budget at one sequence of ``train.seq_len`` tokens (predicted)."""
+    """No choice fits the budget at one sequence of ``train.seq_len`` tokens (predicted). ``excess_gib``: by how much
+    the leanest choice is over the budget — measured (``traced``: the least step bytes of the verification traces
+    that were all over) or else predicted."""
+
+    excess_gib: float = float("inf")
+    traced: bool = False
 
 
 # What an answer without ``verify=true`` leaves free beside its predicted live peak, as a fraction of that peak: the
@@ -186,7 +191,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         if sol is None and best is not None:  # the leanest choice one sequence further was over: done
             break
         if sol is None:
-            raise no_plan(run, planner, budget, need=min_peak(prob) + ctx, ctx=ctx, corrected=bool(iterations),
+            raise no_plan(run, planner, budget, need=min_peak(prob) + ctx, ctx=ctx, traced=iterations,
                           live_budget=None if planner.get("verify", False) else live_budget)
         predicted = write(sol)
         step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
@@ -286,18 +291,23 @@ def plan_header(run, planner: dict, name: str, folder: Path, *, budget: float, c
             f"TRAINS: {run_command(name, folder)}", f"only TRACES (dry run): {run_command(name, folder, dryrun=True)}"]
 
 
-def no_plan(run, planner: dict, budget: float, *, need: float, ctx: float, corrected: bool,
+def no_plan(run, planner: dict, budget: float, *, need: float, ctx: float, traced: list[dict],
             live_budget: float | None = None) -> NoPlan:
     """The error when no choice fits: what the leanest one needs (GiB, ``ctx`` GiB of GPU allowance included);
-    ``live_budget``: an unverified answer's room for the live peak (``UNVERIFIED_SLACK``), said with its remedy."""
+    ``traced``: the verification steps that were over (each with ``verified_peak_gib``); ``live_budget``: an
+    unverified answer's room for the live peak (``UNVERIFIED_SLACK``), said with its remedy."""
+    corrected = bool(traced)
     batch = f", batch_size={planner['batch_size']}" if planner.get("batch_size") else ""
     slack = "" if live_budget is None else (
         f"; unverified, the live peak must stay ≤ {live_budget:.2f} GiB to leave {UNVERIFIED_SLACK:.0%} of it for "
         f"the caching allocator's slack: verify=true traces the leanest choice instead")
-    return NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len={run.train.seq_len}"
+    err = NoPlan(f"no plan fits budget_gib={budget:g} for {model_label(run)} at train.seq_len={run.train.seq_len}"
                   f"{batch}: the leanest choice needs {need:.2f} GiB at one sequence ("
                   f"{'corrected by the verification traces' if corrected else 'predicted'}, "
                   f"{ctx:.2f} GiB {reserve_label(run)} included){slack}; lower train.seq_len or raise budget_gib")
+    err.traced = corrected
+    err.excess_gib = min(s["verified_peak_gib"] for s in traced) + ctx - budget if traced else need - budget
+    return err
 
 
 def train_note(prep: Prepared, sol, run) -> str:
