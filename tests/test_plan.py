@@ -451,6 +451,20 @@ def test_bracket_finds_the_edge_of_a_monotone_peak(true, start):
     assert (lo, hi) == (true, true + 1) and traces <= 5, (lo, hi, traces)
 
 
+def test_bracket_stays_below_a_known_miss():
+    """A shortened sequence is searched below ``train.seq_len`` (``hi``, already over): even when every shorter
+    length fits (the allocator's reserved bytes are not monotone in the length), no length at or above it is
+    traced. Seen on Gemma-2-9B's AdamW at 80 GiB: one 2,048-token sequence over, then a '1 × 2,368' cell."""
+    traced = []
+
+    def over(x: int) -> float:
+        traced.append(x)
+        return -1.0  # everything below the known miss fits
+
+    lo, hi, traces = bracket(over, 40, lambda x, e: x - 1, hi=32)
+    assert (lo, hi) == (31, 32) and max(traced) == 31, (lo, hi, traced)
+
+
 def test_planner_page_capacity_table_is_what_the_committed_results_render():
     results = load_results(REPO / "results" / "capacity")
     assert results, "no committed results/capacity/*.json"

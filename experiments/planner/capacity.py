@@ -137,10 +137,12 @@ def baseline_capacity(run, sizes, *, log=print) -> dict:
             n = 0
         if b < 1 or lo < 1:  # not one sequence: shorten it (per-token costs), in units of SEQ_STEP tokens
             guess = int(min(seq - 1, (budget - static) / per_tok) // SEQ_STEP) if per_tok > 0 else 0
-            lo, hi, m = bracket(lambda x: over(1, x * SEQ_STEP), min(guess, (seq - 1) // SEQ_STEP),
-                                lambda x, e: x - math.ceil(e / max(per_tok * SEQ_STEP, 1e-9)))
+            top = -(-seq // SEQ_STEP)  # train.seq_len in steps, rounded up: over (traced so when b ≥ 1)
+            lo, hi, m = bracket(lambda x: over(1, x * SEQ_STEP), guess,
+                                lambda x, e: x - math.ceil(e / max(per_tok * SEQ_STEP, 1e-9)), hi=top)
             n += m
             entry.update(batch_size=1 if lo else 0, seq_len=lo * SEQ_STEP)
+            hi = hi if hi != top or b >= 1 else None  # an untraced bound does not make the cell exact
         fits = entry.get("batch_size", 0) >= 1
         entry.update(fits=fits, traces=n, exact=hi is not None and lo is not None and hi == lo + 1,
                      tokens=entry["batch_size"] * entry["seq_len"] if fits else 0)
