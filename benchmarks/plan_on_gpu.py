@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_validate.checks import ERROR, GIB, MISS, PASS
+from benchmarks.gpu_validate.checks import ERROR, GIB, INFO, MISS, PASS
 from benchmarks.gpu_validate.cuda_backend import CudaBackend, NvmlPoller, child_env
 from benchmarks.gpu_validate.orchestrate import Session
 from benchmarks.gpu_validate.plan import short_cuda_run
@@ -40,12 +40,22 @@ SCHEMA = "hmt-plan-on-gpu/1"
 OUTCOME_FILE = "outcome.json"  # the child's own record: completed | oom | error
 
 
-def run_overrides(plan: dict, *, plans_dir: Path, steps: int, runs_dir: Path) -> list[str]:
+def run_overrides(plan: dict, *, plans_dir: Path, steps: int, runs_dir: Path, oversize: int = 1) -> list[str]:
     """``experiments.run`` arguments that train the plan for ``steps`` steps (the first 3 metered, the rest
-    timed) from its Hydra group: ``plans_dir`` (named ``plans``) holds the record and its ``.yaml``."""
+    timed) from its Hydra group: ``plans_dir`` (named ``plans``) holds the record and its ``.yaml``. ``oversize``
+    > 1: its micro-batch times ``oversize`` with ``train.on_oom=replan``, a run that must survive its own OOM."""
+    bigger = [] if oversize == 1 else [f"train.batch_size={plan_batch(plan) * oversize}", "train.on_oom=replan"]
     return [f"hydra.searchpath=[file://{plans_dir.resolve().parent}]", f"+{plans_dir.name}={plan['name']}",
-            *short_cuda_run(steps), "train.confirm=false", f"results_dir={runs_dir}", f"run_id=plan-{plan['name']}",
-            "force=true"]
+            *short_cuda_run(steps), *bigger, "train.confirm=false", f"results_dir={runs_dir}",
+            f"run_id={run_name(plan, oversize)}", "force=true"]
+
+
+def plan_batch(plan: dict) -> int:
+    return int(plan["choice"]["batch_size"])
+
+
+def run_name(plan: dict, oversize: int) -> str:
+    return f"plan-{plan['name']}" + ("" if oversize == 1 else f"-x{oversize}-replan")
 
 
 class NvmlUsedSampler(NvmlPoller):
@@ -60,13 +70,17 @@ class NvmlUsedSampler(NvmlPoller):
         self.max_used = used if self.max_used is None else max(self.max_used, used)
 
 
-def judge(plan: dict, outcome: dict, summary: dict | None) -> dict:
-    """One plan's record: what the plan promised, what CUDA measured, and the verdict."""
+def judge(plan: dict, outcome: dict, summary: dict | None, *, oversize: int = 1) -> dict:
+    """One plan's record: what the plan promised, what CUDA measured, and the verdict. ``oversize`` > 1: the run
+    had to run out of memory and step down (``summary.json`` ``replans``) to pass."""
     memory = (summary or {}).get("memory") or {}
     budget = float(plan["budget_gib"]) * GIB
     nvml_used = outcome.get("nvml_max_used_bytes")
+    replans = (summary or {}).get("replans") or []
     if outcome.get("outcome") == "completed" and summary is None:
         verdict, note = ERROR, "the run ended without a summary.json (did it train?)"
+    elif outcome.get("outcome") == "completed" and oversize > 1 and not replans:
+        verdict, note = INFO, f"{oversize}x the micro-batch ran without an out-of-memory error: nothing to replan"
     elif outcome.get("outcome") == "completed":
         over = nvml_used is not None and nvml_used > budget
         verdict = MISS if over else PASS
@@ -78,6 +92,9 @@ def judge(plan: dict, outcome: dict, summary: dict | None) -> dict:
     predicted = plan.get("predicted_gib") or {}
     return {"plan": plan["name"], "verdict": verdict, "note": note, "budget(GiB)": plan["budget_gib"],
             "cap(GiB)": outcome.get("cap_gib"), "batch_size": (plan.get("choice") or {}).get("batch_size"),
+            "oversize": oversize, "replans": [{k: r.get(k) for k in ("reason", "peak_bytes", "limit_bytes",
+                                                                     "overrides", "source", "resumed_step")}
+                                              for r in replans],
             "predicted_peak(GiB)": max(predicted.values()) if predicted else None,
             "predicted(GiB)": predicted, "verified_plan": plan.get("verified"),
             "cuda_max_allocated(GiB)": _gib(memory.get("cuda_max_allocated_bytes")),
@@ -127,16 +144,17 @@ def run_capped(cap_gib: float, args: list[str], outcome_path: Path) -> int:
     return 0 if record["outcome"] == "completed" else 1
 
 
-def check_plan(plan_path: Path, session: Session, *, steps: int, timeout_s: float) -> dict:
+def check_plan(plan_path: Path, session: Session, *, steps: int, timeout_s: float, oversize: int = 1) -> dict:
     plan = json.loads(plan_path.read_text(encoding="utf-8"))
     cap_gib = float(plan["budget_gib"]) - float(plan.get("reserve_gib") or 0.0)
-    runs_dir = session.runs_dir
-    run_dir, log = runs_dir / f"plan-{plan['name']}", session.logs_dir / f"plan-{plan['name']}.log"
-    outcome_path = session.logs_dir / f"plan-{plan['name']}.{OUTCOME_FILE}"
+    runs_dir, name = session.runs_dir, run_name(plan, oversize)
+    run_dir, log = runs_dir / name, session.logs_dir / f"{name}.log"
+    outcome_path = session.logs_dir / f"{name}.{OUTCOME_FILE}"
     log.parent.mkdir(parents=True, exist_ok=True)
     outcome_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.plan_on_gpu", "--child-cap-gib", str(cap_gib), "--child-outcome",
-           str(outcome_path), "--", *run_overrides(plan, plans_dir=plan_path.parent, steps=steps, runs_dir=runs_dir)]
+           str(outcome_path), "--", *run_overrides(plan, plans_dir=plan_path.parent, steps=steps, runs_dir=runs_dir,
+                                                   oversize=oversize)]
     with NvmlUsedSampler() as sampler:
         try:
             with open(log, "w", encoding="utf-8") as f:
@@ -149,7 +167,7 @@ def check_plan(plan_path: Path, session: Session, *, steps: int, timeout_s: floa
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return judge(plan, {**outcome, "cap_gib": cap_gib, "nvml_max_used_bytes": sampler.max_used,
-                        "first_train_loss": first_train_loss(run_dir)}, summary)
+                        "first_train_loss": first_train_loss(run_dir)}, summary, oversize=oversize)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per plan")
     ap.add_argument("--results-dir", type=Path, default=Path("results"))
+    ap.add_argument("--oversize", type=int, default=1,
+                    help="train each plan at this multiple of its micro-batch with train.on_oom=replan")
     ap.add_argument("--child-cap-gib", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--child-outcome", type=Path, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -168,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(p) for p in a.plans if not p.is_file()]
     if not a.plans or missing:
         ap.error(f"plan records not found: {', '.join(missing) or '(none given)'}")
+    if a.oversize < 1:
+        ap.error(f"--oversize must be >= 1, got {a.oversize}")
     if a.steps <= 3:
         ap.error("--steps must be > 3: the first 3 steps are metered and never timed")
     if not torch.cuda.is_available():
@@ -175,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = CudaBackend().device_name()  # through NVML: no CUDA context in this process
     session = Session.create(a.results_dir, name, datetime.now(timezone.utc).date())  # gpu_validate's folder
-    out, records = session.dir / "plan_on_gpu.json", []
+    out = session.dir / ("plan_on_gpu.json" if a.oversize == 1 else f"plan_on_gpu-x{a.oversize}-replan.json")
+    records: list[dict] = []
     for path in a.plans:
-        records.append(check_plan(path, session, steps=a.steps, timeout_s=a.timeout_s))
+        records.append(check_plan(path, session, steps=a.steps, timeout_s=a.timeout_s, oversize=a.oversize))
         print(json.dumps(records[-1]))
         atomic_write_text(out, json.dumps({"schema": SCHEMA, "device": name, "torch": torch.__version__,
                                            "steps": a.steps, "checks": records}, indent=2) + "\n")

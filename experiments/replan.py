@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from experiments.config import RunConfig
+from experiments.memory.gpu_allowance import outside_allocator_bytes
 from experiments.planner import oom
 from hmt_core.activations.policy import LAYER_COMPONENTS
 
@@ -147,12 +148,23 @@ def resumed_plan(run: RunConfig, recorded: dict[str, object] | None, attempt: At
 
 
 def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
-    """The memory an attempt must fit: the meter's cap, else the CUDA device's total memory."""
+    """The device memory an attempt must fit: the meter's cap; else the CUDA device's total memory, or under a
+    per-process memory fraction (``torch.cuda.set_per_process_memory_fraction``,
+    ``PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F``) the caching allocator's cap plus the GPU allowance's
+    bytes outside the allocator, which the fraction does not cap (the planner takes the whole allowance off)."""
     if run.train.memory_cap_gib is not None:
         return int(run.train.memory_cap_gib * GIB)
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        return cuda_limit_bytes(run, torch.cuda.get_device_properties(device).total_memory,
+                                torch.cuda.get_per_process_memory_fraction(device))
     return None
+
+
+def cuda_limit_bytes(run: RunConfig, total_bytes: int, fraction: float) -> int:
+    """``limit_bytes`` on a CUDA device of ``total_bytes`` whose allocator may take ``fraction`` of them."""
+    if fraction >= 1.0:
+        return int(total_bytes)
+    return min(int(total_bytes), int(total_bytes * fraction) + outside_allocator_bytes(run))
 
 
 def _release(device: torch.device) -> None:

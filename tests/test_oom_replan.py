@@ -30,6 +30,7 @@ from experiments.results import read_metrics, read_recorded_config, read_status
 from experiments.run import main_with_config
 from experiments.checkpoint import store as ck
 from experiments.planner.cache import USER_DIR
+from experiments.memory.gpu_allowance import outside_allocator_bytes, reserve_bytes
 
 GIB = 2**30
 # adamw on a 2-layer model, fp32 (no autocast) so that a different micro-batch split only reorders fp32 sums;
@@ -262,3 +263,31 @@ def test_planner_refuses_what_it_cannot_plan() -> None:
             oom.current_choice(cfg)
         rung, _ = replan.next_plan(cfg, peak_bytes=GIB, limit_bytes=GIB, device_type="cpu")
         assert rung.record["source"] == "ladder" and rung.overrides == ladder_plan(cfg).overrides, rung
+
+
+def test_planner_answers_for_int8_weights_and_a_projected_head(planned) -> None:
+    """INT8 weights' cost is measured against the head-dense sample of the same state budget; the resumable space
+    (the head projected as in the run) must still trace it, or the step down fails on a missing cost sample."""
+    cfg = hmt_run_config(planned["results"], "method.weight_dtype=int8",
+                         "method.target_patterns=[attn,mlp,lm_head]", "activation.layer_recompute=true")
+    peak = planned["given"][0]
+    answer = oom.next_plan(cfg, peak_bytes=peak, limit_bytes=peak, device_type="cpu")
+    assert answer.predicted_bytes <= answer.budget_bytes < peak, answer
+    assert answer.overrides, answer  # a step down: a smaller micro-batch or more recomputation
+
+
+def test_a_cuda_memory_fraction_is_the_limit_with_the_allowance_outside_the_allocator() -> None:
+    """Under ``set_per_process_memory_fraction`` the allocator's cap is what the step must fit: the planner takes the
+    whole GPU allowance off the limit, so the limit adds back the part the allocator never holds (context,
+    libraries), and the step is held to the cap less the workspaces the allocator does hold."""
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = to_run_config(compose("run", overrides=[*BASE, *HMT]))
+    total = 80 * GIB
+    outside, reserve = outside_allocator_bytes(cfg), reserve_bytes(cfg)
+    assert 0 < outside < reserve, (outside, reserve)  # modeled: the cuBLAS workspaces are allocator bytes
+    assert replan.cuda_limit_bytes(cfg, total, 1.0) == total
+    limit = replan.cuda_limit_bytes(cfg, total, 0.25)
+    assert limit == 20 * GIB + outside, (limit, outside)
+    budget = oom.step_budget_bytes(cfg, peak_bytes=None, limit_bytes=limit, device_type="cuda")
+    assert budget == int((20 * GIB - (reserve - outside)) * (1 - oom.MARGIN)), (budget, reserve, outside)
+    assert replan.cuda_limit_bytes(cfg, total, 0.999999) == total  # never above the device

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import plan_on_gpu as P
-from benchmarks.gpu_validate.checks import ERROR, GIB, MISS, PASS
+from benchmarks.gpu_validate.checks import ERROR, GIB, INFO, MISS, PASS
 
 PLAN = {"name": "m-s64-1gib", "plan_file": "/x/res/plans/m-s64-1gib.yaml", "budget_gib": 24.0, "reserve_gib": 0.83,
         "predicted_gib": {"forward": 11.5, "backward": 19.4}, "choice": {"batch_size": 29}, "verified": None}
@@ -47,6 +47,23 @@ def test_the_run_trains_the_plan_from_its_hydra_group(tmp_path):
     args = P.run_overrides(PLAN, plans_dir=tmp_path / "res" / "plans", steps=4, runs_dir=tmp_path)
     assert args[:3] == [f"hydra.searchpath=[file://{tmp_path / 'res'}]", "+plans=m-s64-1gib", "device=cuda"]
     assert "train.steps=4" in args and f"results_dir={tmp_path}" in args and "run_id=plan-m-s64-1gib" in args
+
+
+def test_an_oversized_run_must_replan(tmp_path):
+    """``--oversize 2``: twice the plan's micro-batch with ``train.on_oom=replan``, filed under its own run id."""
+    args = P.run_overrides(PLAN, plans_dir=tmp_path / "res" / "plans", steps=4, runs_dir=tmp_path, oversize=2)
+    assert "train.batch_size=58" in args and "train.on_oom=replan" in args, args
+    assert "run_id=plan-m-s64-1gib-x2-replan" in args and args.index("train.batch_size=58") > args.index(
+        "+plans=m-s64-1gib"), args  # after the plan's group: the command line wins
+    replan = {"reason": "CUDA out of memory", "peak_bytes": 21 * GIB, "limit_bytes": 24 * GIB, "source": "planner",
+              "overrides": {"train.batch_size": 29, "train.grad_accum": 2}, "resumed_step": 0}
+    summary = {"memory": {}, "replans": [replan]}
+    done = {"outcome": "completed", "cap_gib": 23.17, "nvml_max_used_bytes": 23 * GIB}
+    rec = P.judge(PLAN, done, summary, oversize=2)
+    assert (rec["verdict"], rec["oversize"], rec["replans"]) == (PASS, 2, [replan]), rec
+    assert P.judge(PLAN, done, {"memory": {}}, oversize=2)["verdict"] == INFO  # it fit: nothing was survived
+    assert P.judge(PLAN, {**done, "nvml_max_used_bytes": 25 * GIB}, summary, oversize=2)["verdict"] == MISS
+    assert P.judge(PLAN, {**done, "outcome": "oom"}, None, oversize=2)["verdict"] == MISS
 
 
 def _child(tmp_path, *extra, monkeypatch):

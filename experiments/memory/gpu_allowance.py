@@ -198,6 +198,14 @@ def reserve_bytes(run: RunConfig) -> int:
     return allowance.outside_bytes + allowance.replayed_bytes
 
 
+def outside_allocator_bytes(run: RunConfig) -> int:
+    """The part of ``reserve_bytes(run)`` the caching allocator never holds (context, libraries, NCCL): what a
+    per-process memory fraction does not cap. ``flat``: all of ``cuda_context_gib``."""
+    if run.dryrun.reserve == "flat":
+        return reserve_bytes(run)
+    return allowance_for(target_of(run)).outside_bytes
+
+
 def step_bytes(dryrun_summary: dict, run: RunConfig) -> int:
     """A dry run's bytes to hold against ``budget − reserve_bytes(run)``, so that it fits exactly when the dry run's
     own verdict for a ``budget`` GPU says so: ``flat``: the live verdict peak; ``modeled``: predicted reserved + the

@@ -135,7 +135,8 @@ def base_choice(mode: str, dtype: str, space: Space) -> OptChoice:
 
 def opt_pieces(space: Space) -> dict[str, OptChoice]:
     """The optimizer settings to trace, per family (mode, state dtype): every (budget, head) pair, INT8 weights at
-    every budget (head dense), and 8-bit dense state (head dense and projected) at the family's first budget."""
+    every budget (head dense, with the head-dense sample it is measured against), and 8-bit dense state (head dense
+    and projected) at the family's first budget."""
     out: dict[str, OptChoice] = {}
     for mode, dtype in families(space):
         base = base_choice(mode, dtype, space)
@@ -150,6 +151,8 @@ def opt_pieces(space: Space) -> dict[str, OptChoice]:
         if "int8" in space.weight_dtypes:  # per budget: the budget is a fraction of the weights' own AdamW state
             for budget in (space.state_budgets if mode == "A" else (0.0,)):
                 out[f"opt:{mode}:{dtype}:{budget:g}:int8"] = dataclasses.replace(base, budget=budget, weights="int8")
+                # the INT8 delta is taken against the dense-head sample, also where the space projects the head only
+                out.setdefault(f"opt:{mode}:{dtype}:{budget:g}:dense", dataclasses.replace(base, budget=budget))
     return out
 
 
