@@ -163,8 +163,9 @@ class OptimizerMethod:
         self.built: Built | None = None
         self.device: torch.device | None = None  # the training device (the model's at attach)
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        return self._prepare(model) if self._prepare else model
+    def prepare(self, model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
+        model = self._prepare(model) if self._prepare else model
+        return model if device is None else model.to(device)
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
         self.device = next((p.device for p in model.parameters()), None)

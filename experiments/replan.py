@@ -154,9 +154,10 @@ def limit_bytes(run: RunConfig, device: torch.device) -> int | None:
     bytes outside the allocator, which the fraction does not cap (the planner takes the whole allowance off)."""
     if run.train.memory_cap_gib is not None:
         return int(run.train.memory_cap_gib * GIB)
-    if device.type == "cuda":
-        return cuda_limit_bytes(run, torch.cuda.get_device_properties(device).total_memory,
-                                torch.cuda.get_per_process_memory_fraction(device))
+    if device.type == "cuda":  # the fraction's getter wants an index: "cuda" alone is the current device
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return cuda_limit_bytes(run, torch.cuda.get_device_properties(index).total_memory,
+                                torch.cuda.get_per_process_memory_fraction(index))
     return None
 
 

@@ -89,16 +89,20 @@ class HMTMethod:
         self.device: torch.device | None = None  # the training device (the model's at attach)
         self.rows: SparseEmbeddingUpdate | None = None  # method.embedding_update != dense
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
         """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers;
         ``embedding_dtype="int8"``: the input embedding and the LM head become ``Int8Embedding`` / ``Int8Linear``.
         Those and a row-updated embedding (``embedding_update != "dense"``) are marked to be held whole on every
-        rank (``hmt_core.parallel.mark_replicated``: FSDP2 leaves them out of its shards)."""
+        rank (``hmt_core.parallel.mark_replicated``: FSDP2 leaves them out of its shards). ``device``: each quantized
+        module is moved there just before it is quantized, then the rest of the model (a model built on the host
+        whose full-precision weights need not fit the device: ``shrinks_weights``)."""
         c = self.config
         if c.embedding_dtype == "int8":
-            int8_weights.quantize_vocab(model, backend=c.kernels)
+            int8_weights.quantize_vocab(model, backend=c.kernels, device=device)
         if c.weight_dtype == "int8":
-            int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels)
+            int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels, device=device)
+        if device is not None:
+            int8_weights.place_on(model, device)  # the rest (norms, biases, full-precision tables, buffers)
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if emb is not None and (c.embedding_dtype == "int8" or c.embedding_update != "dense"):
@@ -106,6 +110,12 @@ class HMTMethod:
         if isinstance(head, int8_weights.Int8Linear) and c.embedding_dtype == "int8":
             mark_replicated(*head.parameters())
         return model
+
+    @property
+    def shrinks_weights(self) -> bool:
+        """``prepare`` stores weights in INT8: a model whose full-precision weights exceed the device is built on
+        the host and reaches the device through ``prepare(model, device=...)``."""
+        return self.config.weight_dtype == "int8" or self.config.embedding_dtype == "int8"
 
     def _int8_targets(self, model: nn.Module) -> set[str]:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

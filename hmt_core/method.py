@@ -42,8 +42,9 @@ from hmt_core.parallel import ParallelContext
 class Method(Protocol):
     name: str
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        """Transform the freshly built model (e.g. quantize + LoRA). Returns the module to train."""
+    def prepare(self, model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
+        """Transform the freshly built model (e.g. quantize + LoRA). Returns the module to train, on ``device`` when
+        given (a model built on the host: moved as it is transformed), else where it was built."""
         ...
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:

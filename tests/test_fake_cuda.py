@@ -17,6 +17,7 @@ the codec tests below also call the PyTorch bodies themselves on fake CUDA tenso
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -382,3 +383,29 @@ def test_the_codecs_divide_cuda_tensors_by_device_tensors_never_by_a_cpu_scalar(
                 op._init_fn(x, *args)  # the custom op's body: a dispatch mode sees only the op itself otherwise
             weight_codec.quantize(x, 64)
     assert not found, "CUDA divisions by a CPU scalar:\n" + "\n".join(found)
+
+
+def test_an_int8_model_built_on_the_host_reaches_cuda_as_int8():
+    """HMT with INT8 weights and tables on CUDA: built on the host, quantized onto the device module by module
+    (``experiments.dist.parallel.builds_on_host``), so no full-precision projected weight or table ever sits on the
+    device whole; then trained there. Every tensor ends on CUDA, each INT8 layer's phantom weight stays a stride-0
+    view (moving the model must not materialize it), and nothing is left on the host."""
+    from experiments.config import ModelConfig
+    from experiments.dist.parallel import build_sharded, builds_on_host
+    from hmt_core.int8_weights import int8_layers
+
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=176, vocab_size=256,
+                      max_position_embeddings=128, dtype="bf16")
+    with fake_cuda():
+        method = HMT["hmt-int8-weights"]()
+        method = type(method)(dataclasses.replace(method.config, embedding_dtype="int8",
+                                                  target_patterns=("attn", "mlp", "lm_head")))
+        assert builds_on_host(method, CUDA) and not builds_on_host(method, CPU)
+        model = build_sharded(cfg, method, None, vocab_size=256, device=CUDA)
+        layers = int8_layers(model)
+        phantoms = [m.weight.stride() for m in layers]
+        drive(method, model)
+        bad = misplaced(model_tensors(model), CUDA) + misplaced(hmt_tensors(method), CUDA)
+    assert len(layers) == 2 * 7 + 1, len(layers)  # q, k, v, o, gate, up, down per layer + the LM head
+    assert all(s == (0, 0) for s in phantoms), phantoms
+    assert not bad, "tensors off cuda:0:\n" + "\n".join(bad)

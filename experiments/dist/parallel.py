@@ -59,11 +59,11 @@ def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.B
     return model
 
 
-def prepared(method, model: nn.Module) -> nn.Module:
-    """``method.prepare(model)``; a ``ValueError`` (the method's settings do not fit this model: qlora's
-    ``target_modules`` matching nothing, ...) is the user's input and says so in one line."""
+def prepared(method, model: nn.Module, device: torch.device | None = None) -> nn.Module:
+    """``method.prepare(model, device=device)``; a ``ValueError`` (the method's settings do not fit this model:
+    qlora's ``target_modules`` matching nothing, ...) is the user's input and says so in one line."""
     try:
-        return method.prepare(model)
+        return method.prepare(model, device=device)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -77,6 +77,9 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
     INT8 tables, ``method.embedding_dtype=int8``: quantized from the whole table, then sharded around it; a dry
     run with parameters left whole on every rank, ``hmt_core.parallel.is_replicated``)."""
     def whole() -> nn.Module:
+        if builds_on_host(method, device):
+            host = build_model(cfg, vocab_size=vocab_size, device="cpu")
+            return shard_model(prepared(method, host, device), ctx)
         return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
 
     if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or _quantizes(method):
@@ -91,6 +94,14 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
         return shard_model(prepared(method, model), ctx, build=record)
     except meta_init.UnreplayableInit as e:
         raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
+
+
+def builds_on_host(method, device: torch.device) -> bool:
+    """A CUDA model whose method stores its weights in INT8 (HMT ``weight_dtype`` / ``embedding_dtype``) is built on
+    the host and quantized onto the device module by module: its start-up peak is the INT8 model plus one
+    full-precision module, not the full-precision model (an 8B model's 16 GB of bf16 weights would not start on a
+    16 GiB GPU whose step fits). The host holds the full-precision model meanwhile."""
+    return device.type == "cuda" and isinstance(method, HMTMethod) and method.shrinks_weights
 
 
 def _quantizes(method) -> bool:

@@ -12,11 +12,12 @@ from hmt_core.int8_weights.linear import (
     Int8Weight,
     int8_layers,
     is_phantom,
+    place_on,
     quantize_linears,
     role,
     trained_in_place,
 )
 
 __all__ = ["BLOCK", "QMAX", "Int8Embedding", "Int8Linear", "Int8LinearFunction", "Int8Weight", "block_absmax",
-           "dequantize", "dequantize_torch", "int8_layers", "is_phantom", "num_blocks", "quantize", "quantize_linears",
+           "dequantize", "dequantize_torch", "int8_layers", "is_phantom", "num_blocks", "place_on", "quantize", "quantize_linears",
            "quantize_vocab", "role", "trained_in_place"]

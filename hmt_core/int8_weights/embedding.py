@@ -71,9 +71,11 @@ class Int8Embedding(Int8Storage, nn.Embedding):
 
     @classmethod
     @torch.no_grad()
-    def from_module(cls, module: nn.Embedding, *, block: int = BLOCK, backend: str | None = None) -> Int8Embedding:
-        """Quantize ``module``'s table (round-to-nearest, row chunks as ``Int8Linear.from_module``)."""
-        w = module.weight.detach()
+    def from_module(cls, module: nn.Embedding, *, block: int = BLOCK, backend: str | None = None,
+                    device: torch.device | None = None) -> Int8Embedding:
+        """Quantize ``module``'s table (round-to-nearest, row chunks as ``Int8Linear.from_module``; ``device`` as
+        there)."""
+        w = module.weight.detach() if device is None else module.weight.detach().to(device)
         codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         scales = torch.empty((w.shape[0], -(-w.shape[1] // block)), dtype=torch.float32, device=w.device)
         step = chunk_rows_for(tuple(w.shape), torch.float32, like=w)
@@ -132,10 +134,12 @@ def plain_embedding_error(module: nn.Module | None, what: str) -> str | None:
     return None
 
 
-def quantize_vocab(model: nn.Module, *, block: int = BLOCK, backend: str | None = None) -> int:
+def quantize_vocab(model: nn.Module, *, block: int = BLOCK, backend: str | None = None,
+                   device: torch.device | None = None) -> int:
     """Store ``model``'s input embedding and LM head (``get_input_embeddings`` / ``get_output_embeddings``) as
     INT8 (``Int8Embedding`` / ``Int8Linear``); returns how many were converted (converted ones are left as they
-    are). ValueError, naming the reason, for tied embeddings or a module that is not a plain one."""
+    are). ValueError, naming the reason, for tied embeddings or a module that is not a plain one. ``device``: each
+    table is moved there just before it is quantized (``quantize_linears``)."""
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and not isinstance(head, Int8Linear) and head.weight is getattr(emb, "weight", None):
@@ -146,12 +150,12 @@ def quantize_vocab(model: nn.Module, *, block: int = BLOCK, backend: str | None 
         why = plain_embedding_error(emb, "input embedding")
         if why:
             raise ValueError(f"method.embedding_dtype=int8: {why}")
-        model.set_input_embeddings(Int8Embedding.from_module(emb, block=block, backend=backend))
+        model.set_input_embeddings(Int8Embedding.from_module(emb, block=block, backend=backend, device=device))
         converted += 1
     if head is not None and not isinstance(head, Int8Linear):
         why = plain_embedding_error(head, "LM head")
         if why:
             raise ValueError(f"method.embedding_dtype=int8: {why}")
-        model.set_output_embeddings(Int8Linear.from_module(head, block=block, backend=backend))
+        model.set_output_embeddings(Int8Linear.from_module(head, block=block, backend=backend, device=device))
         converted += 1
     return converted

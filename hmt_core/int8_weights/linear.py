@@ -135,9 +135,11 @@ class Int8Linear(Int8Storage, nn.Linear):
 
     @classmethod
     @torch.no_grad()
-    def from_module(cls, module: nn.Module, *, block: int = BLOCK, backend: str | None = None) -> Int8Linear:
-        """Quantize ``module``'s weight (round-to-nearest, row chunks: at most one chunk budget of fp32 temporaries)."""
-        w = module.weight.detach()
+    def from_module(cls, module: nn.Module, *, block: int = BLOCK, backend: str | None = None,
+                    device: torch.device | None = None) -> Int8Linear:
+        """Quantize ``module``'s weight (round-to-nearest, row chunks: at most one chunk budget of fp32 temporaries);
+        ``device``: quantized there from a copy of the weight (the module itself is left where it is)."""
+        w = module.weight.detach() if device is None else module.weight.detach().to(device)
         transposed = not isinstance(module, nn.Linear)  # Conv1D: (in, out)
         codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         scales = torch.empty((w.shape[0], -(-w.shape[1] // block)), dtype=torch.float32, device=w.device)
@@ -145,6 +147,8 @@ class Int8Linear(Int8Storage, nn.Linear):
         for a in range(0, w.shape[0], step):
             codes[a:a + step], scales[a:a + step] = quantize(w[a:a + step], block)
         bias = module.bias if isinstance(getattr(module, "bias", None), nn.Parameter) else None
+        if bias is not None and device is not None:
+            bias = nn.Parameter(bias.detach().to(device), requires_grad=bias.requires_grad)
         return cls(codes, scales, bias, dtype=w.dtype, block=block, transposed=transposed, backend=backend)
 
     def dequantized(self, dtype: torch.dtype) -> Tensor:  # -> the weight's shape, dtype (a temporary)
@@ -259,10 +263,13 @@ class Int8Weight:
         return sum(t.numel() * t.element_size() for t in (layer.weight_codes, layer.weight_scales))
 
 
-def quantize_linears(model: nn.Module, names: set[str], *, block: int = BLOCK, backend: str | None = None) -> int:
+def quantize_linears(model: nn.Module, names: set[str], *, block: int = BLOCK, backend: str | None = None,
+                     device: torch.device | None = None) -> int:
     """Replace the modules owning the weights ``names`` (qualified ``<module>.weight``) by ``Int8Linear``; returns
     how many were converted (already converted ones are left as they are). A weight shared with another module
-    (tied embeddings) is refused with a ValueError: the other module would lose its weight."""
+    (tied embeddings) is refused with a ValueError: the other module would lose its weight. ``device``: each module
+    is moved there just before it is quantized (a model built on the host reaches the device as INT8, one
+    full-precision module at a time)."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -277,9 +284,25 @@ def quantize_linears(model: nn.Module, names: set[str], *, block: int = BLOCK, b
                              "leave it out of method.target_patterns")
         parent_name, _, child = mod_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear.from_module(module, block=block, backend=backend))
+        setattr(parent, child, Int8Linear.from_module(module, block=block, backend=backend, device=device))
         converted += 1
     return converted
+
+
+def place_on(model: nn.Module, device: torch.device) -> None:
+    """Move ``model``'s parameters and buffers not yet on ``device`` there by replacing them (a new ``Parameter``
+    per tensor, shared ones kept shared), not by ``Module.to``, which swaps tensors in place (FakeTensorMode's
+    tensors cannot be swapped) and would materialize an INT8 layer's stride-0 phantom weight had it not moved yet."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device != device:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+                module._parameters[name] = moved[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.device != device:
+                module._buffers[name] = moved.setdefault(id(b), b.to(device))
 
 
 def int8_layers(model: nn.Module) -> list[Int8Linear]:
