@@ -400,8 +400,9 @@ def test_an_int8_model_built_on_the_host_reaches_cuda_as_int8():
         method = HMT["hmt-int8-weights"]()
         method = type(method)(dataclasses.replace(method.config, embedding_dtype="int8",
                                                   target_patterns=("attn", "mlp", "lm_head")))
-        assert builds_on_host(method, CUDA) and not builds_on_host(method, CPU)
-        model = build_sharded(cfg, method, None, vocab_size=256, device=CUDA)
+        runner_device = torch.device("cuda")  # as experiments.run passes it: no index, the tensors land on cuda:0
+        assert builds_on_host(method, runner_device) and not builds_on_host(method, CPU)
+        model = build_sharded(cfg, method, None, vocab_size=256, device=runner_device)
         layers = int8_layers(model)
         phantoms = [m.weight.stride() for m in layers]
         drive(method, model)

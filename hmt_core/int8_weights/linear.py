@@ -296,13 +296,20 @@ def place_on(model: nn.Module, device: torch.device) -> None:
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None and p.device != device:
+            if p is not None and not _on(p, device):
+                if is_phantom(p):  # an INT8 layer is made where its codes are: never moved after
+                    raise ValueError(f"place_on: {name}, an INT8 phantom weight, is on {p.device}, not {device}")
                 if id(p) not in moved:
                     moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
                 module._parameters[name] = moved[id(p)]
         for name, b in list(module._buffers.items()):
-            if b is not None and b.device != device:
+            if b is not None and not _on(b, device):
                 module._buffers[name] = moved.setdefault(id(b), b.to(device))
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """``t`` is on ``device``; a device without an index (``"cuda"``) stands for whichever ``t`` is on."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 def int8_layers(model: nn.Module) -> list[Int8Linear]:
