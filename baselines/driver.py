@@ -163,7 +163,11 @@ class OptimizerMethod:
         self.built: Built | None = None
         self.device: torch.device | None = None  # the training device (the model's at attach)
 
-    def prepare(self, model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
+    def prepare(self, model: nn.Module, *, device: torch.device | None = None,
+                materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+        if materialize is not None:
+            for module in model.modules():
+                materialize(module)
         model = self._prepare(model) if self._prepare else model
         return model if device is None else model.to(device)
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 class _Identity:
-    def prepare(self, model):
+    def prepare(self, model, *, device=None, materialize=None):
         return model
 
 

@@ -89,20 +89,23 @@ class HMTMethod:
         self.device: torch.device | None = None  # the training device (the model's at attach)
         self.rows: SparseEmbeddingUpdate | None = None  # method.embedding_update != dense
 
-    def prepare(self, model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
+    def prepare(self, model: nn.Module, *, device: torch.device | None = None,
+                materialize: int8_weights.Materialize | None = None) -> nn.Module:
         """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers;
         ``embedding_dtype="int8"``: the input embedding and the LM head become ``Int8Embedding`` / ``Int8Linear``.
         Those and a row-updated embedding (``embedding_update != "dense"``) are marked to be held whole on every
         rank (``hmt_core.parallel.mark_replicated``: FSDP2 leaves them out of its shards). ``device``: each quantized
-        module is moved there just before it is quantized, then the rest of the model (a model built on the host
-        whose full-precision weights need not fit the device: ``shrinks_weights``)."""
+        module is quantized there, then the rest of the model moved (a model built elsewhere, whose full-precision
+        weights need not fit the device: ``shrinks_weights``); ``materialize``: a model built on meta has each module
+        made and initialised there just before it is read (``hmt_core.int8_weights.Materialize``)."""
         c = self.config
         if c.embedding_dtype == "int8":
-            int8_weights.quantize_vocab(model, backend=c.kernels, device=device)
+            int8_weights.quantize_vocab(model, backend=c.kernels, device=device, materialize=materialize)
         if c.weight_dtype == "int8":
-            int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels, device=device)
+            int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels, device=device,
+                                          materialize=materialize)
         if device is not None:
-            int8_weights.place_on(model, device)  # the rest (norms, biases, full-precision tables, buffers)
+            int8_weights.place_on(model, device, materialize)  # the rest: norms, biases, bf16 tables, buffers
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if emb is not None and (c.embedding_dtype == "int8" or c.embedding_update != "dense"):
@@ -113,8 +116,9 @@ class HMTMethod:
 
     @property
     def shrinks_weights(self) -> bool:
-        """``prepare`` stores weights in INT8: a model whose full-precision weights exceed the device is built on
-        the host and reaches the device through ``prepare(model, device=...)``."""
+        """``prepare`` stores weights in INT8: a model whose full-precision weights exceed the device is built
+        elsewhere (meta, or the host when loaded from weights) and reaches the device through
+        ``prepare(model, device=...)``."""
         return self.config.weight_dtype == "int8" or self.config.embedding_dtype == "int8"
 
     def _int8_targets(self, model: nn.Module) -> set[str]:

@@ -29,7 +29,7 @@ gradients (``experiments.loop.train_step``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,9 +42,12 @@ from hmt_core.parallel import ParallelContext
 class Method(Protocol):
     name: str
 
-    def prepare(self, model: nn.Module, *, device: torch.device | None = None) -> nn.Module:
+    def prepare(self, model: nn.Module, *, device: torch.device | None = None,
+                materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
         """Transform the freshly built model (e.g. quantize + LoRA). Returns the module to train, on ``device`` when
-        given (a model built on the host: moved as it is transformed), else where it was built."""
+        given (a model built elsewhere: moved as it is transformed), else where it was built. ``materialize`` (with
+        ``device``; a model built on meta): makes and initialises one module's own tensors on ``device``; called on
+        every module before its values are read."""
         ...
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:

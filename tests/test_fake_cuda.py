@@ -385,13 +385,13 @@ def test_the_codecs_divide_cuda_tensors_by_device_tensors_never_by_a_cpu_scalar(
     assert not found, "CUDA divisions by a CPU scalar:\n" + "\n".join(found)
 
 
-def test_an_int8_model_built_on_the_host_reaches_cuda_as_int8():
-    """HMT with INT8 weights and tables on CUDA: built on the host, quantized onto the device module by module
-    (``experiments.dist.parallel.builds_on_host``), so no full-precision projected weight or table ever sits on the
-    device whole; then trained there. Every tensor ends on CUDA, each INT8 layer's phantom weight stays a stride-0
-    view (moving the model must not materialize it), and nothing is left on the host."""
+def test_an_int8_model_built_on_meta_reaches_cuda_as_int8():
+    """HMT with INT8 weights and tables on CUDA: built on meta, each module made, initialised and quantized on the
+    device in turn (``experiments.dist.parallel.quantizes_onto``), so no full-precision projected weight or table
+    ever sits on the device whole; then trained there. Every tensor ends on CUDA (none on meta or the host), and
+    each INT8 layer's phantom weight stays a stride-0 view (moving the rest must not materialize it)."""
     from experiments.config import ModelConfig
-    from experiments.dist.parallel import build_sharded, builds_on_host
+    from experiments.dist.parallel import build_sharded, quantizes_onto
     from hmt_core.int8_weights import int8_layers
 
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=176, vocab_size=256,
@@ -401,7 +401,7 @@ def test_an_int8_model_built_on_the_host_reaches_cuda_as_int8():
         method = type(method)(dataclasses.replace(method.config, embedding_dtype="int8",
                                                   target_patterns=("attn", "mlp", "lm_head")))
         runner_device = torch.device("cuda")  # as experiments.run passes it: no index, the tensors land on cuda:0
-        assert builds_on_host(method, runner_device) and not builds_on_host(method, CPU)
+        assert quantizes_onto(method, runner_device) and not quantizes_onto(method, CPU)
         model = build_sharded(cfg, method, None, vocab_size=256, device=runner_device)
         layers = int8_layers(model)
         phantoms = [m.weight.stride() for m in layers]

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class UnreplayableInit(ValueError):
@@ -250,3 +251,40 @@ def _check_filled(model: nn.Module) -> None:
         name = named[int(left.nonzero()[0])][0]
         raise UnreplayableInit(f"{name}: the model's _init_weights leaves it uninitialised, so its "
                                "single-process values cannot be reproduced shard by shard")
+
+
+def materializer(root: nn.Module, device: torch.device) -> Callable[[nn.Module], None]:
+    """For a model built on meta and prepared one module at a time (``Method.prepare``'s ``materialize``): make a
+    module's own parameters and buffers on ``device`` and initialise them with transformers' ``_init_weights`` for
+    that module (random draws on the device's generator, in the order the method asks for the modules: the values
+    are a fresh draw from the same initialisation, not the single-process build's; ``replay`` gives those).
+    Tensors are replaced, not swapped (``Module.to_empty`` swaps, which FakeTensorMode's tensors forbid); a tensor
+    shared by two modules (tied weights) is made once."""
+    from transformers import PreTrainedModel
+    from transformers import initialization as hf_init
+
+    made = WeakIdKeyDictionary()  # meta tensor -> its tensor on the device, while a module still holds the meta one
+
+    def empty_on_device(t: torch.Tensor) -> torch.Tensor:
+        if t not in made:
+            new = torch.empty_like(t, device=device)
+            made[t] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[t]
+
+    @torch.no_grad()
+    def materialize(module: nn.Module) -> None:
+        owned = {**module._parameters, **module._buffers}
+        if not any(t is not None and t.is_meta for t in owned.values()):
+            return
+        for name, t in module._parameters.items():
+            if t is not None and t.is_meta:
+                module._parameters[name] = empty_on_device(t)
+        for name, t in module._buffers.items():
+            if t is not None and t.is_meta:
+                module._buffers[name] = empty_on_device(t)
+        if isinstance(root, PreTrainedModel):
+            with hf_init.guard_torch_init_functions():
+                root._init_weights(module)
+        module._is_hf_initialized = True
+
+    return materialize

@@ -59,11 +59,12 @@ def shard_model(model: nn.Module, ctx: DistContext | None, *, build: meta_init.B
     return model
 
 
-def prepared(method, model: nn.Module, device: torch.device | None = None) -> nn.Module:
-    """``method.prepare(model, device=device)``; a ``ValueError`` (the method's settings do not fit this model:
-    qlora's ``target_modules`` matching nothing, ...) is the user's input and says so in one line."""
+def prepared(method, model: nn.Module, device: torch.device | None = None, materialize=None) -> nn.Module:
+    """``method.prepare(model, device=device, materialize=materialize)``; a ``ValueError`` (the method's settings do
+    not fit this model: qlora's ``target_modules`` matching nothing, ...) is the user's input and says so in one
+    line."""
     try:
-        return method.prepare(model, device=device)
+        return method.prepare(model, device=device, materialize=materialize)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -77,10 +78,12 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
     INT8 tables, ``method.embedding_dtype=int8``: quantized from the whole table, then sharded around it; a dry
     run with parameters left whole on every rank, ``hmt_core.parallel.is_replicated``)."""
     def whole() -> nn.Module:
-        if builds_on_host(method, device):
-            host = build_model(cfg, vocab_size=vocab_size, device="cpu")
-            return shard_model(prepared(method, host, device), ctx)
-        return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
+        if not quantizes_onto(method, device):
+            return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
+        if model_source(cfg) == "weights":  # loaded on the host, quantized onto the device
+            return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device="cpu"), device), ctx)
+        model = build_model(cfg, vocab_size=vocab_size, device="meta")
+        return shard_model(prepared(method, model, device, meta_init.materializer(model, device)), ctx)
 
     if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or _quantizes(method):
         return whole()
@@ -96,11 +99,11 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
         raise UserError(f"dist=fsdp2 cannot start this model on the meta device: {e}; use dist=ddp") from None
 
 
-def builds_on_host(method, device: torch.device) -> bool:
-    """A CUDA model whose method stores its weights in INT8 (HMT ``weight_dtype`` / ``embedding_dtype``) is built on
-    the host and quantized onto the device module by module: its start-up peak is the INT8 model plus one
-    full-precision module, not the full-precision model (an 8B model's 16 GB of bf16 weights would not start on a
-    16 GiB GPU whose step fits). The host holds the full-precision model meanwhile."""
+def quantizes_onto(method, device: torch.device) -> bool:
+    """A CUDA model whose method stores its weights in INT8 (HMT ``weight_dtype`` / ``embedding_dtype``) is built
+    on meta (random init; from weights: on the host) and made, initialised and quantized on the device one module
+    at a time: its start-up peak is the INT8 model plus one full-precision module, not the full-precision model (an
+    8B model's 16 GB of bf16 weights would not start on a 16 GiB GPU whose step fits)."""
     return device.type == "cuda" and isinstance(method, HMTMethod) and method.shrinks_weights
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from torch._subclasses.fake_tensor import is_fake
 
 from hmt_core.int8_weights.codec import BLOCK, dequantize, quantize
-from hmt_core.int8_weights.linear import Int8Linear, Int8Storage, Int8Weight, _tagged
+from hmt_core.int8_weights.linear import Int8Linear, Int8Storage, Int8Weight, Materialize, _tagged
 from hmt_core.precision import chunk_rows_for, random_halfwords
 
 
@@ -135,11 +135,11 @@ def plain_embedding_error(module: nn.Module | None, what: str) -> str | None:
 
 
 def quantize_vocab(model: nn.Module, *, block: int = BLOCK, backend: str | None = None,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None, materialize: Materialize | None = None) -> int:
     """Store ``model``'s input embedding and LM head (``get_input_embeddings`` / ``get_output_embeddings``) as
     INT8 (``Int8Embedding`` / ``Int8Linear``); returns how many were converted (converted ones are left as they
     are). ValueError, naming the reason, for tied embeddings or a module that is not a plain one. ``device``: each
-    table is moved there just before it is quantized (``quantize_linears``)."""
+    table is quantized there, ``materialize`` first makes it (``quantize_linears``)."""
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and not isinstance(head, Int8Linear) and head.weight is getattr(emb, "weight", None):
@@ -150,12 +150,16 @@ def quantize_vocab(model: nn.Module, *, block: int = BLOCK, backend: str | None 
         why = plain_embedding_error(emb, "input embedding")
         if why:
             raise ValueError(f"method.embedding_dtype=int8: {why}")
+        if materialize is not None:
+            materialize(emb)
         model.set_input_embeddings(Int8Embedding.from_module(emb, block=block, backend=backend, device=device))
         converted += 1
     if head is not None and not isinstance(head, Int8Linear):
         why = plain_embedding_error(head, "LM head")
         if why:
             raise ValueError(f"method.embedding_dtype=int8: {why}")
+        if materialize is not None:
+            materialize(head)
         model.set_output_embeddings(Int8Linear.from_module(head, block=block, backend=backend, device=device))
         converted += 1
     return converted

@@ -48,6 +48,10 @@ def trained_in_place(t: Any) -> bool:
     return role(t) in ("codes", "scales")
 
 
+
+# fills a module's own meta tensors (not its children's) on the training device with their initial values
+Materialize = Callable[[nn.Module], None]
+
 def is_phantom(t: Any) -> bool:
     return role(t) == "phantom"
 
@@ -264,12 +268,13 @@ class Int8Weight:
 
 
 def quantize_linears(model: nn.Module, names: set[str], *, block: int = BLOCK, backend: str | None = None,
-                     device: torch.device | None = None) -> int:
+                     device: torch.device | None = None, materialize: Materialize | None = None) -> int:
     """Replace the modules owning the weights ``names`` (qualified ``<module>.weight``) by ``Int8Linear``; returns
     how many were converted (already converted ones are left as they are). A weight shared with another module
     (tied embeddings) is refused with a ValueError: the other module would lose its weight. ``device``: each module
-    is moved there just before it is quantized (a model built on the host reaches the device as INT8, one
-    full-precision module at a time)."""
+    is quantized there from a copy of its weight (a model built elsewhere reaches the device as INT8, one
+    full-precision module at a time); ``materialize``: a model built on meta has each module's own tensors made and
+    initialised (on ``device``) just before it is quantized."""
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
@@ -284,17 +289,23 @@ def quantize_linears(model: nn.Module, names: set[str], *, block: int = BLOCK, b
                              "leave it out of method.target_patterns")
         parent_name, _, child = mod_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if materialize is not None:
+            materialize(module)
         setattr(parent, child, Int8Linear.from_module(module, block=block, backend=backend, device=device))
         converted += 1
     return converted
 
 
-def place_on(model: nn.Module, device: torch.device) -> None:
+def place_on(model: nn.Module, device: torch.device, materialize: Materialize | None = None) -> None:
     """Move ``model``'s parameters and buffers not yet on ``device`` there by replacing them (a new ``Parameter``
     per tensor, shared ones kept shared), not by ``Module.to``, which swaps tensors in place (FakeTensorMode's
-    tensors cannot be swapped) and would materialize an INT8 layer's stride-0 phantom weight had it not moved yet."""
+    tensors cannot be swapped) and would materialize an INT8 layer's stride-0 phantom weight had it not moved yet.
+    A module with tensors on meta is handed to ``materialize`` instead."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
+        if materialize is not None and any(t.is_meta for t in (*module._parameters.values(), *module._buffers.values())
+                                           if t is not None):
+            materialize(module)
         for name, p in list(module._parameters.items()):
             if p is not None and not _on(p, device):
                 if is_phantom(p):  # an INT8 layer is made where its codes are: never moved after
