@@ -79,7 +79,8 @@ def shortened_cell(prep, planner: dict, run, size: int, name: str, results: Path
             recs[x] = rec = plan_with(prep, planner, size, seq_len=x * SEQ_STEP, name=f"{name}-seq{x * SEQ_STEP}",
                                       record_dir=results / "plans", log=log)
         except NoPlan as e:
-            traced_over.update({x} if e.traced else set())
+            if e.traced:
+                traced_over.add(x)
             return e.excess_gib
         return rec["verified"]["step_bytes"] / GIB - step_budget
 
