@@ -74,9 +74,10 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
     """The model to train, prepared by ``method`` and sharded as ``ctx`` says. ``dist=fsdp2`` with random init
     (no weights at ``model.path``): built on meta and initialised shard by shard (start-up peak: this rank's
     shards + one module at full size; ``values=False``, a dry run's fake tensors: the shards are left empty);
-    otherwise built whole on ``device`` (FSDP2 from weights: loaded whole, then sharded; a method that stores
-    INT8 tables, ``method.embedding_dtype=int8``: quantized from the whole table, then sharded around it; a dry
-    run with parameters left whole on every rank, ``hmt_core.parallel.is_replicated``)."""
+    otherwise built whole on ``device`` (an INT8 HMT model on CUDA: made module by module, ``quantizes_onto``;
+    FSDP2 from weights: loaded whole, then sharded; a method that stores INT8 tables, ``method.embedding_dtype=int8``:
+    quantized from the whole table, then sharded around it; a dry run with parameters left whole on every rank,
+    ``hmt_core.parallel.is_replicated``)."""
     def whole() -> nn.Module:
         if not quantizes_onto(method, device):
             return shard_model(prepared(method, build_model(cfg, vocab_size=vocab_size, device=device)), ctx)
