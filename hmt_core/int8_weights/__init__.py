@@ -19,6 +19,6 @@ from hmt_core.int8_weights.linear import (
     trained_in_place,
 )
 
-__all__ = ["BLOCK", "QMAX", "Int8Embedding", "Int8Linear", "Int8LinearFunction", "Int8Weight", "Materialize", "block_absmax",
-           "dequantize", "dequantize_torch", "int8_layers", "is_phantom", "num_blocks", "place_on", "quantize", "quantize_linears",
-           "quantize_vocab", "role", "trained_in_place"]
+__all__ = ["BLOCK", "QMAX", "Int8Embedding", "Int8Linear", "Int8LinearFunction", "Int8Weight", "Materialize",
+           "block_absmax", "dequantize", "dequantize_torch", "int8_layers", "is_phantom", "num_blocks", "place_on",
+           "quantize", "quantize_linears", "quantize_vocab", "role", "trained_in_place"]

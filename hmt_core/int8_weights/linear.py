@@ -48,9 +48,10 @@ def trained_in_place(t: Any) -> bool:
     return role(t) in ("codes", "scales")
 
 
-
-# fills a module's own meta tensors (not its children's) on the training device with their initial values
+# fills a module's own meta tensors (not its children's) on the training device with their initial values; a module
+# with none is left as it is
 Materialize = Callable[[nn.Module], None]
+
 
 def is_phantom(t: Any) -> bool:
     return role(t) == "phantom"
@@ -300,11 +301,10 @@ def place_on(model: nn.Module, device: torch.device, materialize: Materialize | 
     """Move ``model``'s parameters and buffers not yet on ``device`` there by replacing them (a new ``Parameter``
     per tensor, shared ones kept shared), not by ``Module.to``, which swaps tensors in place (FakeTensorMode's
     tensors cannot be swapped) and would materialize an INT8 layer's stride-0 phantom weight had it not moved yet.
-    A module with tensors on meta is handed to ``materialize`` instead."""
+    Each module is first handed to ``materialize``, which makes its meta tensors, if any, on ``device``."""
     moved: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        if materialize is not None and any(t.is_meta for t in (*module._parameters.values(), *module._buffers.values())
-                                           if t is not None):
+        if materialize is not None:
             materialize(module)
         for name, p in list(module._parameters.items()):
             if p is not None and not _on(p, device):
