@@ -37,6 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hmt_core.module_tensors import replace_owned_tensors
+
 
 class UnreplayableInit(ValueError):
     """The single-process init cannot be reproduced shard by shard (an op or a value the replay does not cover)."""
@@ -265,23 +267,12 @@ def materializer(root: nn.Module, device: torch.device) -> Callable[[nn.Module],
 
     made = WeakIdKeyDictionary()  # meta tensor -> its tensor on the device, while a module still holds the meta one
 
-    def empty_on_device(t: torch.Tensor) -> torch.Tensor:
-        if t not in made:
-            new = torch.empty_like(t, device=device)
-            made[t] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-        return made[t]
-
     @torch.no_grad()
     def materialize(module: nn.Module) -> None:
         owned = {**module._parameters, **module._buffers}
         if not any(t is not None and t.is_meta for t in owned.values()):
             return
-        for name, t in module._parameters.items():
-            if t is not None and t.is_meta:
-                module._parameters[name] = empty_on_device(t)
-        for name, t in module._buffers.items():
-            if t is not None and t.is_meta:
-                module._buffers[name] = empty_on_device(t)
+        replace_owned_tensors(module, lambda t: t.is_meta, lambda t: torch.empty_like(t, device=device), made)
         if isinstance(root, PreTrainedModel):
             with hf_init.guard_torch_init_functions():
                 root._init_weights(module)

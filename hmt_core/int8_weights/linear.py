@@ -31,9 +31,11 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hmt_core import kernels
 from hmt_core.int8_weights.codec import BLOCK, dequantize, int8_update, quantize
+from hmt_core.module_tensors import replace_owned_tensors
 from hmt_core.precision import chunk_rows_for, random_halfwords
 
 ROLE = "hmt_int8_role"  # attribute of an Int8Linear's parameters: "phantom" | "codes" | "scales"
@@ -302,20 +304,17 @@ def place_on(model: nn.Module, device: torch.device, materialize: Materialize | 
     per tensor, shared ones kept shared), not by ``Module.to``, which swaps tensors in place (FakeTensorMode's
     tensors cannot be swapped) and would materialize an INT8 layer's stride-0 phantom weight had it not moved yet.
     Each module is first handed to ``materialize``, which makes its meta tensors, if any, on ``device``."""
-    moved: dict[int, torch.Tensor] = {}
+    moved = WeakIdKeyDictionary()  # a tensor off the device -> its copy on it, made once if shared
+
+    def to_device(t: Tensor) -> Tensor:
+        if is_phantom(t):  # an INT8 layer is made where its codes are: never moved after
+            raise ValueError(f"place_on: an INT8 phantom weight is on {t.device}, not {device}")
+        return t.detach().to(device)
+
     for module in model.modules():
         if materialize is not None:
             materialize(module)
-        for name, p in list(module._parameters.items()):
-            if p is not None and not _on(p, device):
-                if is_phantom(p):  # an INT8 layer is made where its codes are: never moved after
-                    raise ValueError(f"place_on: {name}, an INT8 phantom weight, is on {p.device}, not {device}")
-                if id(p) not in moved:
-                    moved[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
-                module._parameters[name] = moved[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None and not _on(b, device):
-                module._buffers[name] = moved.setdefault(id(b), b.to(device))
+        replace_owned_tensors(module, lambda t: not _on(t, device), to_device, moved)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
