@@ -64,7 +64,7 @@ def commit() -> str:
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| model | seq | budget | answer (sequences × tokens, predicted peak) | planned in | traced | wall | load |",
+    lines = ["| model | seq | budget | answer (sequences × tokens, peak) | planned in | traced | wall | load |",
              "|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         what = r.get("error") or (f"{r['micro_batch']} × {r['tokens_per_micro_batch'] // r['micro_batch']} "
