@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 from experiments.model_cards import card_names
+from experiments.model_config import MODEL_PHASES
 from experiments.results import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = "hmt-plan-answer-times/1"
-LLAMA2_SHAPES = ("1b", "7b", "13b")
+LLAMA2_SHAPES = ("1b", "7b", "13b")  # the MODEL_PHASES shapes with committed cost tables (default --models)
 TARGET_S = 60  # a fresh clone's answer, wall (docs/planner.md)
 
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: --seq / --budgets: {e}", file=sys.stderr)
         return 2
-    known = set(card_names()) | set(LLAMA2_SHAPES)
+    known = set(card_names()) | set(MODEL_PHASES)
     models = args.models.split(",")
     if unknown := [m for m in models if m not in known]:
         print(f"error: --models: unknown {', '.join(unknown)} (known: {', '.join(sorted(known))})", file=sys.stderr)
