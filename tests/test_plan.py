@@ -416,6 +416,7 @@ def test_budget_below_the_weights_floor_names_the_floor(capsys, tmp_path):
     (["model=nosuch", "budget_gib=16"], ["model/nosuch", "available"]),
     (["model=tiny", "budget_gib=lots"], ["budget_gib='lots'"]),
     (["model=tiny"], ["budget_gib= is required"]),
+    (["model=7b", "budget_gib=100000"], ["budget_gib=100000", "beyond any single GPU"]),
     (["model=tiny", "budget_gib=1", "actions=[keep,offload_cpu]"], ["offload_cpu"]),
     (["model=tiny", "method=adamw", "budget_gib=1"], ["method=adamw"]),
     (["model=tiny", "budget_gib=16", "workers=0"], ["workers=0", "at least 1"]),

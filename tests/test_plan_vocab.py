@@ -60,7 +60,8 @@ def test_every_emitted_option_is_accepted_by_the_app(extra, offered):
     """Each distinct (mode, head, 8-bit, vocabulary) option the planner can emit attaches to the model through the
     app's own checks; what it leaves out, the app refuses (so the filter is needed, not merely cautious)."""
     space = Space(**{k: planner.parse_args(ALL_VOCAB)[0][k] for k in ("embedding_updates", "layer_inputs")},
-                  state_budgets=(0.25,), state_dtypes=("bf16",), weight_dtypes=("bf16",))
+                  state_budgets=(0.25,), state_dtypes=("bf16",), weight_dtypes=("bf16",),
+                  mode_b_head=True)  # Mode B's projected head (asked for): the one setting in_loss needs
     run, facts, options = _emitted(["model=tiny", "model.num_layers=1", "train.seq_len=32", *extra], space)
     kinds = {(o.mode, o.head, o.dense_8bit, o.vocab) for o in options}
     for mode, head, eight, vocab in sorted(kinds):

@@ -77,9 +77,20 @@ def group_key(run: RunConfig) -> str:
     return _hash(group_of(run))
 
 
+RATE_KEYS = ("lr",)  # change no byte a trace measures: keyed at their defaults, so any rate answers from the table
+
+
+def at_default_rate(method):
+    """``method`` with ``RATE_KEYS`` at its Config's defaults (the key of a plan whose recipe or user set a rate)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(method) if f.name in RATE_KEYS}
+    return dataclasses.replace(method, **defaults) if defaults else method
+
+
 def entry_key(layers: int, batch: int, method, policy) -> str:
-    """One traced point of a group: depth, micro-batch and the (method, activation policy) it ran with."""
-    node = without_added_defaults({"method": dataclasses.asdict(method)})["method"]  # keys added later, at default
+    """One traced point of a group: depth, micro-batch and the (method, activation policy) it ran with (its rate
+    at the default: ``at_default_rate``)."""
+    node = without_added_defaults({"method": dataclasses.asdict(at_default_rate(method))})["method"]  # keys added
+    # later, at default
     return f"L{layers}b{batch}:" + _hash({"method": node, "activation": policy.to_dict()})
 
 

@@ -41,12 +41,23 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             return write_table(run, planner)
         if "budget_gib" not in planner:
             raise UserError("budget_gib= is required (the GPU's memory in GiB, e.g. budget_gib=16), or --capacity")
+        check_budget(planner["budget_gib"])
         plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
         rec = make_plan(run, planner)
         print(render_plan(rec))
         return rec
 
     return one_line_errors(body, FileNotFoundError)
+
+
+LARGEST_CARD_GIB = 288  # the most memory one accelerator has today (NVIDIA B300: 288 GB HBM3e)
+
+
+def check_budget(budget) -> None:
+    """A budget beyond any single card is refused before anything is traced (the planner plans one device)."""
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > LARGEST_CARD_GIB:
+        raise UserError(f"budget_gib={budget:g} is beyond any single GPU (the largest has {LARGEST_CARD_GIB} GiB); "
+                        "give one card's memory in GiB, e.g. budget_gib=80")
 
 
 def write_table(run, planner: dict) -> dict:

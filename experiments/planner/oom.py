@@ -105,7 +105,7 @@ def resumable_space(run: RunConfig, choice: OptChoice) -> Space:
                      project_head=(choice.head,), actions=("keep", *in_use), layer_recompute=(False, True),
                      embedding_dtypes=(v.embedding_dtype,), embedding_updates=(v.embedding_update,),
                      head_updates=(v.head_update,), layer_inputs=tuple(dict.fromkeys(("keep", codec))),
-                     max_batch_size=run.train.batch_size)
+                     max_batch_size=run.train.batch_size, mode_b_head=True)
     except ValueError as e:
         raise Unanswered(f"the activation policy is outside the planner's choices ({e})") from None
 

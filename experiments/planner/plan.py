@@ -53,7 +53,9 @@ from experiments.planner.costs import GIB, Space, policy_for
 from experiments.planner.extend import extend
 from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
+from experiments.models import has_weights, load_hf_config
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
+from experiments.planner.recipe import Recipe, recipe_for, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.results import atomic_write_text
 from experiments.run import main_with_config
@@ -64,7 +66,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
         "calibration": str, "refresh_costs": bool, "workers": int, "capacity": bool, "calibrate": bool, "table": bool,
-        "methods": list, "readme": str, "table_budgets": list, **{k: (list, int) for k in SPACE_KEYS}}
+        "methods": list, "readme": str, "table_budgets": list,
+        **{k: (list, int) for k in SPACE_KEYS if k != "mode_b_head"}, "mode_b_head": bool}
 FLAGS = ("--capacity", "--calibrate", "--table")
 
 
@@ -121,15 +124,37 @@ def _plain(obj):
     return json.loads(json.dumps(obj, default=list))
 
 
-def plan_nodes(run, solution, space: Space) -> dict:
-    """The run configuration of a solution as the top-level nodes a ``_global_`` plan config sets."""
+def plan_recipe(run, choice) -> Recipe:
+    """The rate and warm-up the plan writes (``experiments.planner.recipe``)."""
+    hf = run.model.hf_dir
+    width = load_hf_config(hf).hidden_size if hf else run.model.hidden_size
+    fine = bool(run.model.path) and has_weights(run.model.path)
+    return recipe_for(mode=choice.mode, width=width, steps=run.train.steps, fine_tuning=fine)
+
+
+def written_recipe(run, choice, plan_path: Path, overrides: Sequence[str]) -> dict:
+    """The rate and warm-up the plan file holds, and where they came from (the record's ``recipe``)."""
+    nodes = yaml.safe_load(plan_path.read_text())
+    mine = [k for k in ("method.lr", "train.warmup_steps") if user_set(overrides, k)]
+    return {"lr": nodes["method"]["lr"], "warmup_steps": nodes["train"]["warmup_steps"],
+            "steps": nodes["train"]["steps"],
+            "source": plan_recipe(run, choice).source + (f"; {', '.join(mine)} as given" if mine else "")}
+
+
+def plan_nodes(run, solution, space: Space, overrides: Sequence[str] = ()) -> dict:
+    """The run configuration of a solution as the top-level nodes a ``_global_`` plan config sets; the rate and
+    warm-up from ``plan_recipe`` unless ``overrides`` (the planner command's) set them."""
     import dataclasses
 
     choice = solution.option.payload
-    method = dataclasses.replace(run.method, **choice.method_changes(run.method))
+    rec = plan_recipe(run, choice)
+    lr = rec.lr if rec.lr is not None and not user_set(overrides, "method.lr") else run.method.lr
+    warmup = rec.warmup_steps if rec.warmup_steps is not None and not user_set(overrides, "train.warmup_steps") \
+        else run.train.warmup_steps
+    method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr)
     policy = policy_for(run.activation, bool(solution.actions), **solution.policy_actions(),
                         layer_recompute=solution.layer_recompute)
-    train = dataclasses.replace(run.train, batch_size=solution.batch)
+    train = dataclasses.replace(run.train, batch_size=solution.batch, warmup_steps=warmup)
     plain = to_plain_dict(dataclasses.replace(run, method=method, activation=policy, train=train))
     nodes = {k: _plain(plain[k]) for k in PLAN_NODES}
     nodes["activation"] = {"preset": "none", **_plain(policy.to_dict())}
@@ -219,6 +244,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
+    out["recipe"] = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
     out["leanest_over_batch"] = fix.over  # the least micro-batch whose leanest choice a trace put over (or None)
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
@@ -243,7 +269,7 @@ def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: fl
 def write_plan(run, planner: dict, space: Space, plan_path: Path, sol, *, budget: float, ctx: float) -> float:
     """Writes ``sol`` as the plan config at ``plan_path``; returns its predicted peak (GiB)."""
     predicted = max(v for v in sol.predicted.values() if v is not None)
-    write_plan_yaml(plan_path, plan_nodes(run, sol, space), plan_header(run, planner, plan_path.stem, plan_path.parent,
+    write_plan_yaml(plan_path, plan_nodes(run, sol, space, planner.get("_overrides", ())), plan_header(run, planner, plan_path.stem, plan_path.parent,
                                                                         budget=budget, ctx=ctx, predicted=predicted))
     return predicted
 

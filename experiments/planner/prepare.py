@@ -21,7 +21,7 @@ from experiments.planner.vocab import admissible, first_refusal, model_facts
 
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
               "layer_recompute", "embedding_dtypes", "embedding_updates", "head_updates", "layer_inputs",
-              "max_batch_size")
+              "max_batch_size", "mode_b_head")
 
 
 def space_from(planner: dict) -> Space:

@@ -115,6 +115,8 @@ def render_plan(rec: dict) -> str:
         ("vocabulary", vocab_row(o.get("vocab"))),
         ("ranks", ranks),
         ("retained gradient energy (bound)", f"{rec['energy']:.4f}"),
+        *([("learning rate", f"method.lr={r['lr']:g}, train.warmup_steps={r['warmup_steps']} of {r['steps']} steps "
+                              f"({r['source']})")] if (r := rec.get("recipe")) else []),
         ("activations", policy),
         ("extra step time (model)", (f"{rec['extra_time_s_per_micro_batch']:.3g} s per micro-batch "
                                      f"({rec['calibration'].get('device', '?')} calibration)")),

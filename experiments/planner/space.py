@@ -34,6 +34,8 @@ class Space:
     head_updates: tuple[str, ...] = ("dense", "in_loss")
     layer_inputs: tuple[str, ...] = ("keep", "int8")
     max_batch_size: int = 1024
+    # Mode B (APOLLO-Mini's tensor scale) on a projected lm_head: not offered unless asked for (``learns_at_scale``)
+    mode_b_head: bool = False
 
     ALLOWED = {"modes": ("A", "B"), "state_dtypes": ("fp32", "bf16"), "weight_dtypes": ("bf16", "int8"),
                "dense_8bit": (False, True), "project_head": (False, True), "layer_recompute": (False, True),
@@ -58,6 +60,8 @@ class Space:
                                     "to the host)" if bad[0] == "offload_cpu" else ""))
         if "keep" not in self.actions:
             raise ValueError(f"actions={list(self.actions)} must include keep")
+        if not isinstance(self.mode_b_head, bool):
+            raise ValueError(f"mode_b_head must be true or false, got {self.mode_b_head!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
@@ -162,6 +166,14 @@ def opt_key(choice: OptChoice, *, budget: float | None = None, head: bool | None
     return f"opt:{choice.mode}:{choice.dtype}:{b:g}:{'head' if h else 'dense'}"
 
 
+def learns_at_scale(mode: str, head: bool, space: Space) -> bool:
+    """Whether a (mode, projected head) pair is offered. Mode B's tensor scale on a projected ``lm_head`` puts the
+    whole update norm ``√α·√V`` on the rows of the batch's tokens and raised an 8B proxy's loss 12.55 → 15.07 in one
+    step (docs/head_update.md); APOLLO-Mini's published recipe leaves the head to AdamW, and so does the planner
+    unless ``mode_b_head=true`` (a run that already has it, re-planned after an out-of-memory error, keeps it)."""
+    return space.mode_b_head or not (mode == "B" and head)
+
+
 def all_options(space: Space, vocab: dict[tuple[str, bool, bool], tuple[Vocab, ...]] | None = None) -> list[OptChoice]:
     """Every option of ``space``; ``vocab``: the vocabulary settings each (mode, projected head, 8-bit dense state)
     may take (``experiments.planner.vocab.admissible``: those of the space the app accepts for the run; None: the
@@ -172,6 +184,8 @@ def all_options(space: Space, vocab: dict[tuple[str, bool, bool], tuple[Vocab, .
             for head in space.project_head:
                 for eight in space.dense_8bit:
                     for weights in space.weight_dtypes:
+                        if not learns_at_scale(mode, head, space):
+                            continue
                         for v in ((DEFAULT_VOCAB,) if vocab is None else vocab.get((mode, head, eight), ())):
                             out.append(OptChoice(mode, dtype, budget, head, eight, weights, v))
     return out

@@ -1,0 +1,50 @@
+"""The learning rate and warm-up a plan writes, from the optimizer setting and the model's width (published recipes).
+
+- Mode A (GaLore-style low-rank AdamW): GaLore's pretraining scripts (Zhao et al., 2024; the GaLore repository's
+  ``scripts/benchmark_c4/llama_{60m,130m,350m,1b}.sh``: lr 0.01 at hidden sizes up to 2,048; ``llama_7b.sh`` and
+  the single-GPU 7B scripts: lr 0.005 at hidden 4,096, gradient clipping 1.0), warm-up 10 % of the steps.
+- Mode B (APOLLO-Mini: rank 1, tensor scale, α = 128): APOLLO's pretraining scripts (Zhu et al., 2024; the APOLLO
+  repository's ``scripts/pretrain_c4/llama_{60m,1b,7b}_apollo_mini.sh`` and the 13B one): lr 0.01 at every size,
+  warm-up 10 % of the steps; the embedding and LM head stay in AdamW (the planner never projects the head under
+  Mode B: ``experiments.planner.space.learns_at_scale``).
+- Fine-tuning (``model.path`` with weights): the published recipes above are for pretraining from random init and
+  move a trained model far off its minimum; a plan for a loaded model keeps the run's own rate and warm-up (set
+  ``method.lr`` and ``train.warmup_steps`` for the fine-tune) and says so.
+
+A key the user set on the planner's command line (``method.lr=…``, ``train.warmup_steps=…``) is kept as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WARMUP_FRACTION = 0.1  # both recipes: 10 % of the steps (1k/10k at 60M, 10k/100k at 1B, 15k/150k at 7B)
+GALORE_WIDE = 4096  # hidden size from which GaLore's scripts halve the rate (7B: 0.005)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    lr: float | None  # None: keep the run's
+    warmup_steps: int | None
+    source: str
+
+
+def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool) -> Recipe:
+    """The plan's rate and warm-up (module docstring)."""
+    if fine_tuning:
+        return Recipe(lr=None, warmup_steps=None,
+                      source="fine-tuning a loaded model: the run's own method.lr and train.warmup_steps (the "
+                             "published pretraining recipes do not apply)")
+    warmup = max(1, round(WARMUP_FRACTION * steps))
+    if mode == "B":
+        return Recipe(lr=1e-2, warmup_steps=warmup,
+                      source="APOLLO-Mini's pretraining scripts (60M-13B): lr 0.01, warm-up 10% of the steps")
+    lr = 5e-3 if width >= GALORE_WIDE else 1e-2
+    return Recipe(lr=lr, warmup_steps=warmup,
+                  source=f"GaLore's pretraining scripts: lr {lr:g} at hidden size {width} "
+                         f"({'7B' if width >= GALORE_WIDE else '60M-1B'}), warm-up 10% of the steps")
+
+
+def user_set(overrides: list[str] | tuple[str, ...], key: str) -> bool:
+    """Whether ``key`` was given on the planner's command line (``key=value``, ``+key=``, ``++key=``)."""
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
