@@ -6,7 +6,7 @@ input — no results folder, no usable run in it — raises ``UserError`` naming
 
 Tables (every row keyed by ``run_id``; rows sorted so the same results give the same bytes):
 
-* ``runs``: one row per run directory: ``status`` (pending | running | completed | failed), the summary's
+* ``runs``: one row per run directory: ``status`` (pending | running | completed | failed | diverged), the summary's
   scalars, memory flattened to ``peak_bytes``, ``avg_bytes``, ``peak_<category>_bytes``,
   ``avg_<category>_bytes``, ``peak_phase_<phase>_bytes``, ``memory_source`` (all of them the training device's),
   ``host_peak_bytes``/``host_avg_bytes`` (storages on other devices, i.e. host copies; absent in results from

@@ -25,6 +25,7 @@ from analysis.tables import DASH, MIB, fmt, fmt_mean_std
 from experiments.errors import UserError
 from experiments.sweeps.tuning import search_results_dir, select_lr
 
+FINISHED = ("completed", "failed", "diverged")  # the statuses a run ends with (diverged: a failure)
 ABSENT = {"method.dense_lr_scale": 1.0, "method.embedding_dtype": "bf16", "method.embedding_update": "dense",
           "method.head_update": "dense"}
 Source = tuple[Results, dict[str, dict]]  # the runs of a results folder and their flattened configs by run id
@@ -43,7 +44,7 @@ def run_configs(results_dir: Path) -> dict[str, dict]:
 def load_source(folder: Path, *, may_be_empty: bool = False) -> Source:
     """(runs, configs) of ``folder``; with ``may_be_empty``, a folder not made yet or without a finished run (a
     campaign while its searches run) reads as no runs, so its rows say "not run"."""
-    if may_be_empty and not any(read_status(d) in ("completed", "failed") for d in find_run_dirs(folder)):
+    if may_be_empty and not any(read_status(d) in FINISHED for d in find_run_dirs(folder)):
         runs = pd.DataFrame(columns=["run_id", "status", "setting", "lr", "steps", "val_loss", "seed"])
         return Results(runs=runs, metrics=pd.DataFrame(), ranks=pd.DataFrame(), rank_hist=pd.DataFrame(),
                        activations=pd.DataFrame()), {}
@@ -90,7 +91,7 @@ def search_best(keys: Mapping[str, Any], search: Source | None) -> tuple[float, 
         return None
     results, configs = search
     found = results.runs[results.runs["run_id"].map(lambda r: matches(configs.get(r, {}), keys)).astype(bool)]
-    found = found[found["status"].isin(["completed", "failed"])]
+    found = found[found["status"].isin(FINISHED)]
     losses = {float(configs[r]["method.lr"]): (v if s == "completed" else math.inf)
               for r, v, s in zip(found["run_id"], found["val_loss"], found["status"])}
     if len(losses) < 3:

@@ -196,9 +196,10 @@ def versus_adamw_table(results: Results) -> Table:
 
 def lr_search_table(results: Results) -> Table:
     """A learning-rate search (``experiments.sweeps.tuning``): the metric at every rate searched, the rate chosen (the
-    tuner's own rule, ``select_lr``) and whether the grid brackets it. Failed (diverged) runs read "failed"."""
+    tuner's own rule, ``select_lr``) and whether the grid brackets it. Failed runs read "failed"; runs the
+    divergence check stopped, and completed runs with a non-finite metric, read "diverged"."""
     runs = results.runs[results.runs["mode"] == "train"].copy()
-    runs = runs[runs["status"].isin(["completed", "failed"]) & runs["lr"].notna()]
+    runs = runs[runs["status"].isin(["completed", "failed", "diverged"]) & runs["lr"].notna()]
     rates = sorted({float(v) for v in runs["lr"]})
     with_variant = bool((runs["variant_sans_lr"].fillna("") != "").any())
     keys = ("method", "model") + (("variant_sans_lr",) if with_variant else ())
@@ -206,7 +207,8 @@ def lr_search_table(results: Results) -> Table:
     for key, g in groups(runs.assign(variant_sans_lr=runs["variant_sans_lr"].fillna("")), keys):
         losses = {float(r["lr"]): (r["val_loss"] if r["status"] == "completed" else None) for _, r in g.iterrows()}
         best, bracketed = select_lr(losses)
-        cells = [DASH if lr not in losses else ("failed" if losses[lr] is None else
+        diverged = {float(r["lr"]) for _, r in g.iterrows() if r["status"] == "diverged"}
+        cells = [DASH if lr not in losses else ("diverged" if lr in diverged else "failed" if losses[lr] is None else
                  ("diverged" if metric_or_inf(losses[lr]) == math.inf else format(float(losses[lr]), ".3f")))
                  for lr in rates]
         rows.append([str(v) for v in key] + cells + [format(best, "g"), "yes" if bracketed else "no"])

@@ -5,9 +5,9 @@ format and expansion are in ``experiments.sweeps.files``.
 
 A run's identity is the runner's own: the ``run_id`` it would write to (``run_id=`` if given, else
 ``experiments.run.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
-word in ``<results_dir>/<run_id>/status`` (running | completed | failed | preempted) or ``pending`` when the run
-has not started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the runner unless
-``force=true``.
+word in ``<results_dir>/<run_id>/status`` (running | completed | failed | diverged | preempted) or ``pending`` when
+the run has not started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the
+runner unless ``force=true``.
 
 Bad input — an unknown sweep name, a sweep file that is not YAML or not shaped as it should be, an override
 naming an unknown key or a wrongly typed value — raises ``UserError`` naming the file, the run and the override;
@@ -52,7 +52,7 @@ from experiments.sweeps.tuning import RunLookup
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "experiments" / "conf"
-STATES = ("pending", "running", "completed", "failed", "preempted")
+STATES = ("pending", "running", "completed", "failed", "diverged", "preempted")
 # Overrides that never change what a run computes; dropped before composing a config only to learn its id.
 NON_IDENTITY_KEYS = ("cluster", "hydra")
 T = TypeVar("T")
@@ -158,7 +158,7 @@ def run_ref_for(overrides: Sequence[str]) -> RunRef:
 
 
 def run_state(run_dir: Path) -> str:
-    """``pending`` (never started), or the word in ``status``: running | completed | failed | preempted."""
+    """``pending`` (never started), or the word in ``status``: running | completed | failed | diverged | preempted."""
     try:
         word = (Path(run_dir) / "status").read_text().strip()
     except (FileNotFoundError, NotADirectoryError):  # never started (or results_dir is not even a folder)
@@ -225,7 +225,7 @@ def status_rows(jobs: Sequence[Sequence[str]], refs: Sequence[RunRef] | None = N
     for index, (job, ref) in enumerate(zip(jobs, refs)):
         state = run_state(ref.path)
         error = ""
-        if state == "failed" and (ref.path / "error.txt").exists():
+        if state in ("failed", "diverged") and (ref.path / "error.txt").exists():
             lines = [line for line in (ref.path / "error.txt").read_text().splitlines() if line.strip()]
             error = lines[-1][:120] if lines else ""
         rows.append({"index": index, "state": state, "run_id": ref.run_id, "path": str(ref.path),
@@ -245,7 +245,7 @@ def print_status(rows: Sequence[dict], out=None) -> None:
             print(f"{'':>3}  {'':<9}  error: {r['error']}", file=out)
     counts = {s: sum(r["state"] == s for r in rows) for s in STATES}
     others = len(rows) - sum(counts.values())
-    shown = {s: n for s, n in counts.items() if n or s != "preempted"}  # preempted: only when there are some
+    shown = {s: n for s, n in counts.items() if n or s not in ("diverged", "preempted")}  # these: only when some
     print(", ".join(f"{n} {s}" for s, n in shown.items()) + (f", {others} other" if others else "")
           + f" of {len(rows)}", file=out)
 
@@ -318,7 +318,7 @@ def mark_failed(ref: RunRef, reason: str, config: dict | None = None) -> int:
     from experiments.results import RunDir, atomic_write_text
 
     state = run_state(ref.path)
-    if state in ("completed", "failed", "preempted"):  # a final status the run wrote itself
+    if state in ("completed", "failed", "diverged", "preempted"):  # a final status the run wrote itself
         print(f"{ref.run_id}: already {state}; left as is", file=sys.stderr)
         return 0
     try:

@@ -213,8 +213,8 @@ def _best(jobs: Sequence[Sequence[str]], outcomes, spec: TuneSpec) -> tuple[list
 
 
 def tuned_jobs(rows: Sequence[Sequence[str]], spec: TuneSpec, lookup: RunLookup) -> list[list[str]]:
-    """The search runs of every row, then — once every search run has finished (completed or failed) — each
-    row's final runs at its best learning rate (and ``scan`` value)."""
+    """The search runs of every row, then — once every search run has finished (completed, failed or diverged) —
+    each row's final runs at its best learning rate (and ``scan`` value)."""
     search: list[list[list[str]]] = []
     for row in rows:
         for key, why in (("method.lr", "the learning rate is searched (`tune.lrs`)"),
@@ -228,7 +228,7 @@ def tuned_jobs(rows: Sequence[Sequence[str]], spec: TuneSpec, lookup: RunLookup)
                        for point in _search_points(spec, method)])
     jobs = [job for row_jobs in search for job in row_jobs]
     outcomes = [[read_metric(lookup.run_path(job), spec.metric) for job in row_jobs] for row_jobs in search]
-    if any(state not in ("completed", "failed") for row in outcomes for state, _ in row):
+    if any(state not in ("completed", "failed", "diverged") for row in outcomes for state, _ in row):
         return jobs
     for row, row_jobs, row_outcomes in zip(rows, search, outcomes):
         point, loss = _best(row_jobs, row_outcomes, spec)
