@@ -20,7 +20,8 @@ IGNORED_TOP_KEYS = ("seed", "run_id", "results_dir", "force", "wandb", "profile"
 # Train keys that never change a run's trajectory; the same list as experiments.config.RUN_ID_IGNORED_TRAIN_KEYS
 # (a test keeps them equal; importing it here would load torch into the report).
 IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume", "max_bad_steps",
-                      "on_oom", "max_replans", "confirm")
+                      "on_oom", "max_replans", "confirm", "max_spike_steps", "spike_loss_margin", "spike_grad_factor",
+                      "on_spike", "max_lr_drops")
 # Method keys added after results were written, with the default that runs written before them computed with (by
 # method name): at its default such a key is left out of a setting, so a run that predates it and one that has it
 # are one setting (same id), and a label shows the default where a run lacks the key (``method.eight_bit=false``,

@@ -37,6 +37,7 @@ DIST_MODES = ("none", "ddp", "fsdp2")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 DIST_REFRESH = ("gather", "sketch")
 OOM_POLICIES = ("fail", "replan")
+SPIKE_POLICIES = ("fail", "lower_lr")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +90,16 @@ class TrainConfig:
     on_oom: str = "fail"
     max_replans: int = 3
     memory_cap_gib: float | None = None  # live device bytes the memory meter allows (it raises torch.OutOfMemoryError)
+    # divergence (experiments.step_tally, docs/command_line.md): a step breaks a rule when, after warm-up, its loss
+    # is above the step-0 loss + spike_loss_margin (nats) or its grad norm above spike_grad_factor x the norm's
+    # running level, or (any step) its grad norm is exactly 0; max_spike_steps such steps in a row (0: no check) end
+    # the run, status "diverged" (on_spike="fail"), or halve method.lr and resume from the last checkpoint
+    # ("lower_lr", at most max_lr_drops times; experiments.replan)
+    max_spike_steps: int = 5
+    spike_loss_margin: float = 1.0
+    spike_grad_factor: float = 100.0
+    on_spike: str = "fail"
+    max_lr_drops: int = 3
     confirm: bool = False  # train on a CPU even when the time model says a step takes > experiments.step_time.CONFIRM_S
 
     def __post_init__(self) -> None:
@@ -118,12 +129,29 @@ class TrainConfig:
             raise ValueError(f"train.max_replans must be >= 0, got {self.max_replans}")
         if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
             raise ValueError(f"train.memory_cap_gib must be > 0 (GiB) or null, got {self.memory_cap_gib}")
+        self._check_spike_rules()
+
+    def _check_spike_rules(self) -> None:
+        for name in ("max_spike_steps", "max_lr_drops"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.spike_loss_margin < float("inf"):
+            raise ValueError(f"train.spike_loss_margin must be >= 0 (nats above the step-0 loss), got "
+                             f"{self.spike_loss_margin}")
+        if not 1 < self.spike_grad_factor < float("inf"):
+            raise ValueError(f"train.spike_grad_factor must be > 1 (a multiple of the grad norm's running level), "
+                             f"got {self.spike_grad_factor}")
+        one_of("train", "on_spike", self.on_spike, SPIKE_POLICIES)
+        if self.on_spike == "lower_lr" and self.max_spike_steps == 0:
+            raise ValueError("train.on_spike=lower_lr needs train.max_spike_steps > 0 (0 turns the divergence "
+                             "check off)")
 
 
 # Keys that never change a run's trajectory, left out of the default run_id so that a restart with
 # e.g. train.resume=... lands in the same results directory.
 RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
-                             "max_bad_steps", "on_oom", "max_replans", "confirm")
+                             "max_bad_steps", "on_oom", "max_replans", "confirm", "max_spike_steps",
+                             "spike_loss_margin", "spike_grad_factor", "on_spike", "max_lr_drops")
 
 # Options added after results were recorded, with the default that computes what runs without them computed: at
 # that default they are left out of the run id and of the resume check, so existing runs keep their ids and
@@ -139,6 +167,8 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # had no meter-enforced cap.
 # ``model.card``: runs recorded without it built the model from its phase shape or ``model.path``.
 # ``method.dense_lr_scale`` (adamw): runs recorded without it had one learning rate for every parameter.
+# ``train.max_spike_steps``, ``spike_loss_margin``, ``spike_grad_factor``, ``on_spike``, ``max_lr_drops``: runs
+# recorded without them had no divergence check (the check only stops a run; a completed run computed the same).
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
                       ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
@@ -146,7 +176,10 @@ ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0
                       ("dryrun", "device"): "cpu", ("train", "on_oom"): "fail", ("train", "max_replans"): 3,
                       ("train", "memory_cap_gib"): None, ("model", "card"): None,
                       ("method", "embedding_dtype"): "bf16", ("method", "embedding_update"): "dense",
-                      ("method", "dense_lr_scale"): 1.0, ("method", "head_update"): "dense"}
+                      ("method", "dense_lr_scale"): 1.0, ("method", "head_update"): "dense",
+                      ("train", "max_spike_steps"): 5, ("train", "spike_loss_margin"): 1.0,
+                      ("train", "spike_grad_factor"): 100.0, ("train", "on_spike"): "fail",
+                      ("train", "max_lr_drops"): 3}
 
 
 def without_added_defaults(plain: dict) -> dict:
