@@ -5,7 +5,11 @@ inflates step time), metrics to the results store and W&B, checkpoints and preem
 (``experiments.checkpoint.manager``).
 
 A step whose loss or gradient is not finite is skipped (no update; counted as ``skipped``); after
-``train.max_bad_steps`` such steps in a row the run fails with ``TooManyBadSteps``, leaving its checkpoints.
+``train.max_bad_steps`` such steps in a row the run fails with ``TooManyBadSteps``, leaving its checkpoints. After
+``train.max_spike_steps`` steps in a row that broke a divergence rule (a loss above the step-0 loss, a grad-norm
+explosion, a collapse to a zero gradient: ``experiments.step_tally``) it stops with ``Diverged`` (a
+``TooManyBadSteps``) the same way; a periodic checkpoint due while such a streak is under way is not written, so the
+newest checkpoint precedes the streak (``train.on_spike=lower_lr`` resumes from it).
 
 Host syncs: a step reads nothing to the host. The finite decision is made on the device (``train_step``, the
 method's ``step``), and the loss, grad norm, skipped count and bad steps in a row stay on the device
@@ -13,7 +17,8 @@ method's ``step``), and the loss, grad norm, skipped count and bad steps in a ro
 last step, a checkpoint step or a preemption. Hence a run with ``max_bad_steps`` bad steps in a row fails at the
 first read step at or after the step that completed the streak (the message names that streak's steps), and a
 skipped step between logging steps shows only in the next logged ``skipped_steps``. Checkpoints are written only
-at read steps, after that check, so none holds the state of a tripped run."""
+at read steps, after that check, so none holds the state of a tripped run. The divergence check trips the same way:
+at the first read step at or after the step that completed its streak."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from experiments.config import TrainConfig
 from experiments.errors import UserError
 from experiments.memory import gpu_stats
 from experiments.memory.meter import MemoryMeter
-from experiments.step_tally import StepClock, StepTally
+from experiments.step_tally import Diverged, Reading, SpikeRules, StepClock, StepTally
 from hmt_core.fused_ce import causal_lm_loss, resolve_head
 from hmt_core.method import Method
 
@@ -157,6 +162,7 @@ class LoopResult:
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0
     start_step: int = 0
+    divergence: dict = field(default_factory=dict)  # the divergence check's references (summary.json)
 
 
 def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, device: torch.device, *,
@@ -180,7 +186,8 @@ def run_training(model: nn.Module, method: Method, corpus, cfg: TrainConfig, dev
                metrics=MetricsLogger(log=log, wandb_run=wandb_run, method=method, device=device, sync=sync,
                                      extra=extra_metrics),
                validator=Validator(model, corpus.val.fixed_batches(cfg.eval_batches), device, autocast, cfg),
-               tally=StepTally(state, device, max_bad_steps=cfg.max_bad_steps), clock=StepClock(device),
+               tally=StepTally(state, device, max_bad_steps=cfg.max_bad_steps, spike=SpikeRules.of(cfg)),
+               clock=StepClock(device),
                pcie=gpu_stats.PcieSampler.for_device(device))  # pcie: None on CPU or without NVML
     bar = tqdm(range(run.start, cfg.steps), disable=not cfg.progress, dynamic_ncols=True, desc=method.name,
                initial=run.start, total=cfg.steps)
@@ -260,6 +267,7 @@ class _Run:
     pcie: gpu_stats.PcieSampler | None
     metered: list[bool] = field(default_factory=list)  # per step since the last read
     has_norm: bool = False
+    spike_in_row: int = 0  # at the last read: steps in a row that broke a divergence rule
     peak_mib: float = 0.0
     timed_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
@@ -282,7 +290,7 @@ class _Run:
         dt = self.read_step(step, evals=evals, logged=logged, pcie_metrics=pcie_metrics)
         if preempt:
             ckpt.preempt(state)
-        if save:
+        if save and not self.spike_in_row:  # none mid-streak: the newest checkpoint precedes a divergence
             ckpt.save(state)
         if state.loss_ema is not None:
             bar.set_postfix(loss=f"{state.loss_ema:.3f}", tok_s=f"{self.tokens_per_step / dt:.0f}",
@@ -314,8 +322,8 @@ class _Run:
 
     def read_step(self, step: int, *, evals: bool, logged: bool, pcie_metrics: dict) -> float:
         """The one host read of the steps since the previous read: their times, the tallies (``state`` updated),
-        the eval, the log record; a ``TooManyBadSteps`` once ``max_bad_steps`` bad steps in a row were seen.
-        Returns this step's time (s)."""
+        the eval, the log record; a ``TooManyBadSteps`` once ``max_bad_steps`` bad steps in a row were seen, a
+        ``Diverged`` once the divergence check tripped. Returns this step's time (s)."""
         cfg, state, sync = self.cfg, self.state, self.sync
         reading = self.tally.read(state, sync)
         times = self.clock.read()
@@ -338,13 +346,24 @@ class _Run:
             if evals:
                 record["loss/val"] = state.val_loss
             self.metrics.write(step, record, self.peak_mib, pcie_metrics)
+        self.stop_if_tripped(reading)
+        return dt
+
+    def stop_if_tripped(self, reading: Reading) -> None:
+        """``TooManyBadSteps`` after ``max_bad_steps`` bad steps in a row, ``Diverged`` after the divergence
+        check's streak (each naming the last checkpoint)."""
+        cfg, state = self.cfg, self.state
+        self.spike_in_row = reading.spike_in_row
+        if reading.tripped_at is None and reading.diverged is None:
+            return
+        saved = self.checkpointer.saved if self.checkpointer is not None else []
+        last = f"last checkpoint: {saved[-1]['path'] if saved else 'none written'}"
         if reading.tripped_at is not None:
-            saved = self.checkpointer.saved if self.checkpointer is not None else []
-            last = saved[-1]["path"] if saved else "none written"
             n, end = cfg.max_bad_steps, reading.tripped_at
             raise TooManyBadSteps(f"{n} consecutive steps with a non-finite loss or gradient (steps {end + 1 - n}.."
-                                  f"{end}, each skipped; train.max_bad_steps={n}); last checkpoint: {last}")
-        return dt
+                                  f"{end}, each skipped; train.max_bad_steps={n}); {last}")
+        what = reading.diverged.describe(self.tally.spike, state.first_loss)
+        raise Diverged(f"{what}; {last}", step=reading.diverged.step)
 
     def result(self) -> LoopResult:
         cfg, state, n = self.cfg, self.state, len(self.step_times)
@@ -354,4 +373,6 @@ class _Run:
                           tokens_per_s=self.tokens_per_step / step_time if n else float("nan"),
                           step_time_s=step_time,
                           step_time_median_s=statistics.median(self.step_times) if n else float("nan"),
-                          meter=self.meter, skipped_steps=state.skipped_steps, start_step=self.start)
+                          meter=self.meter, skipped_steps=state.skipped_steps, start_step=self.start,
+                          divergence={"first_loss": state.first_loss,
+                                      "grad_norm_level": math.exp(state.grad_norm_log_level)})

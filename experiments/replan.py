@@ -20,6 +20,13 @@ planner's own objective (tokens per micro-batch first, then step time), so time 
 Neither takes a step that leaves the checkpointed state unloadable: Mode B, 8-bit or bf16 optimizer state and INT8
 weights change the optimizer state's or the weights' format, which a checkpoint of the current plan cannot be
 loaded into.
+
+``train.on_spike=lower_lr`` is the same driver for a run that diverges (``experiments.step_tally.Diverged``): the
+failed attempt keeps its metrics and checkpoints (status ``diverged`` for a moment), then the run goes on from its
+last checkpoint (none is written while a divergence streak is under way, so it precedes the streak; step 0 when
+there is none) with ``method.lr`` halved, saying so in one line; after ``train.max_lr_drops`` halvings it ends in
+one ``error: training diverged:`` line. Each drop is listed in summary.json (``lr_drops``) and the lowered rate is
+an override like a step down: recorded in the later checkpoints (meta ``replan``), so the same command resumes at it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 from experiments.config import RunConfig
 from experiments.memory.gpu_allowance import outside_allocator_bytes
 from experiments.planner import oom
+from experiments.step_tally import Diverged
 from hmt_core.activations.policy import LAYER_COMPONENTS
 
 GIB = 2**30
@@ -101,17 +109,19 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
 
 
 def apply_overrides(run: RunConfig, overrides: dict[str, object]) -> RunConfig:
-    """``run`` with ``overrides`` (``activation.*`` and ``train.*`` keys) applied, validated by the configs."""
+    """``run`` with ``overrides`` (``activation.*``, ``train.*`` and ``method.lr`` keys) applied, validated by the
+    configs."""
     sections: dict[str, dict[str, object]] = {}
     for key, value in overrides.items():
         section, _, name = key.partition(".")
         sections.setdefault(section, {})[name] = value
-    unknown = set(sections) - {"activation", "train"}
+    unknown = set(sections) - {"activation", "train", "method"}
     if unknown:
         raise ValueError(f"replan overrides: unsupported section(s) {sorted(unknown)}")
     activation = run.activation.replace(**sections["activation"]) if "activation" in sections else run.activation
-    return dataclasses.replace(run, activation=activation, train=dataclasses.replace(run.train,
-                                                                                      **sections.get("train", {})))
+    return dataclasses.replace(run, activation=activation,
+                               method=dataclasses.replace(run.method, **sections.get("method", {})),
+                               train=dataclasses.replace(run.train, **sections.get("train", {})))
 
 
 @dataclass
@@ -122,6 +132,7 @@ class Attempt:
 
     overrides: dict[str, object] = field(default_factory=dict)  # all steps down so far
     replans: list[dict] = field(default_factory=list)  # one record per step down (summary.json "replans")
+    lr_drops: list[dict] = field(default_factory=list)  # one record per halved learning rate ("lr_drops")
     checkpoint: str | None = None  # newest checkpoint of the run when the attempt failed
     checkpoint_step: int | None = None
     peak_bytes: int | None = None  # measured peak of the failed attempt (meter or CUDA allocator)
@@ -177,35 +188,104 @@ def _release(device: torch.device) -> None:
 
 def train_with_replans(run: RunConfig, device: torch.device,
                        attempt_fn: Callable[[RunConfig, Attempt], dict]) -> dict:
-    """Run ``attempt_fn`` (one set-up + training from the resume point), stepping down on each out-of-memory
-    error until it completes; ``attempt_fn`` gets the replanned configuration and the ``Attempt`` record."""
+    """Run ``attempt_fn`` (one set-up + training from the resume point) until it completes, stepping down on each
+    out-of-memory error (``train.on_oom=replan``) and halving the learning rate on each divergence
+    (``train.on_spike=lower_lr``); ``attempt_fn`` gets the configuration in force and the ``Attempt`` record."""
     attempt = Attempt()
     current = run
     while True:
         try:
             return attempt_fn(current, attempt)
         except torch.OutOfMemoryError as e:
-            reason = (str(e).strip().splitlines() or ["out of memory"])[0]
+            if run.train.on_oom != "replan":
+                raise
+            oom_reason, diverged = (str(e).strip().splitlines() or ["out of memory"])[0], None
+        except Diverged as e:
+            if run.train.on_spike != "lower_lr":
+                raise
+            if len(attempt.lr_drops) >= run.train.max_lr_drops:
+                e.what += f"; {_drops_taken(run, attempt)}"
+                raise
+            oom_reason, diverged = None, {"reason": e.what, "step": e.step}  # plain values: the attempt is freed
         _release(device)
-        peak, limit = attempt.peak_bytes, limit_bytes(run, device)
-        measured = (f"peak {oom.show_bytes(peak)}" if peak is not None else "peak unknown") + \
-                   (f" > {oom.show_bytes(limit)}" if limit is not None else "")
-        where = (f"step {attempt.checkpoint_step} from {attempt.checkpoint}" if attempt.checkpoint
-                 else "step 0 (no checkpoint yet; train.checkpoint_every=N keeps more)")
-        in_force = apply_overrides(run, attempt.overrides)  # with the steps down a resumed checkpoint recorded
-        rung, why = (next_plan(in_force, peak_bytes=peak, limit_bytes=limit, device_type=device.type)
-                     if len(attempt.replans) < run.train.max_replans
-                     else (None, f"train.max_replans={run.train.max_replans} steps down taken"))
-        if rung is None:
-            raise OutOfMemoryGiveUp(f"out of memory ({reason}; {measured}) and {why}; checkpoints kept, the "
-                                    f"newest: {attempt.checkpoint or 'none'}")
-        attempt.overrides = {**attempt.overrides, **rung.overrides}
-        attempt.replans.append({"reason": reason, "peak_bytes": peak, "limit_bytes": limit,
-                                "overrides": dict(rung.overrides), "label": rung.label, **rung.record,
-                                "resumed_step": attempt.checkpoint_step or 0})
-        print(f"out of memory ({measured}): replan {len(attempt.replans)}/{run.train.max_replans}: {rung.text()}; "
-              f"resuming at {where}", file=sys.stderr)
+        if diverged is not None:
+            _lower_lr(run, attempt, diverged)
+        else:
+            _step_down(run, device, attempt, oom_reason)
         resume = attempt.checkpoint or "auto"
         current = apply_overrides(dataclasses.replace(run, force=False,
                                                       train=dataclasses.replace(run.train, resume=resume)),
                                   attempt.overrides)
+
+
+def _resume_text(attempt: Attempt) -> str:
+    return (f"step {attempt.checkpoint_step} from {attempt.checkpoint}" if attempt.checkpoint
+            else "step 0 (no checkpoint yet; train.checkpoint_every=N keeps more)")
+
+
+def _step_down(run: RunConfig, device: torch.device, attempt: Attempt, reason: str) -> None:
+    """Add the next plan's overrides to ``attempt`` after an out-of-memory error, or raise ``OutOfMemoryGiveUp``."""
+    peak, limit = attempt.peak_bytes, limit_bytes(run, device)
+    measured = (f"peak {oom.show_bytes(peak)}" if peak is not None else "peak unknown") + \
+               (f" > {oom.show_bytes(limit)}" if limit is not None else "")
+    in_force = apply_overrides(run, attempt.overrides)  # with the steps down a resumed checkpoint recorded
+    rung, why = (next_plan(in_force, peak_bytes=peak, limit_bytes=limit, device_type=device.type)
+                 if len(attempt.replans) < run.train.max_replans
+                 else (None, f"train.max_replans={run.train.max_replans} steps down taken"))
+    if rung is None:
+        raise OutOfMemoryGiveUp(f"out of memory ({reason}; {measured}) and {why}; checkpoints kept, the "
+                                f"newest: {attempt.checkpoint or 'none'}")
+    attempt.overrides = {**attempt.overrides, **rung.overrides}
+    attempt.replans.append({"reason": reason, "peak_bytes": peak, "limit_bytes": limit,
+                            "overrides": dict(rung.overrides), "label": rung.label, **rung.record,
+                            "resumed_step": attempt.checkpoint_step or 0})
+    print(f"out of memory ({measured}): replan {len(attempt.replans)}/{run.train.max_replans}: {rung.text()}; "
+          f"resuming at {_resume_text(attempt)}", file=sys.stderr)
+
+
+def _lower_lr(run: RunConfig, attempt: Attempt, diverged: dict) -> None:
+    """Halve ``method.lr`` in ``attempt``'s overrides after a divergence, record it and say so in one line."""
+    lr = apply_overrides(run, attempt.overrides).method.lr  # with a lowered rate a resumed checkpoint recorded
+    attempt.overrides = {**attempt.overrides, "method.lr": lr / 2}
+    attempt.lr_drops.append({**diverged, "lr": lr, "new_lr": lr / 2, "resumed_step": attempt.checkpoint_step or 0})
+    print(f"training diverged ({diverged['reason']}): lr drop {len(attempt.lr_drops)}/{run.train.max_lr_drops}: "
+          f"method.lr={lr / 2:g} (half of {lr:g}); resuming at {_resume_text(attempt)}", file=sys.stderr)
+
+
+def _drops_taken(run: RunConfig, attempt: Attempt) -> str:
+    first = attempt.lr_drops[0]["lr"] if attempt.lr_drops else apply_overrides(run, attempt.overrides).method.lr
+    rates = [first] + [d["new_lr"] for d in attempt.lr_drops]
+    return (f"train.max_lr_drops={run.train.max_lr_drops} halvings taken (method.lr "
+            + " -> ".join(f"{r:g}" for r in rates) + ")")
+
+
+def divergence_advice(run: RunConfig) -> str:
+    """What to change after a divergence, for the error line: half the learning rate in force (and the method's
+    default where the rate is far above it), a longer warm-up where there is room, ``train.on_spike=lower_lr``."""
+    lr, t = run.method.lr, run.train
+    default = next((f.default for f in dataclasses.fields(run.method) if f.name == "lr"), None)
+    far = isinstance(default, float) and lr > 10 * default
+    hint = f"; the default for method={run.method.name} is {default:g}" if far else ""
+    warmup = max(2 * t.warmup_steps, 10)
+    longer = f", or a longer warm-up: train.warmup_steps={warmup}" if warmup < t.steps else ""
+    auto = "" if t.on_spike == "lower_lr" else " (train.on_spike=lower_lr halves it and resumes by itself)"
+    return f"lower the learning rate: method.lr={lr / 2:g} (half of {lr:g}{hint}){longer}{auto}"
+
+
+def restore_at_lr(checkpointer, method, point, device: torch.device):
+    """``checkpointer.restore(point)`` (None without a point) keeping the base learning rates ``method`` was built
+    with: a torch optimizer's checkpointed groups carry the rates in force when it was written, which a lowered
+    ``method.lr`` replaces (a method without a torch optimizer takes its rate from its configuration)."""
+    if point is None:
+        return None
+
+    def groups() -> list[dict]:
+        optimizer = method.torch_optimizer()
+        return optimizer.param_groups if optimizer is not None else []
+
+    bases = [group.get("initial_lr") for group in groups()]
+    state = checkpointer.restore(point, device)
+    for group, base in zip(groups(), bases, strict=True):  # loading a state dict makes new group dicts
+        if base is not None:
+            group["initial_lr"] = base
+    return state

@@ -1,5 +1,6 @@
 """Results store: ``<results_dir>/<run_id>/{config.yaml, metrics.jsonl, summary.json, status[, error.txt]}``;
-``status`` is running | completed | failed | preempted (stopped after a checkpoint; the same command resumes).
+``status`` is running | completed | failed | diverged (stopped by the divergence check, ``experiments.step_tally``) |
+preempted (stopped after a checkpoint; the same command resumes).
 
 Every file is written atomically (temp file in the same directory, fsync, ``os.replace``), so a reader — or a
 crash — never sees a half-written file, and a failed run leaves every earlier file intact. ``metrics.jsonl`` is
@@ -27,7 +28,8 @@ import yaml
 
 from experiments.errors import UserError
 
-STATUSES = ("running", "completed", "failed", "preempted")  # preempted: stopped after a checkpoint, resumable
+# preempted: stopped after a checkpoint, resumable; diverged: a failure the divergence check stopped
+STATUSES = ("running", "completed", "failed", "diverged", "preempted")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -143,11 +145,12 @@ class RunDir:
         self.flush()
         self.set_status("preempted")
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, *, status: str = "failed") -> None:
+        """Failed (``status``: ``failed``, or ``diverged``), ``message`` (a traceback) in ``error.txt``."""
         if self._metric_lines:
             self.flush()
         atomic_write_text(self.path / "error.txt", message)
-        self.set_status("failed")
+        self.set_status(status)
 
 
 class RunInUse(UserError):

@@ -37,6 +37,7 @@ from experiments.errors import UserError, exit_with_error, one_line_errors, says
 from experiments.models import load_hf_config, max_positions, model_source, model_vocab_size, with_config_name
 from experiments.replan import OutOfMemoryGiveUp
 from experiments.results import RunDir, RunLock, check_writable, dumps, read_recorded_config, read_status, recorded
+from experiments.step_tally import Diverged
 from experiments.step_time import check_step_time
 from experiments.train import execute_train
 
@@ -102,6 +103,10 @@ def _fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _rates(lr_drops: list[dict]) -> str:
+    return " -> ".join(f"{r:g}" for r in [lr_drops[0]["lr"], *(d["new_lr"] for d in lr_drops)])
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     mem = summary["memory"]
     gib = lambda b: f"{b / 2**30:.3f} GiB" if b is not None else "—"  # noqa: E731
@@ -111,6 +116,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f"  steps / tokens         : {summary['steps']} / {summary['tokens']:,}",
         f"  train / val loss       : {_fmt(summary['train_loss'], '.4f')} / {_fmt(summary['val_loss'], '.4f')}",
         f"  tokens/s, step time    : {_fmt(summary['tokens_per_s'], '.1f')}, {_fmt(summary['step_time_s'], '.4f')} s",
+        *([f"  learning rate lowered  : method.lr {_rates(summary['lr_drops'])} (train.on_spike=lower_lr)"]
+          if summary.get("lr_drops") else []),
         f"  peak / avg memory      : {gib(mem['peak_bytes'])} / {gib(mem['avg_bytes'])}  (source: {mem['source']})",
         "  peak by category       : " + ", ".join(f"{k} {gib(v)}" for k, v in mem["peak_by_category_bytes"].items()),
         *([f"  host peak (off device) : {gib(mem['host_peak_bytes'])}  ("
@@ -152,6 +159,9 @@ def preflight(run: RunConfig) -> None:
                            " (raise model.max_position_embeddings for a model built from scratch)"))
     check_vocab_size(run)
     t = run.train
+    if t.on_spike == "lower_lr" and run.dist.mode != "none":
+        raise UserError(f"train.on_spike=lower_lr needs dist=none (got dist={run.dist.mode}): each attempt sets "
+                        "the run up again in the same process, which a torchrun launch does not")
     if run.mode == "train" and t.warmup_steps >= t.steps:
         print(f"warning: train.warmup_steps={t.warmup_steps} >= train.steps={t.steps}: the learning rate never "
               f"reaches method.lr (it stops at {t.steps / t.warmup_steps:.0%} of it); lower train.warmup_steps",
@@ -219,10 +229,10 @@ def main_with_config(cfg: DictConfig) -> dict | None:
     try:
         return one_line_errors(lambda: execute(run, to_plain_dict(run)), PermissionError, FileNotFoundError,
                                CheckpointError)
-    except (TooManyBadSteps, OutOfMemoryGiveUp) as e:  # status failed, error.txt and its checkpoints are kept
+    except (TooManyBadSteps, OutOfMemoryGiveUp) as e:  # status failed (diverged), error.txt and checkpoints kept
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        exit_with_error(f"training failed: {e}", code=1)
+        exit_with_error(f"training {'diverged' if isinstance(e, Diverged) else 'failed'}: {e}", code=1)
     except torch.OutOfMemoryError as e:  # train.on_oom=fail: status failed, error.txt and its checkpoints are kept
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -26,8 +26,9 @@ from experiments.loop import (METERED_STEPS, LoopResult, autocast_context, check
 from experiments.memory import gpu_stats
 from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.models import count_params, has_weights, model_vocab_size
-from experiments.replan import Attempt, resumed_plan, train_with_replans
+from experiments.replan import Attempt, divergence_advice, restore_at_lr, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
+from experiments.step_tally import Diverged
 from hmt_core.activations import apply_policy
 from hmt_core.hmt import HMTMethod
 from hmt_core.method import Method
@@ -91,10 +92,11 @@ def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
 
 def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
                   build_summary, print_summary) -> dict:
-    """``train_attempt``, or with ``train.on_oom=replan`` as many attempts as ``experiments.replan`` steps down (each
-    with a new method object: the failed attempt's is attached to its model). ``config_dict`` (the configuration
-    as given) is what config.yaml, the run id and the checkpoints' resume check see."""
-    if run.train.on_oom != "replan":
+    """``train_attempt``, or with ``train.on_oom=replan``/``train.on_spike=lower_lr`` as many attempts as
+    ``experiments.replan`` steps down or lowers the learning rate (each with a new method object: the failed
+    attempt's is attached to its model). ``config_dict`` (the configuration as given) is what config.yaml, the run
+    id and the checkpoints' resume check see."""
+    if run.train.on_oom != "replan" and run.train.on_spike != "lower_lr":
         return train_attempt(run, config_dict, method, run_dir, device, build_summary, print_summary)
     unused = [method]
 
@@ -144,7 +146,9 @@ class Trainer:
         ckpt_root = checkpoint_root(run_dir.path, run.train.checkpoint_dir)
         point = find_resume(run.train.resume, ckpt_root, force=run.force, config=config_dict)
         recorded = (point.manifest.get("meta") or {}).get("replan") if point else None
-        run, replanned = resumed_plan(run, recorded, attempt)  # train.on_oom=replan's steps down, kept in checkpoints
+        given = run.method
+        run, replanned = resumed_plan(run, recorded, attempt)  # steps down and lowered rates, kept in checkpoints
+        method = method if run.method == given else methods.make_method(run.method)  # a lowered method.lr
         if attempt is not None:  # where the next attempt resumes unless this one saves a checkpoint
             attempt.failed(checkpoint=str(point.path) if point else None,
                            checkpoint_step=point.step if point else None, peak_bytes=None)
@@ -174,7 +178,7 @@ class Trainer:
         try:
             activation_summary, act_handle = activations_on(self.run, self.model, self.corpus, self.meter, self.ctx)
             params = count_params(self.model)
-            state = self.checkpointer.restore(point, self.ctx.device) if point else None  # last: sets the RNGs
+            state = restore_at_lr(self.checkpointer, self.method, point, self.ctx.device)  # last: sets the RNGs
             if state is not None:  # the restored optimizer state is live from the first step on (counts to the cap)
                 self.meter.mark(self.method.state_tensors(), "optimizer")
             self.checkpointer.install_signal_handlers()
@@ -217,7 +221,8 @@ class Trainer:
             skipped_steps=result.skipped_steps, resume=_resume_summary(self.resume_point),
             checkpoints=self.checkpointer.summary(),
             **ctx.summary_block(memory["peak_bytes"], self.startup_peak_bytes),
-            **({"replans": self.attempt.replans} if self.attempt is not None else {}))
+            divergence=result.divergence,
+            **({"replans": self.attempt.replans, "lr_drops": self.attempt.lr_drops} if self.attempt else {}))
 
     def _finish(self, summary: dict, result: LoopResult, wandb_run, print_summary) -> None:
         if self.run.train.save_model and self.ctx.is_main:
@@ -243,8 +248,11 @@ class Trainer:
         if isinstance(e, KeyboardInterrupt):
             self.run_dir.fail("interrupted (a second Ctrl-C): stopped without a final checkpoint\n")
             return
-        self.run_dir.fail("".join(traceback.format_exception(e)))
-        if self.attempt is not None and isinstance(e, torch.OutOfMemoryError):  # what the next attempt starts from
+        if isinstance(e, Diverged):  # the settings to change, as they are in force
+            e.advice = divergence_advice(self.run)
+        self.run_dir.fail("".join(traceback.format_exception(e)), status="diverged" if isinstance(e, Diverged)
+                          else "failed")
+        if self.attempt is not None and isinstance(e, (torch.OutOfMemoryError, Diverged)):  # the next one's start
             last = saved[-1] if saved else None
             self.attempt.failed(checkpoint=last["path"] if last else self.attempt.checkpoint,
                                 checkpoint_step=last["step"] if last else self.attempt.checkpoint_step,
@@ -344,21 +352,18 @@ def announce_start(run: RunConfig, run_dir: RunDir, ckpt_root: Path, point) -> N
         if previous or removed:
             print(f"{why}: starting {run_dir.run_id} over at step 0"
                   + (f" ({removed} old checkpoint(s) removed)" if removed else ""), file=sys.stderr)
-    elif previous in ("running", "failed", "preempted"):
+    elif previous in ("running", "failed", "diverged", "preempted"):
         print(f"starting {run_dir.run_id} at step 0: its previous attempt ended '{previous}' without a usable "
               f"checkpoint in {ckpt_root} (train.checkpoint_every=N saves every N steps)", file=sys.stderr)
 
 
 def _resume_summary(point) -> dict | None:
-    if point is None:
-        return None
-    return {"from_step": point.step, "path": str(point.path), "rejected_checkpoints": point.rejected}
+    return None if point is None else {"from_step": point.step, "path": str(point.path),
+                                       "rejected_checkpoints": point.rejected}
 
 
 def _with_saved(activation_summary: dict | None, handle) -> dict | None:
-    if activation_summary is None:
-        return None
-    return {**activation_summary, "saved_bytes": handle.saved_bytes()}
+    return None if activation_summary is None else {**activation_summary, "saved_bytes": handle.saved_bytes()}
 
 
 def model_tokenizer(model_path: str | None) -> Path | None:
@@ -391,8 +396,4 @@ def save_model(model, tokenizer, path: Path) -> None:
 
 
 def _logger(run_dir: RunDir):
-    def log(record: dict) -> None:
-        run_dir.log(record)
-        run_dir.flush()
-
-    return log
+    return lambda record: (run_dir.log(record), run_dir.flush())  # each logged step reaches the disk at once

@@ -79,6 +79,11 @@ class LoopState:
     val_loss: float | None = None
     skipped_steps: int = 0
     bad_in_row: int = 0
+    # the divergence check (experiments.step_tally): the run's first (step-0) loss, the log of the grad norm's
+    # running level, and the steps in a row that broke a rule; NaN: none yet (a checkpoint written before them)
+    first_loss: float = float("nan")
+    grad_norm_log_level: float = float("nan")
+    spike_in_row: int = 0
 
 
 @dataclass(frozen=True)
