@@ -26,6 +26,7 @@ import torch
 
 from experiments import methods
 from experiments.data.corpus import build_corpus
+from experiments.results import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 CARDS = REPO / "experiments" / "model_cards"
@@ -41,8 +42,8 @@ TINY = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "nu
         "intermediate_size": 688, "vocab_size": 4096, "tie_word_embeddings": False}
 
 
-def proxy_model(card: str, layers: int):
-    """The card's config with ``layers`` decoder layers, fp32, random init (seed 0)."""
+def proxy_model(card: str, layers: int, dtype: torch.dtype = torch.float32):
+    """The card's config with ``layers`` decoder layers, in ``dtype``, random init (seed 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     if card == "tiny":
         config = AutoConfig.for_model(**TINY)
@@ -52,7 +53,7 @@ def proxy_model(card: str, layers: int):
     if hasattr(config, "layer_types") and config.layer_types:
         config.layer_types = config.layer_types[:layers]
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def batches_of(vocab: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,11 +65,11 @@ def batches_of(vocab: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def one_update(card: str, layers: int, batches: tuple[torch.Tensor, torch.Tensor], setting: dict, *,
-               head_only: bool = False) -> dict:
+               head_only: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     """Loss on the next batch before and after one update of ``setting`` (lr ``LR``) on the first, and the head
     update's norms. ``head_only``: every other weight frozen (the head's update alone moves the loss)."""
     batch, following = batches
-    model = proxy_model(card, layers)
+    model = proxy_model(card, layers, dtype)
     if head_only:
         head_weight = model.get_output_embeddings().weight
         for p in model.parameters():
@@ -77,7 +78,8 @@ def one_update(card: str, layers: int, batches: tuple[torch.Tensor, torch.Tensor
     model = method.prepare(model) or model
     method.attach(model, max_grad_norm=None)
     head = model.get_output_embeddings().weight
-    before = head.detach().clone()
+    # an INT8 head keeps its values in codes, not in this weight: losses only
+    before = None if setting.get("embedding_dtype") == "int8" else head.detach().clone()
     with torch.no_grad():
         next_before = model(following, labels=following).loss
     loss = model(batch, labels=batch).loss
@@ -87,12 +89,14 @@ def one_update(card: str, layers: int, batches: tuple[torch.Tensor, torch.Tensor
     method.zero_grad()
     with torch.no_grad():
         after = model(following, labels=following).loss
-        row_norms = (head.detach().float() - before.float()).norm(dim=1)  # (V,)
-        rows = torch.unique(batch[:, 1:])
-    return {"loss_before": next_before.item(), "loss_after": after.item(), "loss_change": (after - next_before).item(),
-            "head_update_norm": row_norms.norm().item(), "target_rows_update_norm": row_norms[rows].norm().item(),
-            "max_row_update_norm": row_norms.max().item(), "target_rows": int(rows.numel()),
-            "width": head.shape[1], "vocab": head.shape[0]}
+    out = {"loss_before": next_before.item(), "loss_after": after.item(), "loss_change": (after - next_before).item(),
+           "width": model.config.hidden_size, "vocab": model.config.vocab_size}
+    if before is None:
+        return out
+    row_norms = (head.detach().float() - before.float()).norm(dim=1)  # (V,)
+    rows = torch.unique(batch[:, 1:])
+    return {**out, "head_update_norm": row_norms.norm().item(), "target_rows": int(rows.numel()),
+            "target_rows_update_norm": row_norms[rows].norm().item(), "max_row_update_norm": row_norms.max().item()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--head-only", action="store_true", help="train lm_head alone (the rest frozen)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--out", default=str(REPO / "results" / "head_update_size.json"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -114,21 +119,24 @@ def main(argv: list[str] | None = None) -> None:
                 if "lm_head" not in setting["target_patterns"]:
                     continue  # a dense head alone is AdamW's row
                 setting = {**setting, "target_patterns": ["lm_head"]}
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+            t1 = time.perf_counter()
             row = {"card": card, "layers": args.layers, "setting": name, "lr": LR, "head_only": args.head_only,
-                   **one_update(card, args.layers, batches, setting, head_only=args.head_only)}
+                   "dtype": args.dtype, **one_update(card, args.layers, batches, setting, head_only=args.head_only,
+                                                     dtype=dtype),
+                   "wall_s": round(time.perf_counter() - t1, 1)}
             rows.append(row)
+            norms = (f"  head ‖Δ‖ {row['head_update_norm']:.3f}  target rows {row['target_rows_update_norm']:.3f}  "
+                     f"max row {row['max_row_update_norm']:.4f}") if "head_update_norm" in row else ""
             print(f"{card:12s} d={row['width']:5d} V={row['vocab']:6d} {name:22s} loss {row['loss_before']:.3f} -> "
-                  f"{row['loss_after']:.3f} ({row['loss_change']:+.3f})  head ‖Δ‖ {row['head_update_norm']:.3f}  "
-                  f"target rows {row['target_rows_update_norm']:.3f}  max row {row['max_row_update_norm']:.4f}",
+                  f"{row['loss_after']:.3f} ({row['loss_change']:+.3f}){norms}",
                   flush=True)
     old = json.loads(Path(args.out).read_text())["rows"] if Path(args.out).exists() else []
-    done = {(r["card"], r["layers"], r["setting"], r.get("head_only", False)) for r in rows}
-    rows = [r for r in old if (r["card"], r["layers"], r["setting"], r.get("head_only", False)) not in done] + rows
+    ident = lambda r: (r["card"], r["layers"], r["setting"], r.get("head_only", False), r.get("dtype", "fp32"))
+    rows = [r for r in old if ident(r) not in {ident(x) for x in rows}] + rows
     out = {"tokens_per_step": args.tokens, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.out)
+    atomic_write_text(Path(args.out), json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out} ({out['wall_s']} s)")
 
 
