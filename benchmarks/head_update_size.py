@@ -7,7 +7,7 @@ the next step's batch before and after (where a training run sees it). Printed a
 its norm over the rows of the batch's target tokens and its largest row's norm, each next to AdamW's.
 
     python -m benchmarks.head_update_size [--cards tiny,llama3.1-8b] [--layers 1] [--tokens 512]
-                                          [--out results/head_update_size.json]
+                                          [--out results/head_update/head_update_size.json]
 
 Why a projected head at rank 1 with a tensor scale moves the loss (docs/head_update.md): the update is
 ``√α · s · G`` with ``s = ‖N‖/‖R‖`` and ``R = G q`` (V × 1); Adam's first direction is ``N = sign(R)``, so
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--head-only", action="store_true", help="train lm_head alone (the rest frozen)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--out", default=str(REPO / "results" / "head_update_size.json"))
+    ap.add_argument("--out", default=str(REPO / "results" / "head_update" / "head_update_size.json"))
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = []
