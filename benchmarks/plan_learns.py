@@ -9,8 +9,8 @@ Per family: the planner answers for the card at its budget (``python -m experime
 train.seq_len=2048 budget_gib=<g>``, a fresh folder, the committed cost table); the plan it writes is then trained
 as written (``+plans=<name>``: its optimizer setting, vocabulary settings, activation actions, learning rate) with
 ``model.path`` a copy of the card's config.json cut to ``--layers`` layers, ``--steps`` steps of ``--batch`` ×
-``--seq`` tokens on the plan's own warm-up (its first ``--steps`` steps: on a GPU the 8B plan's loss had jumped
-12.57 → 20.99 after its first update and reached 99.4 by step 9); AdamW (``method=adamw``) and HMT defaults
+``--seq`` tokens with the plan's warm-up fraction of them (10 % of 10 steps: one step, so nine steps run at the
+plan's full rate: on a GPU the 8B plan's loss had jumped 12.57 → 20.99 after its first update); AdamW (``method=adamw``) and HMT defaults
 (``method=hmt``) train the same proxy on the same batches and the same schedule. A plan **passes** when no step
 after step 0 has a training loss above its step-0 loss and its last-step loss is within ``DELTA`` nats of HMT
 default's. Every run's
@@ -105,7 +105,8 @@ def family_row(family: str, args, scratch: Path) -> dict:
     card, budget = FAMILIES[family]
     plan_yaml, record = plan_for(card, budget, scratch)
     proxy = proxy_dir(card, args.layers, scratch)
-    warmup = yaml.safe_load(plan_yaml.read_text())["train"]["warmup_steps"]  # the plan's own schedule
+    plan_train = yaml.safe_load(plan_yaml.read_text())["train"]
+    warmup = max(1, round(plan_train["warmup_steps"] / plan_train["steps"] * args.steps))  # the plan's fraction
     common = [f"train.warmup_steps={warmup}"]
     plan_run = train(f"{family}-plan", [f"hydra.searchpath=[file://{plan_yaml.parent.parent}]",
                                         f"+plans={plan_yaml.stem}", *common], proxy, args, scratch)

@@ -4,9 +4,13 @@
   ``scripts/benchmark_c4/llama_{60m,130m,350m,1b}.sh``: lr 0.01 at hidden sizes up to 2,048; ``llama_7b.sh`` and
   the single-GPU 7B scripts: lr 0.005 at hidden 4,096, gradient clipping 1.0), warm-up 10 % of the steps.
 - Mode B (APOLLO-Mini: rank 1, tensor scale, α = 128): APOLLO's pretraining scripts (Zhu et al., 2024; the APOLLO
-  repository's ``scripts/pretrain_c4/llama_{60m,1b,7b}_apollo_mini.sh`` and the 13B one): lr 0.01 at every size,
-  warm-up 10 % of the steps; the embedding and LM head stay in AdamW (the planner never projects the head under
-  Mode B: ``experiments.planner.space.learns_at_scale``).
+  repository's ``scripts/pretrain_c4/llama_{60m,1b,7b}_apollo_mini.sh`` and the 13B one) use lr 0.01 at every size
+  with a warm-up of 10 % of 100k–150k steps; the embedding and LM head stay in AdamW (the planner never projects
+  the head under Mode B: ``experiments.planner.space.learns_at_scale``). A plan's run is hundreds of steps, and on a
+  CPU proxy of Llama-3.1-8B (width 4,096, ``benchmarks.plan_learns``) the 16 GiB plan at 0.01 after a one-step
+  warm-up went 12.56 → 24.73 at step 1. So the rate falls with the width as μP prescribes for Adam's hidden and
+  output matrices (Yang et al., 2022, "Tensor Programs V", Table 3: ∝ 1/fan_in), anchored at 0.01 for width 256
+  (HMT default's rate, its tuned winner in the campaign on ``tiny``): ``0.01 · min(1, 256/width)``, 6.25e-4 at 4,096.
 - Fine-tuning (``model.path`` with weights): the published recipes above are for pretraining from random init and
   move a trained model far off its minimum; a plan for a loaded model keeps the run's own rate and warm-up (set
   ``method.lr`` and ``train.warmup_steps`` for the fine-tune) and says so.
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WARMUP_FRACTION = 0.1  # both recipes: 10 % of the steps (1k/10k at 60M, 10k/100k at 1B, 15k/150k at 7B)
+MUP_BASE_WIDTH = 256  # Mode B's rate is 0.01 at this width and falls as 1/width above it (module docstring)
 GALORE_WIDE = 4096  # hidden size from which GaLore's scripts halve the rate (7B: 0.005)
 
 
@@ -37,8 +42,10 @@ def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool) -> Recip
                              "published pretraining recipes do not apply)")
     warmup = max(1, round(WARMUP_FRACTION * steps))
     if mode == "B":
-        return Recipe(lr=1e-2, warmup_steps=warmup,
-                      source="APOLLO-Mini's pretraining scripts (60M-13B): lr 0.01, warm-up 10% of the steps")
+        lr = 1e-2 * min(1.0, MUP_BASE_WIDTH / width)
+        return Recipe(lr=lr, warmup_steps=warmup,
+                      source=f"APOLLO-Mini's lr 0.01 scaled by muP to hidden size {width}: 0.01 x min(1, 256/{width}); "
+                             "warm-up 10% of the steps")
     lr = 5e-3 if width >= GALORE_WIDE else 1e-2
     return Recipe(lr=lr, warmup_steps=warmup,
                   source=f"GaLore's pretraining scripts: lr {lr:g} at hidden size {width} "
