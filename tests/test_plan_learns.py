@@ -4,7 +4,10 @@ setting lowers the next batch's loss on a CPU proxy of the 8B shape (full width 
 
 from __future__ import annotations
 
+import pytest
+
 from experiments.planner import cli as plan_cli
+from experiments.planner.recipe import recipe_for, user_set
 
 PROXY_LAYERS = 1  # one decoder layer shows it: the earlier setting +2.03 nats, the dense head -1.32 (bf16, no INT8)
 from experiments.planner.space import Space, all_options
@@ -25,6 +28,31 @@ def test_the_8b_16gib_answer_leaves_the_head_to_adam(tmp_path):
     assert rec["traces"] == 0  # answered from the committed cost table
     assert not (opt["mode"] == "B" and opt["head"]), opt
     assert opt["vocab"]["head_update"] != "in_loss", opt  # in_loss exists only for Mode B's projected head
+    # the recipe written with it: Mode B at width 4,096 -> 0.01 * 256 / 4096; 10 % of the 200 steps
+    assert rec["recipe"]["lr"] == pytest.approx(6.25e-4) and rec["recipe"]["warmup_steps"] == 20, rec["recipe"]
+
+
+def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_path):
+    """method.lr changes no byte: the samples are keyed at the default rate, so nothing is traced."""
+    rec = plan_cli.main(["model=llama3.1-8b", "budget_gib=16", "train.seq_len=2048", "method.lr=0.003",
+                         "train.warmup_steps=7", f"results_dir={tmp_path}"])
+    assert rec["traces"] == 0, rec["traces"]
+    assert (rec["recipe"]["lr"], rec["recipe"]["warmup_steps"]) == (0.003, 7), rec["recipe"]
+    assert "method.lr, train.warmup_steps as given" in rec["recipe"]["source"], rec["recipe"]
+
+
+@pytest.mark.parametrize("mode, width, steps, lr, warmup", [
+    ("B", 256, 300, 1e-2, 30), ("B", 4096, 200, 6.25e-4, 20), ("B", 2048, 10, 1.25e-3, 1),
+    ("A", 2048, 200, 1e-2, 20), ("A", 4096, 200, 5e-3, 20), ("A", 5120, 1000, 5e-3, 100)])
+def test_recipe_by_mode_and_width(mode, width, steps, lr, warmup):
+    r = recipe_for(mode=mode, width=width, steps=steps, fine_tuning=False)
+    assert (r.lr, r.warmup_steps) == (pytest.approx(lr), warmup), r
+
+
+def test_fine_tuning_keeps_the_runs_rate_and_overrides_are_recognised():
+    r = recipe_for(mode="B", width=4096, steps=200, fine_tuning=True)
+    assert r.lr is None and r.warmup_steps is None and "fine-tuning" in r.source
+    assert user_set(["model=7b", "++method.lr=1e-3"], "method.lr") and not user_set(["method.lrx=1"], "method.lr")
 
 
 def test_the_8b_answers_optimizer_lowers_the_next_batch_loss_on_the_8b_proxy(tmp_path):
