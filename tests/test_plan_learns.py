@@ -49,9 +49,11 @@ def test_recipe_by_mode_and_width(mode, width, steps, lr, warmup):
     assert (r.lr, r.warmup_steps) == (pytest.approx(lr), warmup), r
 
 
-def test_fine_tuning_keeps_the_runs_rate_and_overrides_are_recognised():
-    r = recipe_for(mode="B", width=4096, steps=200, fine_tuning=True)
-    assert r.lr is None and r.warmup_steps is None and "fine-tuning" in r.source
+def test_fine_tuning_gets_the_fine_tuning_rate_and_overrides_are_recognised():
+    for mode in ("A", "B"):
+        r = recipe_for(mode=mode, width=4096, steps=200, fine_tuning=True)
+        assert (r.lr, r.warmup_steps) == (pytest.approx(6.25e-5), 20) and "fine-tuning" in r.source, r
+    assert recipe_for(mode="A", width=256, steps=100, fine_tuning=True).lr == pytest.approx(1e-3)
     assert user_set(["model=7b", "++method.lr=1e-3"], "method.lr") and not user_set(["method.lrx=1"], "method.lr")
 
 

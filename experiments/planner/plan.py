@@ -148,9 +148,8 @@ def plan_nodes(run, solution, space: Space, overrides: Sequence[str] = ()) -> di
 
     choice = solution.option.payload
     rec = plan_recipe(run, choice)
-    lr = rec.lr if rec.lr is not None and not user_set(overrides, "method.lr") else run.method.lr
-    warmup = rec.warmup_steps if rec.warmup_steps is not None and not user_set(overrides, "train.warmup_steps") \
-        else run.train.warmup_steps
+    lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
+    warmup = run.train.warmup_steps if user_set(overrides, "train.warmup_steps") else rec.warmup_steps
     method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr)
     policy = policy_for(run.activation, bool(solution.actions), **solution.policy_actions(),
                         layer_recompute=solution.layer_recompute)

@@ -11,9 +11,11 @@
   warm-up went 12.56 → 24.73 at step 1. So the rate falls with the width as μP prescribes for Adam's hidden and
   output matrices (Yang et al., 2022, "Tensor Programs V", Table 3: ∝ 1/fan_in), anchored at 0.01 for width 256
   (HMT default's rate, its tuned winner in the campaign on ``tiny``): ``0.01 · min(1, 256/width)``, 6.25e-4 at 4,096.
-- Fine-tuning (``model.path`` with weights): the published recipes above are for pretraining from random init and
-  move a trained model far off its minimum; a plan for a loaded model keeps the run's own rate and warm-up (set
-  ``method.lr`` and ``train.warmup_steps`` for the fine-tune) and says so.
+- Fine-tuning (``model.path`` with weights): the recipes above are for pretraining from random init and would move a
+  trained model far off its minimum. The campaign's fine-tuning regime (``experiments/sweeps/campaign_finetune.yaml``:
+  a trained ``tiny`` continued on new text, 100 steps, warm-up 10 %, each row tuned over five rates) chose 1e-3 for
+  HMT and GaLore (docs/campaign/tables/main.md, 10× below their pretraining winners); scaled with the width as
+  Mode B's rate is: ``1e-3 · min(1, 256/width)``, warm-up 10 % of the steps, both modes.
 
 A key the user set on the planner's command line (``method.lr=…``, ``train.warmup_steps=…``) is kept as given.
 """
@@ -29,18 +31,19 @@ GALORE_WIDE = 4096  # hidden size from which GaLore's scripts halve the rate (7B
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    lr: float | None  # None: keep the run's
-    warmup_steps: int | None
+    lr: float
+    warmup_steps: int
     source: str
 
 
 def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool) -> Recipe:
     """The plan's rate and warm-up (module docstring)."""
-    if fine_tuning:
-        return Recipe(lr=None, warmup_steps=None,
-                      source="fine-tuning a loaded model: the run's own method.lr and train.warmup_steps (the "
-                             "published pretraining recipes do not apply)")
     warmup = max(1, round(WARMUP_FRACTION * steps))
+    if fine_tuning:
+        lr = 1e-3 * min(1.0, MUP_BASE_WIDTH / width)
+        return Recipe(lr=lr, warmup_steps=warmup,
+                      source=f"fine-tuning a loaded model: the campaign's tuned fine-tuning rate 1e-3 at width 256 "
+                             f"scaled to hidden size {width}: 1e-3 x min(1, 256/{width}); warm-up 10% of the steps")
     if mode == "B":
         lr = 1e-2 * min(1.0, MUP_BASE_WIDTH / width)
         return Recipe(lr=lr, warmup_steps=warmup,
