@@ -105,7 +105,8 @@ def family_row(family: str, args, scratch: Path) -> dict:
     card, budget = FAMILIES[family]
     plan_yaml, record = plan_for(card, budget, scratch)
     proxy = proxy_dir(card, args.layers, scratch)
-    plan_train = yaml.safe_load(plan_yaml.read_text())["train"]
+    nodes = yaml.safe_load(plan_yaml.read_text())
+    plan_train = nodes["train"]
     warmup = max(1, round(plan_train["warmup_steps"] / plan_train["steps"] * args.steps))  # the plan's fraction
     common = [f"train.warmup_steps={warmup}"]
     plan_run = train(f"{family}-plan", [f"hydra.searchpath=[file://{plan_yaml.parent.parent}]",
@@ -113,7 +114,8 @@ def family_row(family: str, args, scratch: Path) -> dict:
     adamw = train(f"{family}-adamw", ["method=adamw", *common], proxy, args, scratch)
     default = train(f"{family}-hmt", ["method=hmt", *common], proxy, args, scratch)
     return {"family": family, "card": card, "budget_gib": budget, "plan": record.get("choice", {}),
-            "plan_label": record["choice"]["optimizer_label"], "warmup_steps": warmup, "runs": [plan_run, adamw, default],
+            "plan_label": record["choice"]["optimizer_label"], "plan_lr": nodes["method"]["lr"],
+            "warmup_steps": warmup, "runs": [plan_run, adamw, default],
             **verdict(plan_run, default)}
 
 

@@ -76,3 +76,21 @@ def test_the_8b_answers_optimizer_lowers_the_next_batch_loss_on_the_8b_proxy(tmp
     # a fall of at least 0.05 nats: the step-to-step change of a setting that neither learns nor diverges is ~0
     # (Mode A's projected head alone: -0.002), the earlier setting's +2.18, this one's -1.33 (12.560 → 11.234, measured)
     assert row["loss_after"] < row["loss_before"] - 0.05, row
+
+
+def test_a_checked_plan_carries_its_verdict_and_a_failed_one_is_named(tmp_path):
+    import json
+
+    from experiments.planner.learning import describe, learning_check
+    row = {"card": "llama3.1-8b", "budget_gib": 16, "plan_label": "Mode B, x", "plan_lr": 6.25e-4, "passes": False,
+           "gap_to_hmt_default": 2.3, "max_loss_after_step0": 12.9, "step0_loss": 12.56}
+    (tmp_path / "llama3.json").write_text(json.dumps({"row": row}))
+    (tmp_path / "archive-llama3-old.json").write_text(json.dumps({"row": {**row, "plan_lr": 1e-2, "passes": True}}))
+    check = learning_check("llama3.1-8b", 16, "Mode B, x", 6.25e-4, tmp_path)
+    assert check["checked"] and not check["passes"] and check["file"].endswith("llama3.json"), check
+    assert describe(check).startswith("FAILED") and "+2.30 nats" in describe(check)
+    # another rate, budget or setting is not the checked plan; an archived row is never a verdict
+    for args in (("llama3.1-8b", 16, "Mode B, x", 1e-2), ("llama3.1-8b", 24, "Mode B, x", 6.25e-4),
+                 ("llama3.1-8b", 16, "Mode A, y", 6.25e-4)):
+        assert learning_check(*args, folder=tmp_path) == {"checked": False}, args
+    assert describe({"checked": False}).startswith("not checked")

@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         plans_dir(run.results_dir, planner.get("plan_dir"))  # a refused folder before any trace
         rec = make_plan(run, planner)
         print(render_plan(rec))
+        if rec.get("learning_check", {}).get("passes") is False:
+            print(f"warning: this plan did not pass the learning check ({rec['learning_check']['file']}): "
+                  "it fits, but do not expect it to train as well as HMT defaults", file=sys.stderr)
         return rec
 
     return one_line_errors(body, FileNotFoundError)

@@ -55,6 +55,7 @@ from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
 from experiments.models import has_weights, load_hf_config
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
+from experiments.planner.learning import learning_check
 from experiments.planner.recipe import Recipe, recipe_for, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.results import atomic_write_text
@@ -244,6 +245,7 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
     out["recipe"] = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
+    out["learning_check"] = learning_check(out["model"], budget, out["choice"]["optimizer_label"], out["recipe"]["lr"])
     out["leanest_over_batch"] = fix.over  # the least micro-batch whose leanest choice a trace put over (or None)
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))

@@ -13,6 +13,7 @@ from experiments.errors import UserError
 
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.costs import GIB, PHASES, STEP_PHASES
+from experiments.planner.learning import describe
 
 SCHEMA = "hmt-plan/1"
 
@@ -115,6 +116,7 @@ def render_plan(rec: dict) -> str:
         ("vocabulary", vocab_row(o.get("vocab"))),
         ("ranks", ranks),
         ("retained gradient energy (bound)", f"{rec['energy']:.4f}"),
+        *([("learning check", describe(rec["learning_check"]))] if "learning_check" in rec else []),
         *([("learning rate", f"method.lr={r['lr']:g}, train.warmup_steps={r['warmup_steps']} of {r['steps']} steps "
                               f"({r['source']})")] if (r := rec.get("recipe")) else []),
         ("activations", policy),

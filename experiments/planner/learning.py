@@ -1,0 +1,37 @@
+"""The learning check's verdict on a plan (``benchmarks.plan_learns`` writes ``results/plan_learns/<family>.json``:
+the family's answer trained on a CPU proxy of its shape against AdamW and HMT defaults). A plan whose model, budget,
+optimizer setting and rate match a checked row carries that row's verdict; a plan that failed is answered with a
+warning saying so, and one never checked says that too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LEARNS_DIR = Path(__file__).resolve().parents[2] / "results" / "plan_learns"
+
+
+def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: float,
+                   folder: Path = LEARNS_DIR) -> dict:
+    """{"checked": False} or the matching row's {"checked", "passes", "file", "gap_to_hmt_default", ...}."""
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        if path.name.startswith("archive-"):
+            continue
+        row = json.loads(path.read_text()).get("row", {})
+        if (row.get("card"), row.get("budget_gib"), row.get("plan_label")) == (model, budget_gib, optimizer_label) \
+                and row.get("plan_lr") is not None and abs(row["plan_lr"] - lr) <= 1e-12 * max(1.0, lr):
+            return {"checked": True, "passes": bool(row["passes"]), "file": f"results/plan_learns/{path.name}",
+                    "gap_to_hmt_default": row.get("gap_to_hmt_default"),
+                    "max_loss_after_step0": row.get("max_loss_after_step0"), "step0_loss": row.get("step0_loss")}
+    return {"checked": False}
+
+
+def describe(check: dict) -> str:
+    """The plan table's row."""
+    if not check.get("checked"):
+        return "not checked (python -m benchmarks.plan_learns trains a family's answer on a CPU proxy of its shape)"
+    gap = check.get("gap_to_hmt_default")
+    verdict = "passed" if check["passes"] else "FAILED"
+    return (f"{verdict} on a CPU proxy ({check['file']}: last loss {gap:+.2f} nats vs HMT default"
+            + ("" if check["passes"] else f", a step at {check['max_loss_after_step0']:.2f} against step 0's "
+               f"{check['step0_loss']:.2f}") + ")")
