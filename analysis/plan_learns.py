@@ -29,14 +29,14 @@ def _losses(run: dict) -> list[float]:
     return run.get("losses") or []
 
 
-def _verdict(row: dict, delta: float) -> str:
+def _verdict(row: dict, delta: float, noise: float) -> str:
     if row["passes"]:
         return f"yes (last {row['gap_to_hmt_default']:+.2f} nats vs HMT default)"
     if "why" in row:
         return f"**no**: {row['why']}"
     why = []
-    if row["max_loss_after_step0"] > row["step0_loss"]:
-        why.append(f"a step at {row['max_loss_after_step0']:.2f} > step 0's {row['step0_loss']:.2f}")
+    if row["max_loss_after_step0"] > row["step0_loss"] + noise:
+        why.append(f"a step at {row['max_loss_after_step0']:.2f} > step 0's {row['step0_loss']:.2f} + {noise:g}")
     if row["gap_to_hmt_default"] > delta:
         why.append(f"last {row['gap_to_hmt_default']:+.2f} nats vs HMT default (δ {delta:g})")
     return "**no**: " + "; ".join(why)
@@ -52,7 +52,7 @@ def render(docs: list[dict]) -> str:
         lines.append(f"| {r['family']} ({r['card']}, {r['budget_gib']:g} GiB) | {r['plan_label']}, "
                      f"{r['plan']['batch_size']} × 2,048 | {rate} | "
                      f"{' '.join(f'{x:.2f}' for x in _losses(plan)) or '—'} | {last(adamw)} | {last(default)} | "
-                     f"{_verdict(r, doc['delta_nats'])} |")
+                     f"{_verdict(r, doc['delta_nats'], doc.get('noise_nats', 0.0))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -12,8 +12,9 @@ as written (``+plans=<name>``: its optimizer setting, vocabulary settings, activ
 ``--seq`` tokens with the plan's warm-up fraction of them (10 % of 10 steps: one step, so nine steps run at the
 plan's full rate: on a GPU the 8B plan's loss had jumped 12.57 → 20.99 after its first update); AdamW (``method=adamw``) and HMT defaults
 (``method=hmt``) train the same proxy on the same batches and the same schedule. A plan **passes** when no step
-after step 0 has a training loss above its step-0 loss and its last-step loss is within ``DELTA`` nats of HMT
-default's. Every run's
+after step 0 has a training loss more than ``NOISE_NATS`` above its step-0 loss (one batch's loss is noisy) and its
+last-step loss is within ``DELTA`` nats of HMT default's (``--rejudge``: apply the rule to the files already written,
+training nothing). Every run's
 per-step losses are kept in ``<out-dir>/<family>.json`` (written atomically when the family's three runs are done);
 a rerun skips the families already measured at the same settings.
 """
@@ -36,6 +37,10 @@ from experiments.results import atomic_write_text
 REPO = Path(__file__).resolve().parent.parent
 CARDS = REPO / "experiments" / "model_cards"
 SCHEMA = "hmt-plan-learns/1"
+# nats a single batch's training loss may sit above step 0's before it counts: the untrained 8B proxy's loss on the
+# first 10 batches has a spread of 0.036 (std) and its largest is 0.061 above the first batch's (measured with the
+# proxy at init, bf16); 0.1 is about three of those spreads
+NOISE_NATS = 0.1
 DELTA = 0.5  # nats: the last-step loss a plan may lose against HMT default's (the campaign's memory-minimal row
 # lost 0.87 nats to HMT default on `tiny` after 300 steps; a plan is allowed a bit over half of that at 10 steps)
 # family -> (model card, budget GiB); the Llama-2 shape is the named `7b` model (experiments.model_config)
@@ -97,7 +102,7 @@ def verdict(plan: dict, default: dict) -> dict:
     after = losses[1:]
     worst = max(after) if after else -math.inf
     gap = losses[-1] - default["losses"][-1]
-    passes = worst <= losses[0] and gap <= DELTA and all(math.isfinite(x) for x in losses)
+    passes = worst <= losses[0] + NOISE_NATS and gap <= DELTA and all(math.isfinite(x) for x in losses)
     return {"passes": passes, "max_loss_after_step0": worst, "step0_loss": losses[0], "gap_to_hmt_default": gap}
 
 
@@ -119,6 +124,22 @@ def family_row(family: str, args, scratch: Path) -> dict:
             **verdict(plan_run, default)}
 
 
+def rejudge(out_dir: Path) -> int:
+    """The verdicts of ``out_dir``'s family files, recomputed with this module's rule (atomically rewritten)."""
+    for path in sorted(out_dir.glob("*.json")):
+        if path.name.startswith("archive-"):
+            continue
+        doc = json.loads(path.read_text())
+        plan, _, default = doc["row"]["runs"]
+        for key in ("passes", "why", "max_loss_after_step0", "step0_loss", "gap_to_hmt_default"):
+            doc["row"].pop(key, None)
+        doc["row"].update(verdict(plan, default))
+        doc.update(noise_nats=NOISE_NATS, delta_nats=DELTA)
+        atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+        print(f"{path.name}: passes={doc['row']['passes']}")
+    return 0
+
+
 def commit() -> str:
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
@@ -132,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--out-dir", default=str(REPO / "results" / "plan_learns"))
+    ap.add_argument("--rejudge", action="store_true", help="recompute the verdicts of the files in --out-dir")
     args = ap.parse_args(argv)
+    if args.rejudge:
+        return rejudge(Path(args.out_dir))
     unknown = [f for f in args.families.split(",") if f not in FAMILIES]
     if unknown:
         print(f"error: --families: unknown {unknown[0]} (known: {', '.join(FAMILIES)})", file=sys.stderr)
@@ -155,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True)
             out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out, json.dumps({"schema": SCHEMA, "settings": settings, "delta_nats": DELTA,
+                                               "noise_nats": NOISE_NATS,
                                                "commit": commit(), "row": r}, indent=1) + "\n")
     return 0
 
