@@ -48,7 +48,8 @@ def render(docs: list[dict]) -> str:
         r = doc["row"]
         plan, adamw, default = r["runs"]
         rate = f"method.lr={r['plan_lr']:g}, warm-up {r['warmup_steps']}"
-        last = lambda run: f"{_losses(run)[-1]:.2f}" if _losses(run) else "—"  # noqa: E731
+        last = lambda run: (f"{_losses(run)[-1]:.2f}" if _losses(run) else "—") + (  # noqa: E731
+            f" (stopped at step {len(_losses(run)) - 1}: rc {run['returncode']})" if run.get("returncode") else "")
         lines.append(f"| {r['family']} ({r['card']}, {r['budget_gib']:g} GiB) | {r['plan_label']}, "
                      f"{r['plan']['batch_size']} × 2,048 | {rate} | "
                      f"{' '.join(f'{x:.2f}' for x in _losses(plan)) or '—'} | {last(adamw)} | {last(default)} | "

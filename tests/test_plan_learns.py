@@ -94,3 +94,14 @@ def test_a_checked_plan_carries_its_verdict_and_a_failed_one_is_named(tmp_path):
                  ("llama3.1-8b", 16, "Mode A, y", 6.25e-4)):
         assert learning_check(*args, folder=tmp_path) == {"checked": False}, args
     assert describe({"checked": False}).startswith("not checked")
+
+
+def test_planner_page_learning_table_is_what_the_committed_results_render():
+    from pathlib import Path
+
+    from analysis.plan_learns import BEGIN, END, load_rows, render
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "planner.md").read_text()
+    rows = load_rows(root / "results" / "plan_learns")
+    assert rows, "no learning-check row committed"
+    assert page[page.index(BEGIN) + len(BEGIN):page.index(END)].strip() == render(rows).strip()
