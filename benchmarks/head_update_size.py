@@ -3,8 +3,8 @@
 A proxy of a model card (its config.json with ``--layers`` decoder layers: full width and vocabulary, Llama's init,
 fp32) on the built-in corpus (a BPE trained at the card's vocabulary; ``--tokens`` a step), one update of each
 setting from the same state at the same step size (the first warm-up step of a plan: lr 1e-2 / 20), and the loss on
-the next step's batch before and after (where a training run sees it). Printed and written per (card, setting): the loss change, the head update's norm,
-its norm over the rows of the batch's target tokens and its largest row's norm, each next to AdamW's.
+the next step's batch before and after (where a training run sees it). Printed and written per (card, setting):
+the loss change, the head update's norm, its norm over the rows of the batch's target tokens and its largest row's norm, each next to AdamW's.
 
     python -m benchmarks.head_update_size [--cards tiny,llama3.1-8b] [--layers 1] [--tokens 512]
                                           [--out results/head_update/head_update_size.json]

@@ -114,7 +114,7 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
     for _ in range(max_traces):
         sol = leanest(dataclasses.replace(prob, fixed_batch=batch))
         lean = f"{name}-lean-b{batch}"
-        write_plan_yaml(plan_dir / f"{lean}.yaml", plan_nodes(run, sol, prep.space),
+        write_plan_yaml(plan_dir / f"{lean}.yaml", plan_nodes(run, sol, prep.space, planner.get("_overrides", ())),
                         [f"The leanest choice at {batch} sequences (capacity check of {name})"])
         log(f"capacity: the leanest choice at {batch} sequences, traced at full size ...")
         summary = verify_plan(lean, plan_dir, results / "plans" / lean)

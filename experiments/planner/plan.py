@@ -48,14 +48,14 @@ import yaml
 from experiments.config import RUN_ID, to_plain_dict
 from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
+from experiments.models import has_weights, load_hf_config
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, Space, policy_for
 from experiments.planner.extend import extend
 from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
-from experiments.models import has_weights, load_hf_config
-from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
 from experiments.planner.learning import learning_check
+from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
 from experiments.planner.recipe import Recipe, recipe_for, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.results import atomic_write_text
@@ -270,8 +270,8 @@ def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: fl
 def write_plan(run, planner: dict, space: Space, plan_path: Path, sol, *, budget: float, ctx: float) -> float:
     """Writes ``sol`` as the plan config at ``plan_path``; returns its predicted peak (GiB)."""
     predicted = max(v for v in sol.predicted.values() if v is not None)
-    write_plan_yaml(plan_path, plan_nodes(run, sol, space, planner.get("_overrides", ())), plan_header(run, planner, plan_path.stem, plan_path.parent,
-                                                                        budget=budget, ctx=ctx, predicted=predicted))
+    header = plan_header(run, planner, plan_path.stem, plan_path.parent, budget=budget, ctx=ctx, predicted=predicted)
+    write_plan_yaml(plan_path, plan_nodes(run, sol, space, planner.get("_overrides", ())), header)
     return predicted
 
 
