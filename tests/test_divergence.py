@@ -88,23 +88,28 @@ def test_healthy_tiny_runs_at_the_defaults_do_not_trip(tmp_path, method):
     assert 0 < min(norms) and max(norms) < 10 * summary["divergence"]["grad_norm_level"], norms
 
 
+# AdamW at 0.1 on the micro model: the loss climbs more than 1 nat over step 0's for 5 steps in a row on this
+# machine's kernels but only 4 with ATEN_CPU_CAPABILITY=default (steps 3..7 vs 4..7); 3 in a row trips on both,
+# and its half (0.05) stays within 0.6 nats of step 0 on both (measured), so the run trips once and completes
 LOWER = ["method=adamw", "method.lr=0.1", "train.steps=20", "train.warmup_steps=2", "train.eval_every=10",
-         "train.checkpoint_every=2", "run_id=l"]
+         "train.checkpoint_every=2", "train.max_spike_steps=3", "run_id=l"]
 
 
 def test_lower_lr_resumes_at_half_the_rate_and_records_it(tmp_path, capsys):
     summary = run(tmp_path, *LOWER, "train.on_spike=lower_lr")
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if "lr drop" in line]
-    assert len(said) == 1 and said[0].startswith("training diverged (5 steps in a row broke a divergence rule "
-                                                 "(steps 3..7"), err
-    assert said[0].endswith("lr drop 1/3: method.lr=0.05 (half of 0.1); resuming at step 2 from "
-                            f"{tmp_path / 'l' / 'checkpoints' / 'step-00000002'}"), said
+    assert len(said) == 1 and said[0].startswith("training diverged (3 steps in a row broke a divergence rule "
+                                                 "(steps "), err
+    drops = summary["lr_drops"]
+    assert [(d["lr"], d["new_lr"]) for d in drops] == [(0.1, 0.05)], drops
+    resumed = drops[0]["resumed_step"]
+    assert resumed % 2 == 0 and 0 < resumed < drops[0]["step"], drops  # a checkpoint from before the streak
+    assert said[0].endswith("lr drop 1/3: method.lr=0.05 (half of 0.1); resuming at step "
+                            f"{resumed} from {tmp_path / 'l' / 'checkpoints' / f'step-{resumed:08d}'}"), said
     assert not error_lines(err), err
     run_dir = tmp_path / "l"
     assert read_status(run_dir) == "completed"
-    drops = summary["lr_drops"]
-    assert [(d["lr"], d["new_lr"], d["step"], d["resumed_step"]) for d in drops] == [(0.1, 0.05, 7, 2)], drops
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(20)), rows  # every step once, counted on from the checkpoint
     # the checkpoints after the drop hold the lowered rate: in their meta (a rerun resumes at it) and in the
