@@ -97,22 +97,26 @@ def batch_table(found: Mapping[tuple[str, int], tuple]) -> Table:
 
 
 def batch_figure(found: Mapping[tuple[str, int], tuple]) -> Figure:
-    """Validation loss (mean ± std over seeds) against sequences per step, one line per method."""
+    """Validation loss (mean ± 1 sample std over seeds: error bars; the legend gives the seed count) against
+    sequences per step, one line per method."""
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for i, method in enumerate(METHODS):
         points = [(batch, pd.to_numeric(found[(method.label, batch)][0]["val_loss"], errors="coerce"))
                   for batch in BATCHES]
+        seeds = sorted({len(v) for _, v in points if len(v)})
         points = [(b, v.mean(), v.std(ddof=1) if len(v) > 1 else 0.0) for b, v in points if len(v)]
         if points:
             shift = 1 + 0.02 * (i - 1.5)  # methods side by side at each batch, so the error bars do not overlap
             ax.errorbar([b * shift for b, _, _ in points], [m for _, m, _ in points], yerr=[s for _, _, s in points],
-                        color=method.color, marker="o", capsize=3, label=method.label)
+                        color=method.color, marker="o", capsize=3,
+                        label=f"{method.label} ({seeds[0]}{'' if len(seeds) == 1 else f'–{seeds[-1]}'} seeds)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(BATCHES, [str(b) for b in BATCHES])
     ax.minorticks_off()
     ax.set_xlabel("sequences of 128 tokens per step\n(≈307 k training tokens in every run)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3)
+    ax.set_title("Validation loss: mean over seeds, error bars ±1 sample std over them", fontsize="medium")
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
     fig.tight_layout()
     return fig

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from analysis.load import CATEGORIES, Results  # noqa: E402
+from analysis.point_labels import number_points  # noqa: E402
 from analysis.styles import setting_label, setting_styles  # noqa: E402
 from analysis.tables import GIB, groups, method_sort_key, model_sort_key  # noqa: E402
 
@@ -78,9 +79,71 @@ def seed_band(rows: pd.DataFrame, key: str) -> pd.DataFrame:
     return pd.DataFrame({"mean": wide.mean(axis=1), "std": wide.std(axis=1, ddof=1), "n": wide.shape[1]})
 
 
+MAX_CURVES = 12  # a model with more settings (a whole tree: searches beside seeds) draws each method's tuned one
+EARLY = 0.1  # the y-axis is fitted to the curves after this share of training when the start would squash them
+
+
+def shown_settings(data: pd.DataFrame) -> tuple[list[tuple[tuple, pd.DataFrame]], int]:
+    """(the (method, variant) groups to draw, how many there were). Up to ``MAX_CURVES`` all; past that (a
+    tree holding learning-rate searches beside the tuned rows' seeds), the settings with the most runs: the tuned
+    rows, each searched at seed 0 and run with its seeds; when those are still too many, each method's with the
+    lowest final validation loss among them."""
+    found = groups(data, ("method", "variant"))
+    if len(found) <= MAX_CURVES:
+        return found, len(found)
+    most = max(g["run_id"].nunique() for _, g in found)
+    tuned = [(key, g) for key, g in found if g["run_id"].nunique() == most]
+    if len(tuned) <= MAX_CURVES:
+        return tuned, len(found)
+
+    def final(rows: pd.DataFrame) -> float:
+        last = rows.dropna(subset=["loss/val"]).sort_values("step").groupby("run_id")["loss/val"].last() \
+            if "loss/val" in rows else pd.Series(dtype=float)
+        return float(last.mean()) if len(last) else math.inf
+
+    best: dict = {}
+    for key, g in tuned:
+        if key[0] not in best or final(g) < final(best[key[0]][1]):
+            best[key[0]] = (key, g)
+    return [kg for kg in tuned if best[kg[0][0]] is kg], len(found)
+
+
+def clip_early(ax, curves: list[pd.DataFrame], last_step: float) -> bool:
+    """Fits the y-axis to the plotted means after ``EARLY`` of training when the first steps (a loss of ~8 nats
+    at initialisation, an early spike) reach more than a whole later range above it; whether it clipped."""
+    late = [c.loc[c.index >= EARLY * last_step, "mean"] for c in curves if len(c)]
+    late = pd.concat(late) if late else pd.Series(dtype=float)
+    whole = pd.concat([c["mean"] for c in curves if len(c)]) if curves else pd.Series(dtype=float)
+    if late.empty or not np.isfinite(late).any():
+        return False
+    low, high = float(late.min()), float(late.max())
+    span = max(high - low, 1e-3)
+    if float(whole.max()) <= high + span:
+        return False
+    ax.set_ylim(low - 0.05 * span, high + 0.08 * span)
+    return True
+
+
+def _draw_setting(ax, rows: pd.DataFrame, style, label: str) -> list[pd.DataFrame]:
+    """One setting's train mean (light) and validation mean with its ±1 sample-std band; the curves drawn."""
+    train = seed_band(rows, "loss/train")
+    ax.plot(train.index, train["mean"], color=style.color, lw=0.8, ls=style.linestyle, alpha=0.3)
+    val = seed_band(rows, "loss/val") if "loss/val" in rows else pd.DataFrame()
+    if len(val):
+        ax.plot(val.index, val["mean"], color=style.color, lw=1.6, ls=style.linestyle, marker=style.marker, ms=4,
+                label=label)
+        band = val.dropna(subset=["std"])
+        if len(band):
+            ax.fill_between(band.index, band["mean"] - band["std"], band["mean"] + band["std"], color=style.color,
+                            alpha=0.15, lw=0)
+    return [train, val]
+
+
 def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
     """One panel per model: per method and setting, the validation loss's mean over seeds with a shaded ±1 std
-    band (sample std over seeds, where there are two or more) and the training loss's mean as a lighter line."""
+    band (sample std over seeds, where there are two or more) and the training loss's mean as a lighter line.
+    A model with more than ``MAX_CURVES`` settings draws each method's tuned one (``shown_settings``); the
+    y-axis leaves out the first steps when they would squash the rest (``clip_early``); the title says both."""
     runs = _variant_column(results.completed())
     runs = runs[runs["mode"] == "train"][["run_id", "method", "model", "variant"]]
     if runs.empty or results.metrics.empty or "loss/train" not in results.metrics:
@@ -90,37 +153,29 @@ def loss_curves_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     models = models_in(data)
     styles = setting_styles(runs, colors)
-    lines = max(sum(len(textwrap.wrap(setting_label(*key), 34)) or 1 for key, _ in groups(
-        data[data["model"] == m], ("method", "variant"))) for m in models)  # legend lines beside the panel
+    shown = {m: shown_settings(data[data["model"] == m]) for m in models}
+    lines = max(sum(len(textwrap.wrap(setting_label(*key), 34)) or 1 for key, _ in shown[m][0]) for m in models)
     columns, per_column = legend_columns(lines + 2)
     fig, axes = panel_subplots(len(models), width=4.1 + LEGEND_COLUMN_IN * columns,
-                          height=max(4.6, LEGEND_ROW_IN * per_column + 1.0))
+                               height=max(4.6, LEGEND_ROW_IN * per_column + 1.0))
     for ax, model in zip(axes, models):
-        for (method, variant), rows in groups(data[data["model"] == model], ("method", "variant")):
-            style = styles[(method, variant)]
-            label = textwrap.fill(setting_label(method, variant), 34)
-            train = seed_band(rows, "loss/train")
-            ax.plot(train.index, train["mean"], color=style.color, lw=0.8, ls=style.linestyle, alpha=0.3)
-            val = seed_band(rows, "loss/val") if "loss/val" in rows else pd.DataFrame()
-            if len(val):
-                ax.plot(val.index, val["mean"], color=style.color, lw=1.6, ls=style.linestyle, marker=style.marker,
-                        ms=4, label=label)
-                band = val.dropna(subset=["std"])
-                if len(band):
-                    ax.fill_between(band.index, band["mean"] - band["std"], band["mean"] + band["std"],
-                                    color=style.color, alpha=0.15, lw=0)
-        seeds = sorted({n for _, g in groups(data[data["model"] == model], ("method", "variant"))
-                        for n in [g["run_id"].nunique()]})
+        settings, total = shown[model]
+        curves = [c for (method, variant), rows in settings for c in _draw_setting(
+            ax, rows, styles[(method, variant)], textwrap.fill(setting_label(method, variant), 34))]
+        seeds = sorted({g["run_id"].nunique() for _, g in settings})
         seeds_text = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
-        ax.set(title=f"model {model} ({seeds_text} seed(s) per setting)", xlabel="optimizer step",
+        notes = [f"{seeds_text} seed(s) per setting"]
+        notes += [f"the {len(settings)} most-seeded (tuned) of {total} settings"] if len(settings) < total else []
+        notes += [f"y-axis from {EARLY:.0%} of training"] if clip_early(ax, curves, data["step"].max()) else []
+        ax.set(title=textwrap.fill(f"model {model} ({'; '.join(notes)})", 60), xlabel="optimizer step",
                ylabel="loss (cross-entropy, nats/token)")
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
-        kinds = [Line2D([], [], color="black", lw=1.6, label="validation (mean, ±1 std band)"),
+        kinds = [Line2D([], [], color="black", lw=1.6, label="validation (mean, ±1 sample std band)"),
                  Line2D([], [], color="black", lw=0.8, alpha=0.3, label="train (mean)")]
         ax.legend(handles=handles + kinds, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
                   borderaxespad=0, ncols=columns)
-    fig.suptitle("Loss curves (mean over seeds, ±1 std band over seeds)")
+    fig.suptitle("Loss curves (mean over seeds, band ±1 sample std over seeds)")
     return {"loss_curves": fig}
 
 
@@ -163,7 +218,7 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
         settings = groups(runs[runs["model"] == model], ("method", "variant"))
         handles = []
         for ax, (column, label, scale) in zip(axes, panels):
-            points = []
+            points, numbered = [], []
             for number, ((method, variant), g) in enumerate(settings, start=1):
                 mem = g[column].astype(float).mean() / scale
                 loss, std = g["val_loss"].astype(float).mean(), g["val_loss"].astype(float).std(ddof=1)
@@ -173,7 +228,7 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
                 style = styles[(method, variant)]
                 ax.errorbar([mem], [loss], yerr=[std] if np.isfinite(std) else None, color=style.color,
                             marker=style.marker, ms=6, mec="black", mew=0.5, capsize=3, ls="", zorder=3)
-                ax.annotate(str(number), (mem, loss), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
+                numbered.append((mem, loss, number))
                 if column == panels[0][0]:
                     handles.append(Line2D([], [], color=style.color, marker=style.marker, ls="", mec="black",
                                           mew=0.5, label=_loss_memory_label(number, (method, variant), g)))
@@ -182,12 +237,14 @@ def loss_memory_figure(results: Results, colors: dict) -> dict[str, Figure]:
             xs = [p[0] for p in points]
             if xs and min(xs) > 0 and max(xs) / min(xs) > 20:
                 ax.set_xscale("log")
+            number_points(ax, numbered)
             ax.set(xlabel=label, ylabel="validation loss (nats/token), mean ± std", title=f"model {model}")
             ax.grid(alpha=0.3)
         handles.append(Line2D([], [], color="grey", ls=":", label="Pareto front (lower memory and loss)"))
         axes[-1].legend(handles=handles, fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0),
                         ncols=columns)
-    fig.suptitle("Validation loss vs memory (mean over seeds)")
+    fig.suptitle("Validation loss vs memory: each point the mean over its seeds, error bars ±1 sample std over "
+                 "them\n(seed count per setting in the legend; nearby points share one number label)")
     return {"pareto_val_loss_vs_memory": fig}
 
 
@@ -206,15 +263,16 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
         return {}
     styles = setting_styles(runs, colors)
     models = models_in(runs)
-    labels = {(model, number): textwrap.fill(f"{model} {number}: {setting_label(method, variant)}", 40)
-              for model in models for number, ((method, variant), _) in enumerate(
+    labels = {(model, number): textwrap.fill(f"{model} {number}: {setting_label(method, variant)}, "
+                                             f"{g['seed'].nunique()} seed(s)", 40)
+              for model in models for number, ((method, variant), g) in enumerate(
                   groups(runs[runs["model"] == model], ("method", "variant")), start=1)}
     columns, per_column = legend_columns(sum(len(label.splitlines()) for label in labels.values()) + 1)
     fig, axes = panel_subplots(len(models), width=5.0, height=max(4.4, LEGEND_ROW_IN * per_column + 1.0))
     fig.set_size_inches(5.0 * len(models) + LEGEND_COLUMN_IN * columns, fig.get_size_inches()[1])
     handles = {}
     for ax, model in zip(axes, models):
-        points = []
+        points, numbered = [], []
         for number, ((method, variant), g) in enumerate(groups(runs[runs["model"] == model], ("method", "variant")),
                                                         start=1):
             mem, tps = g["peak_bytes"].astype(float).mean() / GIB, g["tokens_per_s"].astype(float).mean()
@@ -222,14 +280,16 @@ def pareto_figure(results: Results, colors: dict) -> dict[str, Figure]:
             style = styles[(method, variant)]
             ax.scatter([mem], [tps], color=style.color, marker=style.marker, s=55, edgecolor="black", lw=0.5,
                        zorder=3)
-            ax.annotate(str(number), (mem, tps), textcoords="offset points", xytext=(5, 3), fontsize="x-small")
+            numbered.append((mem, tps, number))
             handles[(model, number)] = Line2D([], [], color=style.color, marker=style.marker, ls="", mec="black",
                                               mew=0.5, label=labels[(model, number)])
         front = _pareto_front(points)
         ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", ls=":", lw=1, zorder=2)
         ax.margins(0.12)
+        number_points(ax, numbered)
         ax.set(xlabel="peak memory (GiB)", ylabel="throughput (tokens/s)",
-               title=f"Throughput vs peak memory, model {model}\n(mean over seeds)")
+               title=f"Throughput vs peak memory, model {model}\n(means over seeds, no error bars; seeds in "
+                     "the legend)")
         ax.grid(alpha=0.3)
     front_handle = [Line2D([], [], color="grey", ls=":", label="Pareto front (less memory, more tokens/s)")]
     fig.legend(handles=list(handles.values()) + front_handle, fontsize="x-small", loc="outside right upper",
@@ -273,7 +333,7 @@ def memory_category_figure(results: Results, colors: dict) -> dict[str, Figure]:
         ax.set(title=f"model {model}", ylabel="memory at peak step (GiB)", xlabel="method: setting")
     handles, labels = grid[0][0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], title="category", fontsize="small", loc="outside right center")
-    fig.suptitle("Peak memory by category")
+    fig.suptitle("Peak memory by category (each bar the mean over its runs' seeds; no error bars)")
     return {"memory_by_category": fig}
 
 

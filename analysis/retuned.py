@@ -116,7 +116,7 @@ def curves_figure(rows: Sequence[Method], source: tuple[Source, Source | None], 
     for ax, which in zip(axes, ("whole run", "second half")):
         ax.set(xlabel="training tokens (millions)", ylabel="validation loss, whole split (nats/token)", title=which)
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
+    fig.suptitle(f"{title}\n(line: mean over seeds; band: ±1 sample std over them; seed count in the legend)")
     if axes[1].get_legend_handles_labels()[0]:
         axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
     return fig

@@ -60,7 +60,7 @@ def rank_figures(results: Results, colors: dict) -> dict[str, Figure]:
                    color=colors[method], label=method)
         ax.set_xticks(range(len(all_ranks)), [str(r) for r in all_ranks])
         ax.set(xlabel="rank (dimensions)", ylabel="share of basis refreshes (all layers)",
-               title="Rank distribution over training")
+               title="Rank distribution over training\n(every refresh of every run and seed, pooled)")
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         figures["rank_distribution"] = fig
     return figures
@@ -93,7 +93,7 @@ def activation_error_figure(results: Results, colors: dict) -> dict[str, Figure]
             ax.set_yscale("log")
         ax.set(title=f"model {model}", xlabel="activation component",
                ylabel="relative error ‖x̂−x‖/‖x‖ (dimensionless)")
-    fig.suptitle("Activation compression error by component")
+    fig.suptitle("Activation compression error by component (mean over the runs' seeds; no error bars)")
     return {"activation_error": fig}
 
 
@@ -109,5 +109,5 @@ def transfer_figure(results: Results, colors: dict) -> dict[str, Figure]:
         frame = runs.dropna(subset=[column]).assign(**{column: lambda f, c=column: f[c].astype(float)})
         _grouped_bars(ax, frame, "model", column, colors, scale=GIB)
         ax.set(xlabel="model", ylabel=label, title=label.split(" (")[0])
-    fig.suptitle("Host-device traffic and checkpoint sizes")
+    fig.suptitle("Host-device traffic and checkpoint sizes (mean over the runs' seeds; no error bars)")
     return {"transfers_and_checkpoints": fig}
