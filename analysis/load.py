@@ -4,6 +4,13 @@ Run directories are found at any depth (``analysis.rundirs``: ``results/<run_id>
 ``results/reference/<run_id>/``, ...); a damaged run is skipped with a warning (``Results.warnings``) and bad
 input — no results folder, no usable run in it — raises ``UserError`` naming the folder.
 
+Folders a committed tree holds by design are read without a warning, each kind counted in one line of
+``Results.notes``: dry runs with summary.json alone (``analysis.rundirs``); copies of a run kept beside a second
+campaign (same run_id, identical summary.json: read once); and different runs under one run_id (a run id names the
+configuration, so a setting rerun in a second campaign or GPU lease repeats it; the planner names every plan's
+verification run ``verify``): the later ones by path are read under their folder's path relative to the results
+folder.
+
 Tables (every row keyed by ``run_id``; rows sorted so the same results give the same bytes):
 
 * ``runs``: one row per run directory: ``status`` (pending | running | completed | failed | diverged), the summary's
@@ -24,6 +31,7 @@ Tables (every row keyed by ``run_id``; rows sorted so the same results give the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +58,7 @@ class Results:
     rank_hist: pd.DataFrame
     activations: pd.DataFrame
     warnings: list[str] = field(default_factory=list)  # one line per damaged file that was skipped or cut
+    notes: list[str] = field(default_factory=list)  # one line per kind of expected folder (module docstring)
 
     def completed(self) -> pd.DataFrame:
         return self.runs[self.runs["status"] == "completed"]
@@ -185,6 +194,8 @@ def load_results(results_dir: str | Path, warn: Callable[[str], None] | None = N
     runs, metrics, ranks, hist, acts = [], [], [], [], []
     configs: dict[str, dict] = {}
     where: dict[str, Path] = {}
+    summaries: dict[str, dict] = {}
+    expected: dict[str, list[str]] = {"alone": [], "copies": [], "shared": []}
     finished: set[str] = set()  # runs with a summary.json
     skipped = 0
     for run_dir in find_run_dirs(root):
@@ -194,16 +205,21 @@ def load_results(results_dir: str | Path, warn: Callable[[str], None] | None = N
             continue
         try:
             row = run_row(run)
+            if row["run_id"] in where:
+                first = where[row["run_id"]]
+                if run.summary == summaries[row["run_id"]]:
+                    expected["copies"].append(f"{run_dir} = {first}")
+                    continue
+                expected["shared"].append(f"{run_dir} (run_id {row['run_id']} also {first})")
+                row["run_id"] = run_dir.relative_to(root).as_posix()
             r, h, a = _method_rows(row["run_id"], run.summary)
         except (TypeError, ValueError, AttributeError, KeyError) as e:
             note(f"{run_dir / 'summary.json'}: unexpected content ({type(e).__name__}: {e}); run skipped")
             skipped += 1
             continue
-        if row["run_id"] in where:
-            note(f"{run_dir}: run_id {row['run_id']} already read from {where[row['run_id']]}; this copy is skipped")
-            skipped += 1
-            continue
-        where[row["run_id"]] = run_dir
+        if run.alone:
+            expected["alone"].append(f"{run_dir} ({', '.join(run.alone)})")
+        where[row["run_id"]], summaries[row["run_id"]] = run_dir, run.summary
         if run.summary:
             finished.add(row["run_id"])
         configs[row["run_id"]] = run.config
@@ -219,7 +235,24 @@ def load_results(results_dir: str | Path, warn: Callable[[str], None] | None = N
         damaged = f" ({skipped} damaged run(s) skipped: see the warnings above)" if skipped else ""
         raise UserError(f"no runs with summary.json under {root}{damaged}")
     _add_settings(runs, configs)
-    return _results(runs, metrics, ranks, hist, acts, warnings)
+    return dataclasses.replace(_results(runs, metrics, ranks, hist, acts, warnings), notes=expected_notes(expected))
+
+
+EXPECTED = {
+    "alone": "dry run(s) (mode=dryrun) hold summary.json without config.yaml or metrics.jsonl, as the dry-run "
+             "tables write them; a dry run has no loss curve, and without its config it is grouped by method and "
+             "model",
+    "copies": "folder(s) copy a run read elsewhere (same run_id, identical summary.json), kept beside a second "
+              "campaign; each such run is read once",
+    "shared": "run(s) share a run_id with a different run: a run id names the configuration, so a setting run "
+              "again in a second campaign or GPU lease repeats it, and the planner names every plan's verification "
+              "run 'verify'; each later one by path is read under its folder's path",
+}
+
+
+def expected_notes(found: dict[str, list[str]]) -> list[str]:
+    """One line per kind of expected folder (``EXPECTED``): the count, why, and the first example."""
+    return [f"{len(items)} {EXPECTED[kind]} (e.g. {items[0]})" for kind, items in found.items() if items]
 
 
 def _results(runs: list[dict], metrics: list[dict], ranks: list[dict], hist: list[dict], acts: list[dict],

@@ -34,7 +34,10 @@ is ``docs/results.md``; the option keeps its name from when the table was in the
 Output is deterministic: the same results give byte-identical tables.
 
 A damaged run (truncated summary.json, unreadable config.yaml, bad metrics.jsonl) is left out with a
-``warning:`` on stderr, one line per cause with a count (``analysis.diagnostics``); ``index.md`` lists each.
+``warning:`` on stderr, one line per cause with a count (``analysis.diagnostics``); ``index.md`` lists each. A
+``{}`` summary.json is damaged like a truncated one. Folders a committed tree holds by design (dry runs with
+summary.json alone, copies of a run beside a second campaign, different runs under one run_id) get one ``note:``
+line per kind saying why (``analysis.load``), no warning.
 Bad input — a missing results folder, one without a usable run, an ``--out`` that is a
 file or a folder other than a previous report, an unwritable destination, a page without the table markers —
 a ``--memory-results`` folder without a completed dry run, ``--compile-latex`` without pdflatex on PATH — is one
@@ -159,6 +162,8 @@ def write_report(results: Results, out: Path, *, with_figures: bool = True, sear
     index += [f"- [{w}]({w})" for w in written] + ["", "Skipped:", ""] + [f"- {s}" for s in skipped or ["nothing"]]
     if results.warnings:  # paths relative to the results folder would be nicer, but these name the files exactly
         index += ["", "Damaged runs and files:", ""] + [f"- {w}" for w in results.warnings]
+    if results.notes:
+        index += ["", "Folders read as expected (not damage):", ""] + [f"- {n}" for n in results.notes]
     (out / "index.md").write_text("\n".join(index) + "\n")
     return {"written": written, "skipped": skipped}
 
@@ -241,6 +246,9 @@ def build_report(args: argparse.Namespace) -> int:
     finally:
         for line in summarize_warnings(found):
             print(f"warning: {line}", file=sys.stderr)
+    for loaded in (results, search, timing):
+        for line in loaded.notes if loaded is not None else ():
+            print(f"note: {line}", file=sys.stderr)
     if timing is not None:
         runs, matched = with_timing(results.runs, timing.runs)
         if not matched:

@@ -8,7 +8,12 @@ hidden folder.
 One crashed or truncated run must not sink a report over many: ``read_run`` returns ``None`` for a run it cannot
 use and calls ``warn`` with one line naming the file and what is wrong with it. Damage it recovers from is warned
 about too: a torn last line of ``metrics.jsonl`` (a run killed mid-write) is dropped, a finished run without
-usable metrics keeps its summary's numbers but has no loss curve.
+usable metrics keeps its summary's numbers but has no loss curve. A summary.json holding ``{}`` (a run killed
+between opening and writing it) is treated like a truncated one: warned about, run skipped.
+
+A dry run (``mode: dryrun``: a traced step, no training) whose folder holds summary.json alone is not damaged: the
+dry-run tables (``benchmarks.dryrun_table``, the architecture and embedding-memory tables) keep only the summary,
+and a dry run has no loss curve. ``RunFiles.alone`` marks it; the report counts such folders in one note.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class RunFiles:
     summary: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     metrics: list[dict] = field(default_factory=list)
+    alone: tuple[str, ...] = ()  # a dry run's files it was written without (config.yaml, metrics.jsonl): expected
 
 
 def is_run_dir(names: set[str] | list[str]) -> bool:
@@ -144,13 +150,18 @@ def read_run(run_dir: Path, warn: Callable[[str], None]) -> RunFiles | None:
         except DamagedFileError as e:
             warn(f"{path}: {e}; run skipped")
             return None
+    if summary_path.exists() and not run.summary:
+        warn(f"{summary_path}: holds an empty JSON object (the run was killed while writing it?); run skipped")
+        return None
     if run.status == "completed" and not summary_path.exists():
         warn(f"{summary_path}: missing although {run_dir / 'status'} says completed; run skipped")
         return None
-    if summary_path.exists() and not config_path.exists():
+    dry = run.summary.get("mode") == "dryrun"
+    run.alone = tuple(p.name for p in (config_path, metrics_path) if dry and not p.exists())
+    if summary_path.exists() and not config_path.exists() and not dry:
         warn(f"{config_path}: missing; the run is grouped by method and model only")
     if metrics_path.exists():
         run.metrics = read_metrics(metrics_path, warn)
-    elif summary_path.exists():
+    elif summary_path.exists() and not dry:
         warn(f"{metrics_path}: missing; the run's table numbers come from summary.json, it has no loss curve")
     return run
