@@ -31,6 +31,9 @@ ADDED_METHOD_KEY_DEFAULTS: dict[str, dict[str, Any]] = {
               "method.eight_bit": False, "method.paged": False, "method.dense_lr_scale": 1.0},
     "hmt": {"method.embedding_update": "dense", "method.embedding_dtype": "bf16", "method.head_update": "dense"},
 }
+# Train keys added after results were written, at the default every earlier run computed with (the cosine schedule):
+# left out of a setting at that default, like ``ADDED_METHOD_KEY_DEFAULTS``.
+ADDED_TRAIN_KEY_DEFAULTS: dict[str, Any] = {"train.schedule": "cosine", "train.cooldown_frac": 0.2}
 
 
 def _flatten(mapping: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -48,7 +51,7 @@ def setting_of(config: Mapping) -> dict[str, Any]:
     """The run's ``config.yaml`` flattened to dotted keys, less ``IGNORED_TOP_KEYS``, ``IGNORED_TRAIN_KEYS`` and
     ``ADDED_METHOD_KEY_DEFAULTS`` at their defaults."""
     flat = _flatten({k: v for k, v in config.items() if k not in IGNORED_TOP_KEYS})
-    added = ADDED_METHOD_KEY_DEFAULTS.get(flat.get("method.name"), {})
+    added = {**ADDED_METHOD_KEY_DEFAULTS.get(flat.get("method.name"), {}), **ADDED_TRAIN_KEY_DEFAULTS}
     return {k: v for k, v in flat.items() if not (k.startswith("train.") and k[len("train."):] in IGNORED_TRAIN_KEYS)
             and not (k in added and v == added[k])}
 

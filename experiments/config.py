@@ -70,6 +70,10 @@ class TrainConfig:
     grad_accum: int = 1
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    # the rate after warm-up: "cosine" to min_lr_ratio at `steps`, or "wsd" (warmup-stable-decay, Hägele et al.
+    # 2024): constant, then linear to min_lr_ratio over the last `cooldown_frac` of the steps (experiments.loop)
+    schedule: str = "cosine"
+    cooldown_frac: float = 0.2
     max_grad_norm: float = 1.0  # 0 disables clipping
     eval_every: int = 50
     eval_batches: int = 4
@@ -112,6 +116,13 @@ class TrainConfig:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        one_of("train", "schedule", self.schedule, SCHEDULES)
+        if not 0 < self.cooldown_frac <= 1:
+            raise ValueError(f"train.cooldown_frac must be in (0, 1] (the share of the steps the wsd schedule "
+                             f"decays over), got {self.cooldown_frac}")
+        if self.schedule == "wsd" and self.warmup_steps > self.steps - cooldown_steps(self.steps, self.cooldown_frac):
+            raise ValueError(f"train.warmup_steps={self.warmup_steps} runs into the wsd cool-down, which starts at "
+                             f"step {self.steps - cooldown_steps(self.steps, self.cooldown_frac)} of {self.steps}")
         if self.max_grad_norm < 0:
             raise ValueError(f"train.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         for name in ("checkpoint_every", "keep_checkpoints"):
@@ -147,6 +158,14 @@ class TrainConfig:
                              "check off)")
 
 
+SCHEDULES = ("cosine", "wsd")
+
+
+def cooldown_steps(steps: int, cooldown_frac: float) -> int:
+    """Steps of the wsd schedule's linear decay: ``cooldown_frac`` of ``steps``, rounded, at least 1."""
+    return max(1, round(steps * cooldown_frac))
+
+
 # Keys that never change a run's trajectory, left out of the default run_id so that a restart with
 # e.g. train.resume=... lands in the same results directory.
 RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints", "checkpoint_dir", "resume",
@@ -169,6 +188,7 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # ``method.dense_lr_scale`` (adamw): runs recorded without it had one learning rate for every parameter.
 # ``train.max_spike_steps``, ``spike_loss_margin``, ``spike_grad_factor``, ``on_spike``, ``max_lr_drops``: runs
 # recorded without them had no divergence check (the check only stops a run; a completed run computed the same).
+# ``train.schedule``, ``train.cooldown_frac``: runs recorded without them used the cosine schedule.
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
                       ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
@@ -179,7 +199,8 @@ ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0
                       ("method", "dense_lr_scale"): 1.0, ("method", "head_update"): "dense",
                       ("train", "max_spike_steps"): 5, ("train", "spike_loss_margin"): 1.0,
                       ("train", "spike_grad_factor"): 100.0, ("train", "on_spike"): "fail",
-                      ("train", "max_lr_drops"): 3}
+                      ("train", "max_lr_drops"): 3, ("train", "schedule"): "cosine",
+                      ("train", "cooldown_frac"): 0.2}
 
 
 def without_added_defaults(plain: dict) -> dict:

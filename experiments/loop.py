@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from experiments.checkpoint.manager import Checkpointer, LoopState, TooManyBadSteps
-from experiments.config import TrainConfig
+from experiments.config import TrainConfig, cooldown_steps
 from experiments.errors import UserError
 from experiments.memory import gpu_stats
 from experiments.memory.meter import MemoryMeter
@@ -47,9 +47,18 @@ METERED_STEPS = 3  # steady state from step 2 on: lazily created optimizer state
 
 
 def lr_scale(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to 1 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    """Linear warmup to 1 over ``warmup_steps``, then (``train.schedule``) cosine decay to ``min_lr_ratio`` at
+    ``steps``, or wsd (warmup-stable-decay; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
+    Fixed Training Durations"): 1 until the cool-down's first step D = steps − ``cooldown_steps``, then linear,
+    1 − (1 − min_lr_ratio)·(step − D)/(steps − D). Before D a wsd run's rate does not depend on ``steps``, so a run
+    of any horizon H equals a longer one up to H's D: a cool-down branch resumes the longer run's checkpoint at D
+    (``experiments.sweeps.branches``)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        decay = cooldown_steps(cfg.steps, cfg.cooldown_frac)
+        start = cfg.steps - decay
+        return 1.0 if step < start else 1 - (1 - cfg.min_lr_ratio) * min(1.0, (step - start) / decay)
     span = max(1, cfg.steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -38,7 +38,7 @@ from experiments.sweeps.overrides import merge_overrides
 from experiments.sweeps.tuning import RunLookup, TuneSpec, parse_tune, tuned_jobs
 
 SWEEPS_DIR = Path(__file__).resolve().parent  # the sweep files sit beside this module
-SWEEP_FILE_KEYS = ("description", "common", "grid", "runs", "tune")
+SWEEP_FILE_KEYS = ("description", "common", "grid", "runs", "tune", "branches")  # branches: experiments.sweeps.branches
 
 
 def first_line(error: BaseException) -> str:

@@ -1,0 +1,136 @@
+"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--name NAME]``: the loss at each horizon of
+warmup-stable-decay trunks and their cool-down branches (``experiments.sweeps.branches``; Hägele et al. 2024,
+"Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+
+Each trunk (a run of ``<trunks dir>``) and each branch (``<trunks dir>-branches`` unless ``--branches``) ends at
+its horizon, ``train.steps``, after its own linear cool-down: its final validation loss is the row's loss at that
+horizon. A row is a method and setting less its learning rate (``variant_sans_lr``: each row's rate is tuned on the
+trunk); its seeds are compared with AdamW split's (``method=adamw``; the only AdamW row of these sweeps) seed by
+seed (paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row).
+
+Writes ``<out>/tables/<name>.md`` and ``.tex`` (per horizon: each row's mean ± sample std over seeds, Δ against
+AdamW split and its paired p) and ``<out>/figures/<name>.png`` and ``.pdf`` (validation loss against training
+tokens at each horizon, seed mean with ±1 sample-std error bars; the seed count in the legend). Bad input is one
+``error:`` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from analysis import stats  # noqa: E402
+from analysis.figures import method_colors, save  # noqa: E402
+from analysis.load import load_results  # noqa: E402
+from analysis.report import for_display  # noqa: E402
+from analysis.tables import DASH, Table, by_seed, fmt_mean_std, fmt_p, to_latex, to_markdown  # noqa: E402
+from experiments.errors import OneLineErrorParser, UserError, one_line_errors  # noqa: E402
+
+REFERENCE = "adamw"  # AdamW split: the sweeps' only AdamW row
+
+
+def horizon_runs(trunks: Path, branches: Path | None) -> pd.DataFrame:
+    """Completed training runs of the trunks and branches: ``row`` (method: setting less lr), ``horizon`` (steps),
+    ``seed``, ``val_loss``, ``lr``, ``kind`` (trunk | branch)."""
+    frames = []
+    for kind, folder in (("trunk", trunks), ("branch", branches)):
+        if folder is None:
+            continue
+        runs = for_display(load_results(folder)).completed()
+        runs = runs[runs["mode"] == "train"]
+        label = runs["method"].astype(str) + runs["variant_sans_lr"].fillna("").map(_sans_steps)
+        frames.append(runs.assign(row=label, horizon=pd.to_numeric(runs["steps"]).astype(int), kind=kind)
+                      [["run_id", "row", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
+    return pd.concat(frames, ignore_index=True).sort_values(["horizon", "row", "seed"], kind="stable")
+
+
+def _sans_steps(variant: str) -> str:
+    """": <variant>" without its ``train.steps=`` part (the horizon: its own column), "" when nothing is left."""
+    parts = [p for p in str(variant).split(" + ") if p and not p.startswith("train.steps=")]
+    return f": {' + '.join(parts)}" if parts else ""
+
+
+def horizon_table(runs: pd.DataFrame, name: str, tokens_per_step: int) -> Table:
+    """Per horizon and row: seeds, validation loss mean ± std, Δ against AdamW split and the paired p."""
+    rows, sections = [], []
+    for horizon, at in runs.groupby("horizon", sort=True):
+        sections.append((f"{horizon:,} steps ({horizon * tokens_per_step / 1e6:.2f} M tokens)", len(rows)))
+        reference = at[at["method"] == REFERENCE]
+        ref_seeds = by_seed(reference)
+        for row, g in at.groupby("row", sort=True):
+            mine = by_seed(g)
+            diffs = [a - b for a, b in stats.paired(mine, ref_seeds)]
+            is_ref = row in set(reference["row"])
+            delta = DASH if is_ref or not diffs else f"{sum(diffs) / len(diffs):+.3f}"
+            p = DASH if is_ref or len(diffs) < 2 else fmt_p(stats.paired_p(mine, ref_seeds))
+            rows.append([row, f"{horizon:,}", ", ".join(f"{s:g}" for s in sorted(g["lr"].dropna().unique())),
+                         str(g["seed"].nunique()), fmt_mean_std(g["val_loss"], ".3f"), delta, p])
+    title = ("Loss at each horizon of warmup-stable-decay trunks and their cool-down branches: validation loss, "
+             "mean ± sample std over seeds; Δ against AdamW split, paired by seed, and the paired t-test's p "
+             "(a difference counts only when p < 0.05)")
+    return Table(name, title, ["Row", "Horizon (steps)", "lr", "Seeds", "Val loss", "Δ vs AdamW split", "p"], rows,
+                 ["l", "r", "r", "r", "r", "r", "r"], sections=sections)
+
+
+def horizon_figure(runs: pd.DataFrame, tokens_per_step: int) -> Figure:
+    """Validation loss at each horizon against its training tokens (log scale), one line per row: seed mean,
+    error bars ±1 sample std over seeds (none with one seed)."""
+    fig, ax = plt.subplots(figsize=(7.6, 4.2), layout="constrained")
+    colors = method_colors(runs["method"].unique())
+    for i, (row, g) in enumerate(runs.groupby("row", sort=True)):
+        points = g.groupby("horizon")["val_loss"].agg(["mean", "std", "count"]).sort_index()
+        seeds = sorted(set(points["count"]))
+        shift = 1 + 0.015 * (i - 2)  # rows side by side at each horizon, so the error bars do not overlap
+        ax.errorbar(points.index * tokens_per_step / 1e6 * shift, points["mean"], yerr=points["std"].fillna(0),
+                    color=colors[g["method"].iloc[0]], marker="o", ms=4, capsize=3, lw=1.2,
+                    ls="-" if i % 2 == 0 else "--",
+                    label=f"{row} ({seeds[0]}{'' if len(seeds) == 1 else f'–{seeds[-1]}'} seed(s))")
+    ax.set_xscale("log")
+    ax.set(xlabel="training tokens at the horizon (millions; log scale)",
+           ylabel="validation loss, whole split (nats/token)",
+           title="Loss at each horizon after its cool-down\n(seed mean; error bars ±1 sample std over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineErrorParser(prog="python -m analysis.wsd", description=__doc__.split("\n")[0])
+    parser.add_argument("trunks", type=Path, help="folder of the wsd trunk runs (a sweep's results_dir)")
+    parser.add_argument("--branches", type=Path, default=None, help="folder of their branches (default "
+                        "<trunks>-branches)")
+    parser.add_argument("--out", type=Path, required=True, help="writes <out>/tables/<name>.* and figures/<name>.*")
+    parser.add_argument("--name", default="wsd_horizons", help="file name of the table and figure")
+    parser.add_argument("--tokens-per-step", type=int, default=8 * 128, help="sequences × length (default 1024)")
+    args = parser.parse_args(argv)
+
+    def go() -> int:
+        branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
+        if args.branches is not None and not branches.is_dir():
+            raise UserError(f"--branches {branches}: no such folder")
+        runs = horizon_runs(args.trunks, branches if branches.is_dir() else None)
+        if runs.empty:
+            raise UserError(f"{args.trunks}: no completed training run")
+        table = horizon_table(runs, args.name, args.tokens_per_step)
+        (args.out / "tables").mkdir(parents=True, exist_ok=True)
+        written = []
+        for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
+            path = args.out / "tables" / f"{args.name}{suffix}"
+            path.write_text((f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
+            written.append(path)
+        written += save(horizon_figure(runs, args.tokens_per_step), args.out / "figures", args.name)
+        print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+        return 0
+
+    return one_line_errors(go, OSError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
