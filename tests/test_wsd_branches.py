@@ -81,6 +81,7 @@ def test_completed_branches_are_skipped_and_a_missing_checkpoint_is_one_line(tru
     assert branches.launch(found, run=lambda job: 1) == {"launched": 0, "skipped": 2, "failed": 0}
     odd = root / "odd.yaml"  # a 10-step branch leaves at step 8 (10 - round(2.5)): the trunk kept 6, 12, 18, 24
     odd.write_text(sweep.read_text().replace("horizons: [8, 16, 24, 48]", "horizons: [10]"))
-    assert branches.main([str(odd)]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        branches.main([str(odd)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ") and "no checkpoint at step 8" in err[-1], err
+    assert exit_.value.code == 2 and err[-1].startswith("error: ") and "no checkpoint at step 8" in err[-1], err
