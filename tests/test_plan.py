@@ -90,15 +90,15 @@ def test_milp_finds_the_forced_optimum(budget, max_batch, probe, expected):
 
 @pytest.mark.parametrize("failing_calls, expected_actions", [
     # HiGHS refuses the time tier once (the earlier optimum pinned too tightly): the looser pin finds the optimum
-    ({3}, {"a": "int8", "c": KEEP}),
+    ({4}, {"a": "int8", "c": KEEP}),
     # ... and at every pin: the energy tier's optimum is the answer, its actions whatever that tier chose
-    ({3, 4}, None),
+    ({4, 5}, None),
 ])
 def test_milp_a_tie_breaking_tier_refused_by_the_solver_keeps_the_earlier_optimum(monkeypatch, failing_calls,
                                                                                     expected_actions):
     """Seen on Qwen2.5-0.5B at 32k (a cost model corrected by a verification): HiGHS called the 'time' tier
-    infeasible with the 'tokens' and 'energy' optima pinned, and the planner raised. Calls: 1 tokens, 2 energy,
-    3 time, 4 time again at the looser pin."""
+    infeasible with the 'tokens' and 'energy' optima pinned, and the planner raised. Calls: 1 tokens, 2 loss,
+    3 energy, 4 time, 5 time again at the looser pin."""
     calls = []
     real = milp._solve
 

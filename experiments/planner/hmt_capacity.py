@@ -26,7 +26,9 @@ from experiments.planner.report import run_command
 def hmt_capacity(run, planner: dict, sizes, *, log=print) -> dict:
     """Cells (GPU size → entry) of HMT's row: each the planner's verified plan, searched as the module says."""
     results = Path(run.results_dir).expanduser() / "capacity"
-    planner = {**planner, "plan_dir": planner.get("plan_dir") or str(results / "plans"), "verify": True}
+    # the table's question is the most tokens a card holds: the largest micro-batch, not an efficient one
+    planner = {**planner, "plan_dir": planner.get("plan_dir") or str(results / "plans"), "verify": True,
+               "efficiency_slack": 0.0}
     planner.pop("budget_gib", None)
     prep = prepare(run, planner, log=log)
     out = {}

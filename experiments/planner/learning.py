@@ -1,7 +1,7 @@
 """The learning check's verdict on a plan (``benchmarks.plan_learns`` writes ``results/plan_learns/<family>.json``:
 the family's answer trained on a CPU proxy of its shape against AdamW and HMT defaults). A plan whose model, budget,
-optimizer setting and rate match a checked row carries that row's verdict; a plan that failed is answered with a
-warning saying so, and one never checked says that too."""
+optimizer setting and rate match a checked row carries that row's verdict; a setting that failed is not offered
+(``experiments.planner.plan`` solves again without it), and a plan never checked says so."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ LEARNS_DIR = Path(__file__).resolve().parents[2] / "results" / "plan_learns"
 
 
 def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: float,
-                   folder: Path = LEARNS_DIR) -> dict:
-    """{"checked": False} or the matching row's {"checked", "passes", "file", "gap_to_hmt_default", ...}."""
+                   folder: Path | None = None) -> dict:
+    """{"checked": False} or the matching row's {"checked", "passes", "file", "gap_to_hmt_default", ...}
+    (``folder``: the results, by default ``LEARNS_DIR``)."""
+    folder = LEARNS_DIR if folder is None else folder
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         if path.name.startswith("archive-"):
             continue

@@ -24,9 +24,15 @@ memory budget; here the optimizer setting and the micro-batch size are decision 
   rules       x_{attn_qkv,recompute} ≤ x_{attn_core,recompute}; x_{c,keep} ≥ ℓ for c inside the layers;
               b + (B_max − cap_o)·y_o ≤ B_max for an option verified over the budget at cap_o + 1 sequences
   objective   lexicographic, one MILP per tier, each tier's optimum kept as a constraint for the next:
-              1. max b (tokens per micro-batch = b·seq_len)   2. max Σ_o E_o y_o (retained gradient energy)
-              3. min Σ τ_{c,a} w_{c,a} + τ_ℓ w_ℓ + Σ τ_k w_k (extra step time)   4. min the number of lossy choices
-              5. min t (headroom; breaks the remaining ties)
+              0. max b: b_fit, the largest micro-batch that fits; then b ≥ b_eff, the fewest sequences whose
+                 modeled throughput is within a slack of b_fit's (``experiments.planner.efficiency``; b = b_fit
+                 without a throughput model)
+              1. min Σ_o λ_o y_o + Σ λ_{c,a} x_{c,a} + Σ λ_k z_k (expected loss cost: each lossy choice's price
+                 from the tuned campaign, ``experiments.planner.prices``)
+              2. max Σ_o E_o y_o (retained gradient energy)
+              3. min Σ τ_{c,a} x_{c,a} + τ_ℓ ℓ + Σ τ_k z_k (extra step time per sequence)
+              4. max b (the remaining throughput)   5. min the number of lossy choices
+              6. min t (headroom; breaks the remaining ties)
 Pure functions over plain data: ``Problem`` can be written by hand (tests/test_plan.py checks a forced optimum).
 """
 
@@ -37,6 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
+
+from experiments.planner.efficiency import Throughput, efficient_batch
 
 KEEP = "keep"
 
@@ -50,6 +58,7 @@ class Option:
     energy: float = 0.0
     lossy: int = 0
     payload: object = None
+    loss: float = 0.0  # expected loss cost, nats (experiments.planner.prices)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class Action:
     per_seq: dict[str, float] = field(default_factory=dict)
     time: float = 0.0
     lossy: int = 0
+    loss: float = 0.0  # expected loss cost, nats
     # per line of ``Problem.base``: (static, per_seq) measured on that line's micro-batches, or None where the
     # choice was measured only on the main line (``static``/``per_seq`` then hold there)
     lines: tuple[tuple[dict[str, float], dict[str, float]] | None, ...] = ()
@@ -96,6 +106,7 @@ class Problem:
     batch_caps: tuple[tuple[int, int], ...] = ()  # (option index, largest b): b ≤ cap when that option is chosen
     layer_codecs: dict[str, Action] = field(default_factory=dict)  # codec -> its cost over layer_recompute's
     layer_keep: bool = True  # layer recomputation may keep its inputs as they are (else one codec is required)
+    throughput: Throughput | None = None  # the micro-batch efficiency model (None: the largest micro-batch)
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,8 @@ class Solution:
     time: float
     lossy: int
     layer_codec: str = KEEP  # how full layer recomputation stores the layer inputs (activation.residual)
+    loss: float = 0.0  # expected loss cost of the choices, nats
+    fit_batch: int | None = None  # the largest micro-batch any choice fits (tier 0), when solved by ``solve``
 
     def policy_actions(self) -> dict[str, str]:
         """The action of each component as the activation policy writes it (the layer inputs' codec under full
@@ -248,25 +261,23 @@ def _big_m(prob: Problem) -> float:
 
 
 def _objectives(prob: Problem, v: _Vars, n: int) -> dict[str, np.ndarray]:
-    tokens, energy, time, lossy, peak = (np.zeros(n) for _ in range(5))
+    tokens, loss, energy, time, lossy, peak = (np.zeros(n) for _ in range(6))
     tokens[v["b",]] = -1.0
     peak[v["t",]] = 1.0
     for i, o in enumerate(prob.options):
-        energy[v["y", i]] = -o.energy
-        lossy[v["y", i]] = o.lossy
+        energy[v["y", i]], lossy[v["y", i]], loss[v["y", i]] = -o.energy, o.lossy, o.loss
     for c, a in v.x:
         act = prob.actions[c][a]
-        time[v["w", c, a]] = act.time
-        lossy[v["x", c, a]] = act.lossy
+        time[v["x", c, a]], lossy[v["x", c, a]], loss[v["x", c, a]] = act.time, act.lossy, act.loss
     if ("l",) in v:
-        time[v["wl",]] = prob.layer_recompute.time
-        lossy[v["l",]] = prob.layer_recompute.lossy
+        act = prob.layer_recompute
+        time[v["l",]], lossy[v["l",]], loss[v["l",]] = act.time, act.lossy, act.loss
         for k, act in prob.layer_codecs.items():
-            time[v["wz", k]], lossy[v["z", k]] = act.time, act.lossy
-    return {"tokens": tokens, "energy": energy, "time": time, "lossy": lossy, "peak": peak}
+            time[v["z", k]], lossy[v["z", k]], loss[v["z", k]] = act.time, act.lossy, act.loss
+    return {"tokens": tokens, "loss": loss, "energy": energy, "time": time, "lossy": lossy, "peak": peak}
 
 
-TIERS = ("tokens", "energy", "time", "lossy", "peak")
+TIERS = ("loss", "energy", "time", "tokens", "lossy", "peak")  # after tier 0 (the micro-batch's floor)
 
 
 def _solve(c: np.ndarray, rows: list, lb: list, ub: list, integrality: np.ndarray, bounds: Bounds):
@@ -295,30 +306,36 @@ PIN_TOLERANCES = (1e-6, 1e-4)  # relative slack of an earlier tier's optimum pin
 
 
 def solve(prob: Problem) -> Solution | None:
-    """The lexicographic optimum (``TIERS``; the last, least predicted peak, only breaks ties), or None when no
-    choice fits ``prob.budget`` at one sequence. Each tier's optimum is pinned, with a relative slack, as a
-    constraint of the next; where HiGHS finds the next tier infeasible at every slack of ``PIN_TOLERANCES`` (seen
-    once, with a cost model corrected by a verification), the earlier tiers' optimum is the answer: the later
-    tiers only break its ties."""
+    """The lexicographic optimum (module docstring: tier 0 sets the micro-batch's floor, then ``TIERS``; the last,
+    least predicted peak, only breaks ties), or None when no choice fits ``prob.budget`` at one sequence. Each
+    tier's optimum is pinned, with a relative slack, as a constraint of the next; where HiGHS finds the next tier
+    infeasible at every slack of ``PIN_TOLERANCES`` (seen once, with a cost model corrected by a verification),
+    the earlier tiers' optimum is the answer: the later tiers only break its ties."""
     v, n, rows, lb, ub, integrality, bounds = _setup(prob)
     objectives = _objectives(prob, v, n)
-    res, best = None, 0.0
+    res = _solve(objectives["tokens"], rows, lb, ub, integrality, bounds)
+    if res is None:
+        return None
+    fit = round(res.x[v["b",]])
+    floor = fit if prob.throughput is None or prob.fixed_batch else efficient_batch(prob.throughput, fit)
+    rows.append(objectives["tokens"].copy())
+    lb.append(-np.inf)
+    ub.append(-floor + 0.5)  # b ≥ floor (b is an integer)
+    best = None  # the last pinned tier's optimum
     for tier in TIERS:
         c = objectives[tier]
         found = _solve(c, rows, lb, ub, integrality, bounds)
-        for slack in PIN_TOLERANCES[1:] if found is None and res is not None else ():
+        for slack in PIN_TOLERANCES[1:] if found is None and best is not None else ():
             ub[-1] = best + slack * max(1.0, abs(best))
             if (found := _solve(c, rows, lb, ub, integrality, bounds)) is not None:
                 break
         if found is None:
-            if res is None:
-                return None
             break
         res, best = found, float(c @ found.x)
         rows.append(c.copy())
         lb.append(-np.inf)
         ub.append(best + PIN_TOLERANCES[0] * max(1.0, abs(best)))
-    return _solution(prob, v, res.x)
+    return dataclasses.replace(_solution(prob, v, res.x), fit_batch=fit)
 
 
 def leanest(prob: Problem) -> Solution | None:
@@ -333,11 +350,6 @@ def min_peak(prob: Problem) -> float:
     v, n, rows, lb, ub, integrality, bounds = _setup(dataclasses.replace(prob, fixed_batch=1), with_budget=False)
     res = _solve(_objectives(prob, v, n)["peak"], rows, lb, ub, integrality, bounds)
     return float("inf") if res is None else float(res.x[v["t",]])
-
-
-def segment(prob: Problem, batch: int) -> list[Segment]:
-    """The reference's lines that hold at ``batch``."""
-    return [prob.base[j] for j in _lines_at(prob, batch)]
 
 
 def _lines_at(prob: Problem, batch: int) -> list[int]:
@@ -379,7 +391,8 @@ def _solution(prob: Problem, v: _Vars, x: np.ndarray) -> Solution:
     codec = next((k for k in prob.layer_codecs if lr and x[v["z", k]] > 0.5), KEEP)
     layer = [prob.layer_recompute] if lr else []
     layer += [prob.layer_codecs[codec]] if codec != KEEP else []
-    time = sum(batch * prob.actions[c][a].time for c, a in actions.items()) + sum(batch * a.time for a in layer)
-    lossy = option.lossy + sum(prob.actions[c][a].lossy for c, a in actions.items()) + sum(a.lossy for a in layer)
+    chosen = [prob.actions[c][a] for c, a in actions.items()] + layer
+    time = sum(batch * a.time for a in chosen)
+    lossy = option.lossy + sum(a.lossy for a in chosen)
     return Solution(batch, option, actions, lr, predict(prob, batch, option, actions, lr, codec), option.energy,
-                    time, lossy, codec)
+                    time, lossy, codec, loss=option.loss + sum(a.loss for a in chosen))

@@ -1,6 +1,6 @@
 """Time and gradient-energy models of the planner, and the assembly of its integer program from measured costs.
 
-Step time (a stated model; only differences between choices matter, and only after tokens and energy are fixed):
+Step time (a stated model; only differences between choices matter, and only after the micro-batch, loss and energy):
   recompute of a region   t = FLOPs(region forward) / F  +  bytes(region's saved tensors) / BW
   a codec (int8, fp8, …)  t = bytes(saved tensors) × c_codec        (encode in forward + decode in backward)
   layer recomputation     t = FLOPs(decoder layer forward) × L / F  +  bytes(layer saves) / BW
@@ -48,7 +48,9 @@ from experiments.planner.costs import (
     option_cost,
     valid_actions,
 )
+from experiments.planner import prices
 from experiments.planner.deferred import deferred_excess_gib
+from experiments.planner.efficiency import Throughput
 from experiments.planner.milp import Action, KEEP, Option, Problem, Segment
 from experiments.planner.vocab import from_record
 from hmt_core.activations.apply import llama_scopes
@@ -203,9 +205,12 @@ def action_time(component: str, action: str, d: Derived, flops: dict, cal: dict)
 
 
 def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops: dict, cal: dict,
-                  budget_gib: float, llama: bool, seq_scale: float = 1.0) -> Problem:
-    """The MILP of ``experiments.planner.milp`` from measured costs. ``seq_scale``: per-sequence bytes and times
-    scaled for a sequence ``seq_scale`` times the measured one (capacity's sequence-length search)."""
+                  budget_gib: float, llama: bool, seq_scale: float = 1.0,
+                  throughput: Throughput | None = None) -> Problem:
+    """The MILP of ``experiments.planner.milp`` from measured costs and the lossy choices' loss prices
+    (``experiments.planner.prices``). ``seq_scale``: per-sequence bytes and times scaled for a sequence
+    ``seq_scale`` times the measured one (capacity's sequence-length search); ``throughput``: the micro-batch
+    efficiency model (None: the largest micro-batch that fits)."""
     options = []
     for choice in all_options(space, from_record(record)):
         lossy = (int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
@@ -215,8 +220,8 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
         cost = option_cost(d, choice, space)
         if choice.mode == "A":  # the deferred low-rank update, hidden at 1-2 layers (experiments.planner.deferred)
             cost = {**cost, "optimizer": cost["optimizer"] + deferred_excess_gib(record, stats, sample, d.layers)}
-        options.append(Option(choice.label(), cost,
-                              energy(stats, record, sample, d.layers), lossy, choice))
+        options.append(Option(choice.label(), cost, energy(stats, record, sample, d.layers), lossy, choice,
+                              loss=prices.total(prices.option_prices(choice))))
     zero = {p: 0.0 for p in PHASES}
     actions: dict[str, dict[str, Action]] = {}
     if llama:
@@ -225,7 +230,8 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
             for a in valid_actions(c, space):
                 over = "act:attn_core:recompute" if (c, a) == ("attn_qkv", "recompute") else None
                 actions[c][a] = _action(d, f"act:{c}:{a}", over, action_time(c, a, d, flops, cal),
-                                        int(a in LOSSY_ACTIONS), seq_scale)
+                                        int(a in LOSSY_ACTIONS), seq_scale,
+                                        prices.action_price(a).cost if a in LOSSY_ACTIONS else 0.0)
     layer = None
     if llama and "act:layer_recompute" in d.act:
         saved = sum(d.keep_saved.get(c, 0.0) for c in (*LAYER_COMPONENTS, "norm")) * GIB
@@ -238,7 +244,7 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
     return Problem(budget=budget_gib, base=base, options=options,
                    actions=actions, layer_recompute=layer, layer_components=(*LAYER_COMPONENTS, "norm"),
                    requires=requires, max_batch=space.max_batch_size, layer_codecs=codecs,
-                   layer_keep=KEEP in space.layer_inputs or not codecs)
+                   layer_keep=KEEP in space.layer_inputs or not codecs, throughput=throughput)
 
 
 def layer_codecs(d: Derived, space: Space, cal: dict, seq_scale: float) -> dict[str, Action]:
@@ -250,11 +256,13 @@ def layer_codecs(d: Derived, space: Space, cal: dict, seq_scale: float) -> dict[
         name = f"act:layer_recompute:{codec}"
         if codec != KEEP and name in d.act:
             t = d.layer_inputs * GIB * codec_s.get(codec, max(codec_s.values()))
-            out[codec] = _action(d, name, "act:layer_recompute", t, int(codec in LOSSY_ACTIONS), seq_scale)
+            out[codec] = _action(d, name, "act:layer_recompute", t, int(codec in LOSSY_ACTIONS), seq_scale,
+                                 prices.layer_codec_price(codec).cost)
     return out
 
 
-def _action(d: Derived, name: str, over: str | None, t: float, lossy: int, seq_scale: float) -> Action:
+def _action(d: Derived, name: str, over: str | None, t: float, lossy: int, seq_scale: float,
+            loss: float = 0.0) -> Action:
     """The measured delta of sample ``name`` (static, per sequence; less sample ``over``'s where given, on the same
     line), on the main line and on each line of the reference it was traced on (``Derived.act_lines``);
     per-sequence bytes and time scale with the sequence length."""
@@ -273,6 +281,6 @@ def _action(d: Derived, name: str, over: str | None, t: float, lossy: int, seq_s
     static, per_seq = scaled(d.act[name], over_main)
     lines = d.act_lines.get(name, [])
     minus = d.act_lines.get(over, [None] * len(lines)) if over is not None else [None] * len(lines)
-    return Action(static=static, per_seq=per_seq, time=t * seq_scale, lossy=lossy,
+    return Action(static=static, per_seq=per_seq, time=t * seq_scale, lossy=lossy, loss=loss,
                   lines=tuple(scaled(x, y) for x, y in zip(lines, minus)))
 

@@ -5,8 +5,10 @@ Chooses, for ``method=hmt`` on any model the runner takes (phases, ``model.path=
 which HMT's own allocator picks per-layer ranks, or Mode B = APOLLO-Mini; state dtype, projected LM head,
 bitsandbytes 8-bit dense state, INT8 projected weights; INT8 embedding and LM head, the embedding updated by rows,
 the head updated in the loss), the action of each activation component (keep / recompute / int8 …, or full layer
-recomputation with its layer inputs kept or coded) and the micro-batch size that maximize tokens per micro-batch, then
-retained gradient energy, then step time, under ``budget_gib`` less the GPU allowance
+recomputation with its layer inputs kept or coded) and the micro-batch size: a micro-batch whose modeled throughput
+is within ``efficiency_slack`` of the largest that fits (``experiments.planner.efficiency``), then the least expected
+loss cost of the lossy choices (priced by the tuned campaign, ``experiments.planner.prices``), then retained
+gradient energy, then step time, under ``budget_gib`` less the GPU allowance
 (``experiments.memory.gpu_allowance.reserve_bytes``: CUDA context, cuBLAS workspaces, NCCL buffers; with
 ``dryrun.reserve=flat``, ``dryrun.cuda_context_gib``):
 
@@ -24,7 +26,8 @@ Plans go to ``<results_dir>/plans/<name>.yaml`` and ``.json`` (``plan_dir=`` ano
 ``experiments/conf/plan/`` or ``results/plan/``); the printed commands say which one trains and which one only
 traces. Planner keys (the rest are ``experiments.run`` overrides): ``budget_gib``, ``batch_size`` (a fixed
 micro-batch: the budget then goes to energy and time), ``name``, ``plan_dir``, ``verify``, ``max_iters``,
-``calibration``, ``refresh_costs``, ``workers`` (processes for missing cost traces) and the choice space ``modes,
+``calibration``, ``refresh_costs``, ``workers`` (processes for missing cost traces), ``ridge_flop_per_byte`` and
+``efficiency_slack`` (the micro-batch efficiency model) and the choice space ``modes,
 state_budgets, state_dtypes, weight_dtypes, dense_8bit, project_head, actions, layer_recompute, embedding_dtypes,
 embedding_updates, head_updates, layer_inputs, max_batch_size`` (``experiments.planner.space.Space``);
 ``--capacity`` (``experiments.planner.capacity``), ``--calibrate`` and ``--table`` (complete this group of the
@@ -48,15 +51,16 @@ import yaml
 from experiments.config import RUN_ID, to_plain_dict
 from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
-from experiments.models import has_weights, load_hf_config
 from experiments.planner.correct import Corrections
+from experiments.planner.efficiency import Throughput
 from experiments.planner.costs import GIB, Space, policy_for
 from experiments.planner.extend import extend
 from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
 from experiments.planner.learning import learning_check
+from experiments.planner.objective import failed_learning, loss_cost, throughput_model, without
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
-from experiments.planner.recipe import Recipe, recipe_for, user_set
+from experiments.planner.recipe import run_recipe, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.results import atomic_write_text
 from experiments.run import main_with_config
@@ -67,7 +71,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
         "calibration": str, "refresh_costs": bool, "workers": int, "capacity": bool, "calibrate": bool, "table": bool,
-        "methods": list, "readme": str, "table_budgets": list,
+        "methods": list, "readme": str, "table_budgets": list, "ridge_flop_per_byte": (int, float),
+        "efficiency_slack": (int, float),
         **{k: (list, int) for k in SPACE_KEYS if k != "mode_b_head"}, "mode_b_head": bool}
 FLAGS = ("--capacity", "--calibrate", "--table")
 
@@ -125,30 +130,22 @@ def _plain(obj):
     return json.loads(json.dumps(obj, default=list))
 
 
-def plan_recipe(run, choice) -> Recipe:
-    """The rate and warm-up the plan writes (``experiments.planner.recipe``)."""
-    hf = run.model.hf_dir
-    width = load_hf_config(hf).hidden_size if hf else run.model.hidden_size
-    fine = bool(run.model.path) and has_weights(run.model.path)
-    return recipe_for(mode=choice.mode, width=width, steps=run.train.steps, fine_tuning=fine)
-
-
 def written_recipe(run, choice, plan_path: Path, overrides: Sequence[str]) -> dict:
     """The rate and warm-up the plan file holds, and where they came from (the record's ``recipe``)."""
     nodes = yaml.safe_load(plan_path.read_text())
     mine = [k for k in ("method.lr", "train.warmup_steps") if user_set(overrides, k)]
     return {"lr": nodes["method"]["lr"], "warmup_steps": nodes["train"]["warmup_steps"],
             "steps": nodes["train"]["steps"],
-            "source": plan_recipe(run, choice).source + (f"; {', '.join(mine)} as given" if mine else "")}
+            "source": run_recipe(run, choice).source + (f"; {', '.join(mine)} as given" if mine else "")}
 
 
 def plan_nodes(run, solution, space: Space, overrides: Sequence[str] = ()) -> dict:
     """The run configuration of a solution as the top-level nodes a ``_global_`` plan config sets; the rate and
-    warm-up from ``plan_recipe`` unless ``overrides`` (the planner command's) set them."""
+    warm-up from ``run_recipe`` unless ``overrides`` (the planner command's) set them."""
     import dataclasses
 
     choice = solution.option.payload
-    rec = plan_recipe(run, choice)
+    rec = run_recipe(run, choice)
     lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
     warmup = run.train.warmup_steps if user_set(overrides, "train.warmup_steps") else rec.warmup_steps
     method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr)
@@ -211,8 +208,10 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     fix, scale = Corrections(), run.train.seq_len / prep.record["seq_len"]
     iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
     write = functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx)
+    model = throughput_model(prep.cal, planner, run.train.seq_len)
+    planner = {**planner, "_budget": budget, "_not_offered": []}
     for _ in range(int(planner.get("max_iters", 8))):
-        prob, sol = next_choice(prep, planner, fix, live_budget, scale, log)
+        prob, sol = next_choice(prep, planner, fix, live_budget, scale, log, model)
         if sol is None and best is not None:  # the leanest choice one sequence further was over: done
             break
         if sol is None:
@@ -244,25 +243,43 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
-    out["recipe"] = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
-    out["learning_check"] = learning_check(out["model"], budget, out["choice"]["optimizer_label"], out["recipe"]["lr"])
+    out.update(learning_record(run, planner, sol, prob, prep.space, model, plan_path, budget))
     out["leanest_over_batch"] = fix.over  # the least micro-batch whose leanest choice a trace put over (or None)
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
 
 
-def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: float, scale: float, log):
+def learning_record(run, planner: dict, sol, prob, space: Space, model: Throughput, plan_path: Path,
+                    budget: float) -> dict:
+    """The record's keys on learning: the rate written, the learning check's verdict, the expected loss cost, the
+    settings not offered, and the micro-batch's modeled throughput against the largest that fits."""
+    recipe = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
+    return {"recipe": recipe,
+            "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"]),
+            "loss_cost": loss_cost(prob, sol, space), "not_offered": sorted(set(planner["_not_offered"])),
+            "micro_batch": {"fits_up_to": sol.fit_batch, "model": dataclasses.asdict(model),
+                            "relative_throughput": model.relative(sol.batch, sol.fit_batch or sol.batch)}}
+
+
+def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: float, scale: float, log,
+                model: Throughput | None = None):
     """(the corrected problem, its next choice) with the predicted live peak at most ``live_budget`` GiB, solved
     again after tracing the costs the choice's micro-batch needs past the traced ones
     (``experiments.planner.extend``) until it needs none."""
     while True:
         prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
                                        flops=prep.flops, cal=prep.cal, budget_gib=live_budget,
-                                       llama=prep.llama, seq_scale=scale))
+                                       llama=prep.llama, seq_scale=scale, throughput=model))
         if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
             prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
+        prob = without(prob, planner["_not_offered"])
         sol = fix.choose(prob)
+        while sol is not None and failed_learning(prep.run, planner, planner["_budget"], sol.option.payload):
+            log(f"learning check: {sol.option.name} failed at this model and budget; not offered")
+            planner["_not_offered"].append(sol.option.name)
+            prob = without(prob, [sol.option.name])
+            sol = fix.choose(prob)
         if sol is None or prep.table is None or not extend(prep, sol, seq_scale=scale, log=log):
             return prob, sol
 

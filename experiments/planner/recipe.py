@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from experiments.models import has_weights, load_hf_config
+
 WARMUP_FRACTION = 0.1  # both recipes: 10 % of the steps (1k/10k at 60M, 10k/100k at 1B, 15k/150k at 7B)
 MUP_BASE_WIDTH = 256  # Mode B's rate is 0.01 at this width and falls as 1/width above it (module docstring)
 GALORE_WIDE = 4096  # hidden size from which GaLore's scripts halve the rate (7B: 0.005)
@@ -53,6 +55,15 @@ def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool) -> Recip
     return Recipe(lr=lr, warmup_steps=warmup,
                   source=f"GaLore's pretraining scripts: lr {lr:g} at hidden size {width} "
                          f"({'7B' if width >= GALORE_WIDE else '60M-1B'}), warm-up 10% of the steps")
+
+
+def run_recipe(run, choice) -> Recipe:
+    """The rate and warm-up a plan of ``run`` with the optimizer setting ``choice`` writes (its mode, the model's
+    width, pretraining or fine-tuning a loaded model)."""
+    hf = run.model.hf_dir
+    width = load_hf_config(hf).hidden_size if hf else run.model.hidden_size
+    fine = bool(run.model.path) and has_weights(run.model.path)
+    return recipe_for(mode=choice.mode, width=width, steps=run.train.steps, fine_tuning=fine)
 
 
 def user_set(overrides: list[str] | tuple[str, ...], key: str) -> bool:

@@ -14,6 +14,7 @@ from experiments.errors import UserError
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.costs import GIB, PHASES, STEP_PHASES
 from experiments.planner.learning import describe
+from experiments.planner.prices import describe as describe_prices
 
 SCHEMA = "hmt-plan/1"
 
@@ -88,6 +89,27 @@ def vocab_row(v: dict | None) -> str:
     return f"{', '.join(parts)} ({keys})"
 
 
+def micro_batch_note(m: dict | None, batch: int) -> str:
+    """Why this micro-batch: the largest that fits and the modeled throughput kept (``experiments.planner.efficiency``)."""
+    if not m or not m.get("fits_up_to"):
+        return ""
+    model = m["model"]
+    return (f"; up to {m['fits_up_to']} fit, this one keeps {m['relative_throughput']:.1%} of the largest's modeled "
+            f"throughput (ridge {model['ridge']:.0f} FLOP/byte, efficiency_slack={model['slack']:g})"
+            + (": the memory left goes to choices that cost less loss" if m["fits_up_to"] > batch else ""))
+
+
+def learning_rows(rec: dict) -> list[tuple[str, str]]:
+    """The plan table's rows on learning: the check's verdict, the settings not offered, the rate written."""
+    rows = [("learning check", describe(rec["learning_check"]))] if "learning_check" in rec else []
+    if rec.get("not_offered"):
+        rows.append(("not offered", "failed the learning check (results/plan_learns): " + "; ".join(rec["not_offered"])))
+    if r := rec.get("recipe"):
+        rows.append(("learning rate", f"method.lr={r['lr']:g}, train.warmup_steps={r['warmup_steps']} of "
+                                      f"{r['steps']} steps ({r['source']})"))
+    return rows
+
+
 def render_plan(rec: dict) -> str:
     """The plan as a Markdown table (printed, and pasted into docs/planner.md)."""
     c, v = rec["choice"], rec["verified"]
@@ -109,16 +131,16 @@ def render_plan(rec: dict) -> str:
                     f"{rec.get('reserve', 'CUDA context')}, which is part of the budget (floor: weights + it = "
                     f"{rec['floor_gib']:.2f})")),
         ("micro-batch", (f"{c['batch_size']} × {rec['seq_len']} = {c['tokens_per_micro_batch']:,} tokens "
-                         f"(train.grad_accum={c['grad_accum']} sets the tokens per optimizer step)")),
+                         f"(train.grad_accum={c['grad_accum']} sets the tokens per optimizer step)"
+                         + micro_batch_note(rec.get("micro_batch"), c["batch_size"]))),
         ("optimizer", f"Mode {o['mode']}, {o['dtype']} state, lm_head {'projected' if o['head'] else 'dense'}"
                       + (", dense weights bitsandbytes 8-bit AdamW" if o["dense_8bit"] else "")
                       + (", INT8 projected weights" if o["weights"] == "int8" else "")),
         ("vocabulary", vocab_row(o.get("vocab"))),
         ("ranks", ranks),
+        *([("expected loss cost", describe_prices(lc["choices"]))] if (lc := rec.get("loss_cost")) else []),
         ("retained gradient energy (bound)", f"{rec['energy']:.4f}"),
-        *([("learning check", describe(rec["learning_check"]))] if "learning_check" in rec else []),
-        *([("learning rate", f"method.lr={r['lr']:g}, train.warmup_steps={r['warmup_steps']} of {r['steps']} steps "
-                              f"({r['source']})")] if (r := rec.get("recipe")) else []),
+        *learning_rows(rec),
         ("activations", policy),
         ("extra step time (model)", (f"{rec['extra_time_s_per_micro_batch']:.3g} s per micro-batch "
                                      f"({rec['calibration'].get('device', '?')} calibration)")),
