@@ -1,0 +1,87 @@
+"""``analysis.wsd`` on a small hand-made results folder: two rows (AdamW split, HMT) × seeds 1-3, trunks of 8 steps
+and branches at 4 steps. Per horizon, each row's Δ against AdamW split is the mean of the seed-paired differences,
+and its p is scipy's paired t-test (``scipy.stats.ttest_rel``) on those seeds, computed here independently of
+``analysis.stats``; a seed only one row ran is not paired; the files ``main`` writes carry the same numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from scipy import stats
+
+from analysis import wsd
+
+# {horizon: {method: {seed: validation loss}}}; HMT's seed 4 has no AdamW partner and must not enter the test
+LOSSES = {
+    4: {"adamw": {1: 5.10, 2: 5.04, 3: 5.13}, "hmt": {1: 5.02, 2: 5.00, 3: 4.98, 4: 4.00}},
+    8: {"adamw": {1: 4.60, 2: 4.71, 3: 4.55}, "hmt": {1: 4.58, 2: 4.66, 3: 4.57}},
+}
+LRS = {"adamw": 1e-3, "hmt": 1e-2}
+TRUNK_STEPS = 8
+
+
+def _write(root: Path, method: str, seed: int, steps: int, val: float) -> None:
+    run_id = f"{method}-tiny-train-s{seed}-h{steps}"
+    run = root / run_id
+    run.mkdir(parents=True)
+    config = {"method": {"name": method, "lr": LRS[method]}, "model": {"name": "tiny"}, "seed": seed,
+              "mode": "train", "run_id": run_id,
+              "train": {"steps": steps, "schedule": "wsd", "cooldown_frac": 0.25, "warmup_steps": 1}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "status").write_text("completed\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": steps - 1, "loss/train": val, "loss/val": val}) + "\n")
+    summary = {"run_id": run_id, "method": method, "model": "tiny", "mode": "train", "device": "cpu", "seed": seed,
+               "steps": steps, "tokens": steps * 1024, "train_loss": val, "val_loss": val}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    trunks, branches = tmp_path / "wsd", tmp_path / "wsd-branches"
+    for horizon, rows in LOSSES.items():
+        for method, seeds in rows.items():
+            for seed, val in seeds.items():
+                _write(trunks if horizon == TRUNK_STEPS else branches, method, seed, horizon, val)
+    return trunks, branches
+
+
+def _expected(horizon: int) -> tuple[float, float]:
+    """Δ (HMT − AdamW split, mean over the common seeds) and the paired t-test's two-sided p, by scipy."""
+    a, h = LOSSES[horizon]["adamw"], LOSSES[horizon]["hmt"]
+    seeds = sorted(set(a) & set(h))
+    diffs = [h[s] - a[s] for s in seeds]
+    return sum(diffs) / len(diffs), float(stats.ttest_rel([h[s] for s in seeds], [a[s] for s in seeds]).pvalue)
+
+
+def test_per_horizon_delta_and_paired_p_match_scipy(folders) -> None:
+    trunks, branches = folders
+    runs = wsd.horizon_runs(trunks, branches)
+    assert sorted(runs["horizon"].unique()) == [4, 8] and set(runs["row"]) == {"adamw", "hmt"}, runs
+    table = wsd.horizon_table(runs, "t", tokens_per_step=1024)
+    cells = {(r[0], int(r[1].replace(",", ""))): r for r in table.rows}
+    assert set(cells) == {(row, h) for row in ("adamw", "hmt") for h in (4, 8)}, cells
+    for horizon in (4, 8):
+        delta, p = _expected(horizon)
+        row = cells[("hmt", horizon)]
+        assert row[5] == f"{delta:+.3f}", (horizon, row, delta)
+        assert 0.001 <= p < 1 and row[6] == f"{p:.3f}", (horizon, row, p)
+        assert row[3] == str(len(LOSSES[horizon]["hmt"])), row  # seeds run, paired or not
+        ref = cells[("adamw", horizon)]
+        assert ref[5] == ref[6] == "—", ref  # the reference row has no Δ against itself
+    # the numbers themselves, so a wrong pairing that scipy would share cannot pass unnoticed
+    assert cells[("hmt", 4)][5] == "-0.090" and cells[("hmt", 8)][5] == "-0.017", cells
+    assert [name for name, _ in table.sections] == ["4 steps (0.00 M tokens)", "8 steps (0.01 M tokens)"]
+
+
+def test_main_writes_the_table_and_figure_with_the_same_numbers(folders, tmp_path: Path) -> None:
+    trunks, _ = folders
+    out = tmp_path / "out"
+    assert wsd.main([str(trunks), "--out", str(out), "--name", "h"]) == 0
+    md = (out / "tables" / "h.md").read_text()
+    for horizon in (4, 8):
+        delta, p = _expected(horizon)
+        assert f"| {delta:+.3f} | {p:.3f} |" in md, md
+    assert (out / "figures" / "h.png").stat().st_size > 0 and (out / "figures" / "h.pdf").stat().st_size > 0
