@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hmt_core import int8_weights
+from hmt_core import int8_weights, streaming
 from hmt_core.basis_cache import BasisCache, basis_bytes
 from hmt_core.hmt_config import Config, optimizer_settings
 from hmt_core.optim import sharded as sh
@@ -88,6 +88,7 @@ class HMTMethod:
         self.last_grad_norm: torch.Tensor | None = None
         self.device: torch.device | None = None  # the training device (the model's at attach)
         self.rows: SparseEmbeddingUpdate | None = None  # method.embedding_update != dense
+        self.streamer: streaming.WeightStreamer | None = None  # method.weight_offload=host
 
     def prepare(self, model: nn.Module, *, device: torch.device | None = None,
                 materialize: int8_weights.Materialize | None = None) -> nn.Module:
@@ -173,8 +174,21 @@ class HMTMethod:
             self.rows = install_sparse_embedding(model, self.opt, self.engine, RowAdamConfig(
                 variant=c.embedding_update, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
                 style=c.adam_style))
+        self._stream_weights(model, sharded)
+
+    def _stream_weights(self, model: nn.Module, sharded: bool) -> None:
+        """``method.weight_offload=host``: installed last, so its hooks run after the updates (hmt_core.streaming)."""
+        if self.streamer is not None:
+            self.streamer.remove()
+        self.streamer = None
+        if self.config.weight_offload == "host":
+            if sharded:
+                raise ValueError("method.weight_offload=host is single-process for now (not with dist=fsdp2)")
+            self.streamer = streaming.install(model, self.opt)
 
     def set_parallel(self, context: ParallelContext) -> bool:  # hmt_core.method; the engine's part: sh.take_parallel
+        if self.streamer is not None and context.distributed:
+            raise ValueError("method.weight_offload=host is single-process for now (not with dist=ddp or fsdp2)")
         return sh.take_parallel(self.engine, self.opt, context)
 
     def start_micro_batch(self, index: int, count: int) -> None:
@@ -228,6 +242,7 @@ class HMTMethod:
             out["optim/grad_norm"] = float(self.last_grad_norm)
         out.update(self.cache_stats())
         out.update(self.opt.budget_metrics())
+        out.update(self.streamer.stats() if self.streamer is not None else {})
         return out
 
     def cache_stats(self) -> dict[str, float]:
@@ -248,6 +263,7 @@ class HMTMethod:
             out["int8/weights"] = len(quantized)
             out["int8/weight_bytes"] = sum(q.nbytes() for q in quantized)  # codes + scales
         out.update(self.cache_stats())
+        out.update(self.streamer.stats() if self.streamer is not None else {})
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from hmt_core.optim.update import MOMENT_POLICIES, STYLES
 from hmt_core.projection import SIDES, SOURCES
 from hmt_core.rank import FALLBACKS
 from hmt_core.rank_budget import normalize_state_budget
+from hmt_core.streaming import OFFLOADS as WEIGHT_OFFLOADS
+from hmt_core.streaming import config_error as weight_offload_error
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +74,9 @@ class Config:
     # the LM head's update: "dense" (a (V, d) gradient, updated in its hook) | "in_loss" (by vocabulary block inside
     # the fused loss's backward, no (V, d) gradient: hmt_core.optim.head_update; Mode B, random basis, fixed rank)
     head_update: str = "dense"
+    # "none": every weight on the device | "host": the decoder layers' projected weights in host memory, on the
+    # device only while their layer computes and is updated (hmt_core.streaming; docs/weight_streaming.md)
+    weight_offload: str = "none"
 
     def __post_init__(self) -> None:
         for key in ("rank_candidates", "attn_candidates", "mlp_candidates", "target_patterns"):  # YAML lists
@@ -92,7 +97,7 @@ def check_choices(c: Config) -> None:
                          ("kernels", KERNEL_BACKENDS), ("scaling", ("channel", "tensor")),
                          ("random_rank", ("captured", "spectrum")), ("weight_dtype", ("bf16", "int8")),
                          ("embedding_dtype", ("bf16", "int8")), ("embedding_update", EMBEDDING_UPDATES),
-                         ("head_update", ("dense", "in_loss"))):
+                         ("head_update", ("dense", "in_loss")), ("weight_offload", WEIGHT_OFFLOADS)):
         if getattr(c, key) not in options:
             raise ValueError(f"method.{key} must be one of {options}, got {getattr(c, key)!r}")
     if c.head_update == "in_loss" and head_update_config_error(c):
@@ -149,6 +154,10 @@ def check_combinations(c: Config) -> None:
         if getattr(c, key) == "int8" and c.master_weights:
             raise ValueError(f"method.{key}=int8 writes its updates by stochastic rounding; "
                              "method.master_weights=true (an fp32 copy of every weight) would defeat it")
+    if c.weight_offload == "host":
+        why = weight_offload_error(per_layer=c.per_layer, master_weights=c.master_weights, weight_dtype=c.weight_dtype)
+        if why:
+            raise ValueError(f"method.weight_offload=host cannot be combined: {why}")
     if c.offload_bases and not c.per_layer:
         raise ValueError("method.offload_bases=true needs method.per_layer=true")
     if c.basis_cache_mib <= 0:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hmt_core import streaming
 from hmt_core.int8_weights import is_phantom, trained_in_place
 
 FORMAT = 1
@@ -286,7 +287,7 @@ def frozen_fingerprint(model: nn.Module) -> str:
 def model_state(model: nn.Module) -> dict[str, Any]:
     """Trainable parameters and buffers (references: the caller writes them before the next update)."""
     return {
-        "params": {n: p.detach() for n, p in model.named_parameters() if _stored(p)},
+        "params": {n: streaming.readable(p) for n, p in model.named_parameters() if _stored(p)},  # streamed: host
         "buffers": {n: b.detach() for n, b in model.named_buffers()},
     }
 
@@ -300,7 +301,7 @@ def load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
         diff = sorted(set(state["params"]) ^ trainable)
         raise CheckpointError(f"checkpoint's trainable parameters differ from the model's: {diff[:5]}")
     for name, value in state["params"].items():
-        _copy_into(params[name], value, name)
+        _copy_into(streaming.writable(params[name]), value, name)  # a streamed weight's host copy
     for name, value in state["buffers"].items():
         if name in buffers:
             _copy_into(buffers[name], value, name)
