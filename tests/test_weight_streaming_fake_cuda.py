@@ -1,0 +1,183 @@
+"""Weight streaming (``method.weight_offload=host``, hmt_core.streaming) on fake CUDA tensors (the fake-CUDA tier,
+docs/testing.md): placement and stream use. A forward holds at most the working layers' weights on ``cuda:0`` (the
+layer computing and the one prefetched), the rest have no device storage and their host copies are CPU tensors;
+every host-to-device copy of a weight is issued on the streamer's copy-in stream and every write-back on its
+copy-out stream, asynchronously, and the compute stream waits for a copy's event before the layer reads it; a
+step never synchronizes with the host. ``backward()`` cannot run here, so the backward is driven by hand layer by
+layer, last first: the pre-backward fetch (what the multi-grad hook on the layer's output calls), then each
+weight's fake ``.grad`` and its post-accumulate-grad hooks (HMT's update, then the streamer's write-back).
+
+Needs the CUDA build of torch; skipped on the CPU build."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if torch.version.cuda is None:
+    pytest.skip("fake-CUDA tier: needs the CUDA build of torch (docs/testing.md)", allow_module_level=True)
+pytestmark = pytest.mark.fake_cuda
+
+from benchmarks import fake_cuda as fake_cuda_tier  # noqa: E402
+from benchmarks.fake_cuda import fake_cuda  # noqa: E402
+
+CUDA = torch.device("cuda", 0)
+COMPUTE = "compute"
+
+
+class Streams:
+    """Recording stand-ins for what needs the CUDA driver: streams, events, the current stream, ``record_stream``
+    and every synchronization (which a step must not call)."""
+
+    def __init__(self) -> None:
+        self.current: list[object] = [COMPUTE]
+        self.log: list[tuple] = []  # ("wait", stream, event) | ("record", stream, event) | ("record_stream", ...)
+        self.syncs: list[str] = []
+        streams = self
+
+        class Stream:
+            def __init__(self, *args, **kwargs) -> None:
+                self.name = f"side{id(self) % 10_000}"
+
+            def wait_event(self, event) -> None:
+                streams.log.append(("wait", self.name, event))
+
+            def synchronize(self) -> None:
+                streams.syncs.append(f"{self.name}.synchronize")
+
+        class Event:
+            def record(self, stream=None) -> None:
+                streams.log.append(("record", getattr(stream, "name", stream), self))
+
+            def synchronize(self) -> None:
+                streams.syncs.append("event.synchronize")
+
+        class Current:
+            name = COMPUTE
+
+            def wait_event(self, event) -> None:
+                streams.log.append(("wait", COMPUTE, event))
+
+        self.Stream, self.Event, self.Current = Stream, Event, Current
+
+    @contextlib.contextmanager
+    def stream(self, s) -> Iterator[None]:
+        self.current.append(s.name)
+        try:
+            yield
+        finally:
+            self.current.pop()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        patches = [(torch.cuda, "Stream", self.Stream), (torch.cuda, "Event", self.Event),
+                   (torch.cuda, "stream", self.stream), (torch.cuda, "current_stream", lambda device=None: self.Current()),
+                   (torch.cuda, "synchronize", lambda device=None: self.syncs.append("torch.cuda.synchronize")),
+                   (torch.Tensor, "record_stream", lambda t, s: self.log.append(("record_stream", s.name, t.shape)))]
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        try:
+            for owner, name, value in patches:
+                setattr(owner, name, value)
+            yield
+        finally:
+            for owner, name, value in reversed(saved):
+                setattr(owner, name, value)
+
+
+class Copies(TorchDispatchMode):
+    """Every cross-device ``copy_``: (direction, stream it was issued on, non_blocking, shape)."""
+
+    def __init__(self, streams: Streams) -> None:
+        super().__init__()
+        self.streams, self.seen = streams, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default and args[0].device != args[1].device:
+            direction = "h2d" if args[0].device.type == "cuda" else "d2h"
+            self.seen.append((direction, self.streams.current[-1], bool(args[2] if len(args) > 2 else
+                                                                         kwargs.get("non_blocking", False)),
+                              tuple(args[0].shape)))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def streamed():
+    """A tiny bf16 Llama (3 layers) on fake CUDA with HMT ``weight_offload=host`` attached, recording streams."""
+    from experiments import methods
+    from experiments.config import ModelConfig
+    from experiments.models import build_model
+
+    streams = Streams()
+    with fake_cuda_tier.driver_stand_ins(), streams.installed(), fake_cuda() as mode:
+        cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, intermediate_size=176, vocab_size=256,
+                          max_position_embeddings=128, dtype="bf16")
+        model = build_model(cfg, device="cuda")
+        method = methods.make_method(methods.make_config({"name": "hmt", "mode": "B", "rank": 8,
+                                                          "weight_offload": "host"}))
+        method.attach(model, max_grad_norm=1.0)
+        yield model, method, streams, mode
+
+
+def _on_device(method) -> list[int]:
+    return [i for i, layer in enumerate(method.streamer.layers)
+            if any(w.param.untyped_storage().nbytes() for w in layer)]
+
+
+def test_forward_holds_only_the_working_layers_and_copies_in_on_the_side_stream(streamed):
+    model, method, streams, mode = streamed
+    streamer, layers = method.streamer, method.streamer.layers
+    assert _on_device(method) == [] and streamer.resident_bytes == 0
+    assert all(w.param.device == CUDA and w.host.device.type == "cpu" for w in streamer.weights())
+    seen = {}
+    for i, layer in enumerate(model.model.layers):  # after the streamer's pre-hook: what the layer runs with
+        layer.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, _on_device(method)))
+    copies = Copies(streams)
+    with copies:
+        model(input_ids=torch.randint(0, 256, (2, 16), device="cuda"))
+    assert seen == {0: [0, 1], 1: [1, 2], 2: [2]}, seen  # layer i and the prefetched i + 1, nothing else
+    assert _on_device(method) == [2]  # the last layer of a forward with a graph: its backward comes first
+    weights = [c for c in copies.seen if c[3] in {tuple(w.param.shape) for w in streamer.weights()}]
+    assert len(weights) == sum(len(layer) for layer in layers)  # each weight copied in once
+    assert all(d == "h2d" and s == streamer.h2d.name and nb for d, s, nb, _ in weights), weights
+    readies = [e for kind, s, e in streams.log if kind == "record" and s == streamer.h2d.name]
+    waited = [e for kind, s, e in streams.log if kind == "wait" and s == COMPUTE]
+    assert readies and all(e in waited for e in readies)  # the compute stream waits for each copy-in
+    assert not streams.syncs and not mode.assumed
+
+
+def test_backward_by_hand_updates_on_the_device_and_writes_back_on_the_copy_out_stream(streamed):
+    model, method, streams, mode = streamed
+    streamer = method.streamer
+    layer_of = {id(w.param): i for i, layer in enumerate(streamer.layers) for w in layer}
+    copies = Copies(streams)
+    for step in range(2):
+        with copies:
+            model(input_ids=torch.randint(0, 256, (2, 16), device="cuda"))
+            method.start_micro_batch(0, 1)
+            fetched = set()
+            for p in reversed([p for p in model.parameters() if p.requires_grad]):
+                i = layer_of.get(id(p))
+                if i is not None and i not in fetched:  # the pre-backward hook on layer i's output
+                    streamer.fetch_layer(i, prefetch=i - 1)
+                    fetched.add(i)
+                    assert _on_device(method) in ([i], [i - 1, i]), (i, _on_device(method))
+                p.grad = torch.randn(p.shape, dtype=p.dtype, device=p.device)
+                for hook in list(p._post_accumulate_grad_hooks.values()):
+                    hook(p)
+                if i is not None:  # Mode B: updated in HMT's hook, then written back and freed
+                    assert p.untyped_storage().nbytes() == 0 and p.grad is None
+            method.step()
+            method.zero_grad()
+        assert _on_device(method) == [] and streamer.resident_bytes == 0, step
+    n = sum(len(layer) for layer in streamer.layers)
+    back = [c for c in copies.seen if c[0] == "d2h"]
+    assert len(back) == 2 * n and all(s == streamer.d2h.name and nb for _, s, nb, _ in back), back
+    kept = [e for e in streams.log if e[0] == "record_stream"]
+    assert len(kept) == 2 * n and all(s == streamer.d2h.name for _, s, _ in kept)  # no reuse before the copy
+    assert all(s.m.device == CUDA for s in method.opt.slots if s.projected and s.m is not None)
+    assert not streams.syncs and not mode.assumed
