@@ -318,6 +318,11 @@ def _state_dict_hook(streamer: WeightStreamer, model: nn.Module) -> Callable:
     return hook
 
 
+def host_tensors(model: nn.Module) -> list[Tensor]:
+    """The host copies of ``model``'s streamed weights (the memory meter's host ``params``)."""
+    return [entry[1].host for p in model.parameters() if (entry := _STREAMED.get(p)) is not None]
+
+
 def readable(p: Tensor) -> Tensor:
     """``p``'s current values for a reader outside the step (a checkpoint, an export): the host copy of a released
     streamed weight (its write-back waited for), else ``p`` itself, detached."""

@@ -160,3 +160,35 @@ def test_remove_brings_every_weight_back():
     method.streamer.remove()
     assert all(torch.equal(t, expected[n]) for n, t in model.state_dict().items())
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+
+
+def _metered(raw: dict, steps: int = 2):
+    from transformers import LlamaForCausalLM
+
+    from experiments.memory.meter import MemoryMeter
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    meter = MemoryMeter(device=torch.device("cpu"))
+    meter.track_model(model)  # before attach, as experiments.train.build_model does
+    meter.watch_grads(model.parameters())
+    method = methods.make_method(methods.make_config(dict(raw)))
+    method.attach(model, max_grad_norm=1.0)
+    for ids in _batches(steps):
+        with meter:
+            train_step(model, method, [ids], meter=meter, autocast=AUTOCAST)
+    return meter.report(), method
+
+
+def test_meter_counts_host_copies_as_host_and_streamed_weights_only_while_fetched():
+    plain, _ = _metered(MODE_B)
+    streamed, method = _metered({**MODE_B, "weight_offload": "host"})
+    host = method.streamer.host_bytes()
+    pair = max(a + b for a, b in zip(_layer_bytes(method), _layer_bytes(method)[1:]))
+    assert plain.host_peak_by_category_bytes["params"] == 0
+    assert streamed.host_peak_by_category_bytes["params"] == host  # the host copies, exactly
+    params = {phase: (plain.peak_by_phase_category_bytes[phase]["params"],
+                      streamed.peak_by_phase_category_bytes[phase]["params"]) for phase in ("forward", "optimizer")}
+    assert params["optimizer"][1] == params["optimizer"][0] - host, params  # every streamed weight released
+    assert params["forward"][0] - host < params["forward"][1] <= params["forward"][0] - host + pair, params
+    assert streamed.peak_bytes < plain.peak_bytes

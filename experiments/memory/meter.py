@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from experiments.memory.report import CATEGORIES, PHASES, SPACES, MemoryReport, PeakWindow, Record, Space
+from hmt_core import streaming
 from hmt_core.state_bytes import iter_state_tensors, same_device
 
 _METADATA_OPS = {
@@ -102,16 +103,18 @@ class MemoryMeter(TorchDispatchMode):
         self._in_op = False
         self.host_device_bytes = 0
         self._grad_hooks: list = []
+        self._models: weakref.WeakSet = weakref.WeakSet()  # track_model's: their streamed weights' host copies
         # every allocation and free in order: (tick, +bytes / -bytes, storage serial, device), for
         # experiments.memory.allocator_model's replay of the CUDA caching allocator
         self.events: list[tuple[int, int, int, str]] = []
 
     # ---- registration -------------------------------------------------------------------------------
-    def track(self, tensors: Iterable[torch.Tensor], category: str) -> None:
-        """Register already-existing tensors (weights, buffers, batches) under ``category``."""
+    def track(self, tensors: Iterable[torch.Tensor], category: str, *, space: str | None = None) -> None:
+        """Register already-existing tensors (weights, buffers, batches) under ``category`` (``space``: "host" for
+        a copy held off the device whatever its tensor's device, as a streamed weight's host copy)."""
         self._tick += 1
         for storage, device in _storages(tensors, skip_meta=self._skip_meta):
-            self._register(storage, category, device)
+            self._register(storage, category, device, space=space)
         self._update_peaks()
 
     def track_model(self, model: torch.nn.Module) -> None:
@@ -120,6 +123,7 @@ class MemoryMeter(TorchDispatchMode):
         self.track(model.parameters(), "params")
         self.track(iter_state_tensors([getattr(p, "quant_state", None) for p in model.parameters()]), "params")
         self.track(model.buffers(), "other")
+        self._models.add(model)
 
     def mark(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """(Re)classify tensors, registering them if unseen (e.g. optimizer state after a step)."""
@@ -157,14 +161,15 @@ class MemoryMeter(TorchDispatchMode):
         """"device" for the training device (any index when it names none), "host" for every other device."""
         return "device" if self.device is None or same_device(device, self.device) else "host"
 
-    def _register(self, storage: torch.UntypedStorage, category: str, device: torch.device) -> Record:
+    def _register(self, storage: torch.UntypedStorage, category: str, device: torch.device, *,
+                  space: str | None = None) -> Record:
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
         record = self._records.get(storage)
         if record is not None:
             return record
         record = Record(nbytes=int(storage.nbytes()), category=category, born=self._tick, phase=self._phase,
-                         space=self.space_of(device), serial=len(self.events), device=str(device))
+                         space=space or self.space_of(device), serial=len(self.events), device=str(device))
         if record.space == "device":  # the allocator model replays what the training device's allocator sees
             self.events.append((self._tick, record.nbytes, record.serial, record.device))
         self._records[storage] = record
@@ -204,7 +209,7 @@ class MemoryMeter(TorchDispatchMode):
                         record.category = "activations"
             self._phase = previous
 
-    def storage_resized(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+    def storage_resized(self, storage: torch.UntypedStorage, device: torch.device, category: str | None = None) -> None:
         """A storage resized in place outside ATen (``UntypedStorage.resize_``): its old size is released and a
         non-empty new size registered as a new allocation of the same category. ``device``: its tensor's."""
         self._tick += 1
@@ -213,7 +218,7 @@ class MemoryMeter(TorchDispatchMode):
             del self._records[storage]
             self._release(old)
         if storage.nbytes() > 0:
-            self._register(storage, old.category if old is not None else "temp", device)
+            self._register(storage, category or (old.category if old is not None else "temp"), device)
         self._update_peaks()
 
     @contextlib.contextmanager
@@ -257,13 +262,27 @@ class MemoryMeter(TorchDispatchMode):
             self._start_tick = self._tick
         self._resizes = self._fsdp_storage_resizes()
         self._resizes.__enter__()
+        self._catch_up()
+        self._streamed = streaming.observe_resizes(lambda s, device: self.storage_resized(s, device, "params"))
+        self._streamed.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._streamed.__exit__(None, None, None)
             self._resizes.__exit__(None, None, None)
+
+    def _catch_up(self) -> None:
+        """Weight streaming (``hmt_core.streaming``) between metered windows: storages resized while the meter was
+        not watching (the streamer frees its weights at ``attach``, after ``track_model``) take their size now, and
+        the streamed weights' host copies are host ``params``."""
+        for storage, record in list(self._records.items()):
+            if record.died is None and storage.nbytes() != record.nbytes:
+                self.storage_resized(storage, torch.device(record.device))
+        for model in list(self._models):
+            self.track(streaming.host_tensors(model), "params", space="host")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
