@@ -200,7 +200,7 @@ ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0
                       ("train", "max_spike_steps"): 5, ("train", "spike_loss_margin"): 1.0,
                       ("train", "spike_grad_factor"): 100.0, ("train", "on_spike"): "fail",
                       ("train", "max_lr_drops"): 3, ("train", "schedule"): "cosine",
-                      ("train", "cooldown_frac"): 0.2}
+                      ("train", "cooldown_frac"): 0.2, ("method", "weight_offload"): "none"}
 
 
 def without_added_defaults(plain: dict) -> dict:

@@ -214,7 +214,7 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
     options = []
     for choice in all_options(space, from_record(record)):
         lossy = (int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
-                 + choice.vocab.lossy)
+                 + int(choice.head) + choice.vocab.lossy)  # a projected head keeps low-rank moments: lossy
         sample = f"opt:{choice.mode}:{choice.dtype}:{choice.budget:g}:int8" \
             if choice.weights == "int8" and not choice.head else opt_key(choice)
         cost = option_cost(d, choice, space)
