@@ -1,12 +1,14 @@
-"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--name NAME]``: the loss at each horizon of
-warmup-stable-decay trunks and their cool-down branches (``experiments.sweeps.branches``; Hägele et al. 2024,
-"Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--name NAME] [--row-name ROW=NAME ...]``:
+the loss at each horizon of warmup-stable-decay trunks and their cool-down branches (``experiments.sweeps.branches``;
+Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
 
 Each trunk (a run of ``<trunks dir>``) and each branch (``<trunks dir>-branches`` unless ``--branches``) ends at
 its horizon, ``train.steps``, after its own linear cool-down: its final validation loss is the row's loss at that
 horizon. A row is a method and setting less its learning rate (``variant_sans_lr``: each row's rate is tuned on the
 trunk); its seeds are compared with AdamW split's (``method=adamw``; the only AdamW row of these sweeps) seed by
-seed (paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row).
+seed (paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row). A row is
+labelled ``method`` or ``method: variant`` (the overrides telling it apart from the folder's other runs of that
+method); ``--row-name adamw="AdamW split (×64 dense)"`` shows it under a name instead.
 
 Writes ``<out>/tables/<name>.md`` and ``.tex`` (per horizon: each row's mean ± sample std over seeds, Δ against
 AdamW split and its paired p) and ``<out>/figures/<name>.png`` and ``.pdf`` (validation loss against training
@@ -36,9 +38,10 @@ from experiments.errors import OneLineErrorParser, UserError, one_line_errors  #
 REFERENCE = "adamw"  # AdamW split: the sweeps' only AdamW row
 
 
-def horizon_runs(trunks: Path, branches: Path | None) -> pd.DataFrame:
-    """Completed training runs of the trunks and branches: ``row`` (method: setting less lr), ``horizon`` (steps),
-    ``seed``, ``val_loss``, ``lr``, ``kind`` (trunk | branch)."""
+def horizon_runs(trunks: Path, branches: Path | None, names: dict[str, str] | None = None) -> pd.DataFrame:
+    """Completed training runs of the trunks and branches: ``row`` (method: setting less lr, or its name in
+    ``names``; ``label``: the former always), ``horizon`` (steps), ``seed``, ``val_loss``, ``lr``, ``kind``
+    (trunk | branch)."""
     frames = []
     for kind, folder in (("trunk", trunks), ("branch", branches)):
         if folder is None:
@@ -46,8 +49,9 @@ def horizon_runs(trunks: Path, branches: Path | None) -> pd.DataFrame:
         runs = for_display(load_results(folder)).completed()
         runs = runs[runs["mode"] == "train"]
         label = runs["method"].astype(str) + runs["variant_sans_lr"].fillna("").map(_sans_steps)
-        frames.append(runs.assign(row=label, horizon=pd.to_numeric(runs["steps"]).astype(int), kind=kind)
-                      [["run_id", "row", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
+        frames.append(runs.assign(label=label, row=label.map(lambda row: (names or {}).get(row, row)),
+                                  horizon=pd.to_numeric(runs["steps"]).astype(int), kind=kind)
+                      [["run_id", "row", "label", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
     return pd.concat(frames, ignore_index=True).sort_values(["horizon", "row", "seed"], kind="stable")
 
 
@@ -101,6 +105,13 @@ def horizon_figure(runs: pd.DataFrame, tokens_per_step: int) -> Figure:
     return fig
 
 
+def _row_name(item: str) -> tuple[str, str]:
+    row, sep, name = item.partition("=")
+    if not sep or not row.strip() or not name.strip():
+        raise UserError(f"--row-name {item!r}: write ROW=NAME, e.g. adamw=\"AdamW split\"")
+    return row.strip(), name.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="python -m analysis.wsd", description=__doc__.split("\n")[0])
     parser.add_argument("trunks", type=Path, help="folder of the wsd trunk runs (a sweep's results_dir)")
@@ -109,15 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="writes <out>/tables/<name>.* and figures/<name>.*")
     parser.add_argument("--name", default="wsd_horizons", help="file name of the table and figure")
     parser.add_argument("--tokens-per-step", type=int, default=8 * 128, help="sequences × length (default 1024)")
+    parser.add_argument("--row-name", action="append", default=[], metavar="ROW=NAME",
+                        help="show row ROW (as the table would label it, e.g. adamw) as NAME; repeatable")
     args = parser.parse_args(argv)
 
     def go() -> int:
+        names = dict(_row_name(item) for item in args.row_name)
         branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
         if args.branches is not None and not branches.is_dir():
             raise UserError(f"--branches {branches}: no such folder")
-        runs = horizon_runs(args.trunks, branches if branches.is_dir() else None)
+        runs = horizon_runs(args.trunks, branches if branches.is_dir() else None, names)
         if runs.empty:
             raise UserError(f"{args.trunks}: no completed training run")
+        unknown = sorted(set(names) - set(runs["label"]))
+        if unknown:
+            raise UserError(f"--row-name {unknown[0]}=...: no such row (rows: {', '.join(sorted(set(runs['label'])))})")
         table = horizon_table(runs, args.name, args.tokens_per_step)
         (args.out / "tables").mkdir(parents=True, exist_ok=True)
         written = []

@@ -1,7 +1,8 @@
 """``analysis.wsd`` on a small hand-made results folder: two rows (AdamW split, HMT) × seeds 1-3, trunks of 8 steps
 and branches at 4 steps. Per horizon, each row's Δ against AdamW split is the mean of the seed-paired differences,
 and its p is scipy's paired t-test (``scipy.stats.ttest_rel``) on those seeds, computed here independently of
-``analysis.stats``; a seed only one row ran is not paired; the files ``main`` writes carry the same numbers."""
+``analysis.stats``; a seed only one row ran is not paired; the files ``main`` writes carry the same numbers, under the names
+``--row-name`` gives; a name for a row that is not there is one ``error:`` line."""
 
 from __future__ import annotations
 
@@ -79,9 +80,21 @@ def test_per_horizon_delta_and_paired_p_match_scipy(folders) -> None:
 def test_main_writes_the_table_and_figure_with_the_same_numbers(folders, tmp_path: Path) -> None:
     trunks, _ = folders
     out = tmp_path / "out"
-    assert wsd.main([str(trunks), "--out", str(out), "--name", "h"]) == 0
+    assert wsd.main([str(trunks), "--out", str(out), "--name", "h", "--row-name", "adamw=AdamW split (×64 dense)",
+                     "--row-name", "hmt=HMT default"]) == 0
     md = (out / "tables" / "h.md").read_text()
     for horizon in (4, 8):
         delta, p = _expected(horizon)
+        assert f"| HMT default | {horizon} | 0.01 | {len(LOSSES[horizon]['hmt'])} |" in md, md
         assert f"| {delta:+.3f} | {p:.3f} |" in md, md
+        assert f"| AdamW split (×64 dense) | {horizon} | 0.001 | 3 |" in md, md
+    assert "| adamw |" not in md and "| hmt |" not in md, md
     assert (out / "figures" / "h.png").stat().st_size > 0 and (out / "figures" / "h.pdf").stat().st_size > 0
+
+
+def test_a_name_for_a_missing_row_is_one_error_line(folders, tmp_path: Path, capsys) -> None:
+    trunks, _ = folders
+    with pytest.raises(SystemExit) as exit_:
+        wsd.main([str(trunks), "--out", str(tmp_path / "out"), "--row-name", "galore=GaLore"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[-1].startswith("error: --row-name galore=...: no such row"), err
