@@ -108,6 +108,7 @@ class WeightStreamer:
     peak_resident_bytes: int = 0
     handles: list = field(default_factory=list)
     restore: Callable[[], None] | None = None  # undoes the optimizer's deferred-write wrapper
+    sweep_queued: bool = False  # ``release_all`` queued for the end of the running backward
 
     def __post_init__(self) -> None:
         self.cuda = self.device.type == "cuda"
@@ -181,6 +182,25 @@ class WeightStreamer:
         for w in self.layers[i]:
             self.release(w, write_back=False)
 
+    def backward_reached(self, i: int) -> None:
+        """Backward reached layer i's output: fetch it, prefetch i - 1, free layer i + 1 (its backward is done and
+        its gradients accumulated: autograd runs a ready AccumulateGrad first; what is still there got no gradient,
+        so no update) and, once per backward, sweep at its end."""
+        if not self.sweep_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
+            self.sweep_queued = True
+        if i + 1 < len(self.layers):
+            self.release_layer(i + 1)
+        self.fetch_layer(i, prefetch=i - 1)
+
+    def release_all(self) -> None:
+        """At the end of a backward: a weight still on the device got no gradient there (``torch.autograd.grad``,
+        as the activation probe takes, fires no post-accumulate-grad hook; a weight the loss does not reach) and so
+        no update: freed without write-back (an updated weight was written back and freed in its hook)."""
+        self.sweep_queued = False
+        for w in self.weights():
+            self.release(w, write_back=False)
+
     def weights(self) -> Iterator[_Weight]:
         for layer in self.layers:
             yield from layer
@@ -233,7 +253,7 @@ def _layer_hooks(streamer: WeightStreamer, i: int, last: int) -> tuple[Callable,
         outputs = _outputs(output)
         if torch.is_grad_enabled() and outputs:
             torch.autograd.graph.register_multi_grad_hook(
-                outputs, lambda grad: streamer.fetch_layer(i, prefetch=i - 1), mode="any")
+                outputs, lambda grad: streamer.backward_reached(i), mode="any")
             if i == last:  # its backward comes first
                 return
         streamer.release_layer(i)

@@ -192,3 +192,16 @@ def test_meter_counts_host_copies_as_host_and_streamed_weights_only_while_fetche
     assert params["optimizer"][1] == params["optimizer"][0] - host, params  # every streamed weight released
     assert params["forward"][0] - host < params["forward"][1] <= params["forward"][0] - host + pair, params
     assert streamed.peak_bytes < plain.peak_bytes
+
+
+def test_a_backward_without_accumulation_leaves_no_weight_on_the_device():
+    """``torch.autograd.grad`` (the activation probe's) fires no post-accumulate-grad hook: the weights its backward
+    fetched are freed at its end, unchanged."""
+    model, method = _build({**MODE_A, "weight_offload": "host"}, 1.0)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    loss = model(input_ids=_batches(1)[0], labels=_batches(1)[0]).loss
+    torch.autograd.grad(loss, [model.model.layers[0].mlp.down_proj.weight])
+    assert method.streamer.resident_bytes == 0 and method.streamer.d2h_bytes == 0
+    pair = max(a + b for a, b in zip(_layer_bytes(method), _layer_bytes(method)[1:]))
+    assert method.streamer.peak_resident_bytes <= pair  # a layer is freed once backward has passed it
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
