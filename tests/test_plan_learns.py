@@ -43,7 +43,8 @@ def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_pat
 
 @pytest.mark.parametrize("mode, width, steps, lr, warmup", [
     ("B", 256, 300, 1e-2, 30), ("B", 4096, 200, 6.25e-4, 20), ("B", 2048, 10, 1.25e-3, 1),
-    ("A", 2048, 200, 1e-2, 20), ("A", 4096, 200, 5e-3, 20), ("A", 5120, 1000, 5e-3, 100)])
+    ("A", 256, 200, 1e-2, 20), ("A", 2048, 200, 1.25e-3, 20), ("A", 4096, 200, 6.25e-4, 20),
+    ("A", 5120, 1000, 5e-4, 100)])
 def test_recipe_by_mode_and_width(mode, width, steps, lr, warmup):
     r = recipe_for(mode=mode, width=width, steps=steps, fine_tuning=False)
     assert (r.lr, r.warmup_steps) == (pytest.approx(lr), warmup), r
