@@ -17,7 +17,7 @@ run ``PrecisionAdamW``: torch.optim.AdamW's formula and rounding order (``hmt_co
 ``"torch"``) computed in fp32, in row chunks of at most 16 MiB of fp32 temporaries.
 
 Split learning rate (``dense_lr_scale``): the parameters HMT and GaLore do not project (embeddings, LM head,
-norms, biases: everything but the 2-D ``attn``/``mlp`` weights of ``hmt_core.hmt.projected_weight_names``) take
+norms, biases: everything but the 2-D ``attn``/``mlp`` weights of ``hmt_core.selection.projected_weight_names``) take
 ``lr × dense_lr_scale``, the projected ones ``lr``: two parameter groups, scheduled together. HMT updates its
 projected weights at ``α·lr`` and its dense ones at ``lr``, so ``sides=identity`` at rate ``L`` is AdamW at
 ``lr = α·L`` with ``dense_lr_scale = 1/α`` (plus HMT's norm limiter): the control that separates HMT's split
@@ -40,23 +40,23 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
-from hmt_core.hmt import Config as HmtConfig
-from hmt_core.hmt import projected_weight_names
+from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, dist_error, torch_optimizer_impl
 from hmt_core.method import named_trainable_parameters, trainable_parameters
 from hmt_core.optim import update as upd
 from hmt_core.precision import UpdateWriter, write_rows
+from hmt_core.selection import DEFAULT_PATTERNS, projected_weight_names
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "adamw"
+    fsdp2: ClassVar[bool] = True  # torch AdamW steps FSDP2's DTensor shards
     lr: float = 1e-3
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -95,6 +95,14 @@ class Config:
                              "method.impl at fused")
         if self.paged and not self.eight_bit:
             raise ValueError("method.paged=true pages bitsandbytes' 8-bit state: it needs method.eight_bit=true")
+
+    def check(self, run: Any) -> None:
+        """Nothing else in the run clashes with these settings (``hmt_core.method.MethodConfig``)."""
+
+    def dist_error(self, dist: Any) -> str | None:
+        return dist_error(self.name, dist, fsdp2_refusal=None if not (self.master_weights or self.stochastic_rounding) else (
+            "dist=fsdp2 with method=adamw supports neither method.master_weights nor method.stochastic_rounding "
+            "(the fp32 copy is not sharded); use dist=ddp"))
 
 
 class PrecisionAdamW(torch.optim.Optimizer):
@@ -203,10 +211,10 @@ def param_groups(model: nn.Module, config: Config) -> list[dict[str, Any]]:
     named = named_trainable_parameters(model)
     if config.dense_lr_scale == 1:
         return [{"params": [p for _, p in named]}]
-    projected = projected_weight_names(model, HmtConfig.target_patterns)
+    projected = projected_weight_names(model, DEFAULT_PATTERNS)
     if not projected:
         raise ValueError(f"method.dense_lr_scale={config.dense_lr_scale} splits the rate between the projected "
-                         f"weights (patterns {list(HmtConfig.target_patterns)}) and the rest, but none matches")
+                         f"weights (patterns {list(DEFAULT_PATTERNS)}) and the rest, but none matches")
     return [{"params": [p for n, p in named if n in projected]},
             {"params": [p for n, p in named if n not in projected], "lr": config.lr * config.dense_lr_scale}]
 

@@ -7,7 +7,7 @@ rank 1, tensor-wise scaling, scale 128. Both: seeded random projection refreshed
 norm-growth limiter on. apollo-torch multiplies the update by ``√scale`` (``np.sqrt(group["scale"])``), so
 Mini's effective factor is √128 ≈ 11.3; HMT's Mode B does the same. Only the 2-D weights of ``nn.Linear``
 and ``Conv1D`` (GPT-2) modules whose name matches ``target_patterns`` are projected
-(``hmt_core.hmt.projected_weight_names``; none matching is an error); the rest is a plain AdamW group.
+(``hmt_core.selection.projected_weight_names``; none matching is an error); the rest is a plain AdamW group.
 apollo-torch, like HMT's Mode B, takes channel-wise scaling over the longer side of the gradient, so for a
 non-square ``Conv1D`` weight the channels are the same features as for the ``nn.Linear`` equivalent.
 """
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
-from baselines.driver import Built, OptimizerMethod
+from baselines.driver import Built, OptimizerMethod, dist_error
 from baselines.galore import split_params
-from hmt_core.hmt import projectable_modules, projected_elements
+from hmt_core.selection import DEFAULT_PATTERNS, projectable_modules, projected_elements
 from hmt_core.projection import next_seed
 
 PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "tensor", "scale": 128.0}}
@@ -31,6 +32,7 @@ PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "apollo"
+    fsdp2: ClassVar[bool] = True  # apollo-torch steps DTensor shards (experiments.dist.dtensor_state)
     variant: str = "apollo"  # "apollo" | "mini"
     lr: float = 1e-2
     rank: int | None = None  # None: d_model // 4 (apollo) or 1 (mini)
@@ -41,7 +43,7 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-6
-    target_patterns: tuple[str, ...] = ("attn", "mlp")
+    target_patterns: tuple[str, ...] = DEFAULT_PATTERNS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
@@ -59,6 +61,12 @@ class Config:
             raise ValueError(f"method.update_proj_gap must be > 0, got {self.update_proj_gap}")
         if self.weight_decay < 0:
             raise ValueError(f"method.weight_decay must be >= 0, got {self.weight_decay}")
+
+    def check(self, run: Any) -> None:
+        """Nothing else in the run clashes with these settings (``hmt_core.method.MethodConfig``)."""
+
+    def dist_error(self, dist: Any) -> str | None:
+        return dist_error(self.name, dist)
 
     def resolved(self, model: nn.Module) -> tuple[int, str, float]:
         """(rank, scaling, scale) after applying the variant's defaults."""

@@ -76,6 +76,22 @@ def restore_base_lrs(optimizer: torch.optim.Optimizer, base_lrs: list[float] | N
             group["initial_lr"] = base
 
 
+def dist_error(name: str, dist: Any, *, fsdp2_refusal: str | None = None) -> str | None:
+    """Why baseline ``name`` cannot run under ``dist`` (``hmt_core.method.MethodConfig.dist_error``): ``torch.optim``
+    steps after backward, on gradients the caller's wrapper (DDP, FSDP2) has reduced, so it has no basis to refresh
+    on shards (``dist.refresh``) and no gradient to project before the all-reduce (``dist.lowrank_comm``);
+    ``fsdp2_refusal``: why its options cannot step FSDP2's shards (None: they can)."""
+    if dist.refresh != "gather":
+        return (f"dist.refresh={dist.refresh} needs method=hmt with method.basis=rsvd (got method={name}): the "
+                "distributed sketch is the randomized SVD's; use dist.refresh=gather")
+    if dist.mode == "fsdp2" and fsdp2_refusal is not None:
+        return fsdp2_refusal
+    if dist.lowrank_comm:
+        return (f"dist.lowrank_comm=true needs method=hmt with per_layer=true and mode=A (got {name}): only "
+                "per-layer Mode A projects a gradient before it is reduced")
+    return None
+
+
 class OptimizerDriver:
     def __init__(self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None) -> None:
         self.optimizer = optimizer
@@ -209,6 +225,15 @@ class OptimizerMethod:
 
     def torch_optimizer(self) -> torch.optim.Optimizer | None:
         return self.driver.optimizer if self.driver is not None else None
+
+    shrinks_weights = False  # hmt_core.method.Method's capabilities: the weights keep their dtype,
+    prepare_reads_values = False  # a model on meta can be sharded before prepare,
+
+    def row_shard_slots(self) -> None:
+        return None  # its state is the optimizer's (DCP shards torch AdamW's with the weights),
+
+    def materialize_weights(self) -> None:
+        pass  # and every weight is current after each step
 
     def state_dict(self) -> dict[str, Any]:
         return self.driver.state_dict()

@@ -6,7 +6,7 @@ Published defaults: projection gap T = 200, scale α = 0.25, lr 0.01, one-sided 
 (galore-torch's default; the paper writes 1e-8). The rank is set per model size ("per phase"): the paper uses
 128 / 256 / 256 / 512 for LLaMA 60M / 130M / 350M / 1B; set ``rank`` accordingly. Only the 2-D weights of
 ``nn.Linear`` and ``Conv1D`` (GPT-2) modules whose name matches ``target_patterns`` ("attn", "mlp", as in
-galore-torch's scripts; ``hmt_core.hmt.projected_weight_names``) are projected; everything else is a plain group
+galore-torch's scripts; ``hmt_core.selection.projected_weight_names``) are projected; everything else is a plain group
 of the same optimizer. galore-torch picks the projected side from the gradient's shape, so a ``Conv1D``
 weight's (in, out) layout changes nothing for a non-square weight (see ``hmt_core.hmt`` on square ones).
 
@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch import nn
 
-from baselines.driver import Built, OptimizerMethod
-from hmt_core.hmt import projected_elements, require_projected_weights
+from baselines.driver import Built, OptimizerMethod, dist_error
+from hmt_core.selection import DEFAULT_PATTERNS, projected_elements, require_projected_weights
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "galore"
+    fsdp2: ClassVar[bool] = True  # galore-torch steps DTensor shards (experiments.dist.dtensor_state)
     lr: float = 1e-2
     rank: int = 128
     update_proj_gap: int = 200
@@ -39,7 +41,7 @@ class Config:
     beta2: float = 0.999
     eps: float = 1e-6
     eight_bit: bool = False
-    target_patterns: tuple[str, ...] = ("attn", "mlp")
+    target_patterns: tuple[str, ...] = DEFAULT_PATTERNS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_patterns", tuple(self.target_patterns))
@@ -60,9 +62,17 @@ class Config:
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"method.{key} must be in [0, 1), got {getattr(self, key)}")
 
+    def check(self, run: Any) -> None:
+        """Nothing else in the run clashes with these settings (``hmt_core.method.MethodConfig``)."""
+
+    def dist_error(self, dist: Any) -> str | None:
+        return dist_error(self.name, dist, fsdp2_refusal=None if not self.eight_bit else (
+            "dist=fsdp2 with method=galore does not support method.eight_bit=true (bitsandbytes' 8-bit state does "
+            "not step DTensor shards); use dist=ddp"))
+
 
 def split_params(model: nn.Module, patterns: tuple[str, ...], rank: int) -> tuple[list, list]:
-    """(regular, low-rank) trainable parameters; the low-rank ones are ``hmt_core.hmt``'s projected weights (2-D
+    """(regular, low-rank) trainable parameters; the low-rank ones are ``hmt_core.selection``'s projected weights (2-D
     ``nn.Linear``/``Conv1D`` weights matching ``patterns``; none matching is a ``ValueError``). Raises if ``rank``
     exceeds a projected weight's min(rows, cols)."""
     lowrank_names = require_projected_weights(model, patterns)

@@ -20,12 +20,13 @@ import contextlib
 import functools
 import sys
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch import nn
 
-from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, torch_optimizer_impl
+from baselines.driver import OPTIMIZER_IMPLS, Built, OptimizerMethod, dist_error, torch_optimizer_impl
 from hmt_core.method import trainable_parameters
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -35,6 +36,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "qlora"
+    fsdp2: ClassVar[bool] = False  # NF4 weights and LoRA adapters: DDP only
     lr: float = 2e-4
     weight_decay: float = 0.0
     lora_r: int = 16
@@ -63,6 +65,12 @@ class Config:
         if self.compute_dtype not in ("bf16", "fp32", "fp16"):
             raise ValueError(f"method.compute_dtype must be bf16|fp32|fp16, got {self.compute_dtype!r}")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    def check(self, run: Any) -> None:
+        """Nothing else in the run clashes with these settings (``hmt_core.method.MethodConfig``)."""
+
+    def dist_error(self, dist: Any) -> str | None:
+        return dist_error(self.name, dist)
 
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}

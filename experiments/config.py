@@ -25,7 +25,7 @@ from experiments.model_cards import card_fields, card_names
 from experiments.model_config import MODEL_PHASES, ModelConfig
 from experiments.sweeps import cluster
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
-from hmt_core.hmt import Config as HMTConfig
+from hmt_core.method import MethodConfig
 
 RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+-]{0,199}")  # one directory below results_dir, never ".."
 MODES = ("train", "dryrun")
@@ -276,7 +276,7 @@ class DistConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    method: Any  # the selected method's own frozen Config
+    method: MethodConfig  # the selected method's own frozen Config
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
@@ -303,13 +303,7 @@ class RunConfig:
         if self.train.on_oom == "replan" and self.dist.mode != "none":
             raise ValueError(f"train.on_oom=replan needs dist=none (got dist={self.dist.mode}): one rank's "
                              "out-of-memory error is not agreed across ranks, so the others would wait in a collective")
-        if isinstance(self.method, HMTConfig) and self.method.head_update == "in_loss":
-            clash = ("train.fused_ce=false" if not self.train.fused_ce
-                     else f"train.grad_accum={self.train.grad_accum}" if self.train.grad_accum > 1
-                     else f"dist={self.dist.mode}" if self.dist.mode != "none" else None)
-            if clash:
-                raise ValueError(f"method.head_update=in_loss updates the LM head inside the fused loss's backward, "
-                                 f"one micro-batch, one process; it cannot be combined with {clash}")
+        self.method.check(self)  # the method's settings against the rest of the run
         if self.run_id is not None and not RUN_ID.fullmatch(self.run_id):
             raise ValueError(f"run_id={self.run_id!r} must be one folder name: letters, digits and . _ = + - "
                              "(no '/', no leading '.' or '-', at most 200 characters)")

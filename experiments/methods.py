@@ -1,27 +1,37 @@
-"""The plain name -> (Config, factory) tables of training methods. An unknown name raises with the known ones."""
+"""The one registry of training methods: name -> the module that holds its frozen ``Config`` and its ``make``
+factory (``hmt_core.method``). A method is one module plus one line here; an unknown name raises with the known
+ones. What the harness needs to know about a method it asks the method (``Method``, ``MethodConfig``), never its
+name; the names live here and in each method's own module."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Callable
 
 from baselines import adamw, apollo, galore, qlora
 from hmt_core import hmt
-from hmt_core.method import Method
+from hmt_core.method import Method, MethodConfig
 
-CONFIGS: dict[str, type] = {
-    "hmt": hmt.Config,
-    "adamw": adamw.Config,
-    "qlora": qlora.Config,
-    "galore": galore.Config,
-    "apollo": apollo.Config,
+MODULES: dict[str, ModuleType] = {
+    "hmt": hmt,
+    "adamw": adamw,
+    "qlora": qlora,
+    "galore": galore,
+    "apollo": apollo,
 }
-FACTORIES: dict[str, Callable[[Any], Method]] = {
-    "hmt": hmt.make,
-    "adamw": adamw.make,
-    "qlora": qlora.make,
-    "galore": galore.make,
-    "apollo": apollo.make,
-}
+CONFIGS: dict[str, type[MethodConfig]] = {name: module.Config for name, module in MODULES.items()}
+FACTORIES: dict[str, Callable[[Any], Method]] = {name: module.make for name, module in MODULES.items()}
+PLANNED = "hmt"  # the method whose settings experiments.planner chooses (the baselines it measures as they are)
+
+
+def planned(config: MethodConfig) -> bool:
+    """Whether ``experiments.planner`` plans this method's settings (``--capacity`` measures the others)."""
+    return config.name == PLANNED
+
+
+def fsdp2_names() -> list[str]:
+    """The methods whose optimizer steps FSDP2's sharded parameters (``Config.fsdp2``), sorted."""
+    return sorted(name for name, config in CONFIGS.items() if config.fsdp2)
 
 
 def _check_name(name: str) -> None:
@@ -29,13 +39,13 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown method {name!r}; known methods: {sorted(FACTORIES)}")
 
 
-def make_config(raw: dict[str, Any]) -> Any:
+def make_config(raw: dict[str, Any]) -> MethodConfig:
     """Build a method's frozen Config from a plain dict holding its ``name`` and fields."""
     name = raw.get("name")
     _check_name(name)
     return CONFIGS[name](**raw)
 
 
-def make_method(config: Any) -> Method:
+def make_method(config: MethodConfig) -> Method:
     _check_name(config.name)
     return FACTORIES[config.name](config)

@@ -30,7 +30,6 @@ from experiments.replan import Attempt, divergence_advice, restore_at_lr, resume
 from experiments.results import RunDir, read_status
 from experiments.step_tally import Diverged
 from hmt_core.activations import apply_policy
-from hmt_core.hmt import HMTMethod
 from hmt_core.method import Method
 from experiments.dist import checks as dist_checks
 
@@ -226,8 +225,7 @@ class Trainer:
 
     def _finish(self, summary: dict, result: LoopResult, wandb_run, print_summary) -> None:
         if self.run.train.save_model and self.ctx.is_main:
-            if isinstance(self.method, HMTMethod):  # method.embedding_update=lazy_exact: every row brought up to date
-                self.method.materialize_weights()
+            self.method.materialize_weights()  # e.g. rows a lazy update has not caught up yet
             save_model(self.model, self.corpus.tokenizer, self.run_dir.path / "model")
         self.run_dir.finish(summary)
         if wandb_run is not None:

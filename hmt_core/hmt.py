@@ -4,8 +4,9 @@
 HMT design (shared/seeds/000_hmt_design.txt), "Dynamic Low-Rank Gradient Projection": ``Ĝ_l = P_lᵀ G_l Q_l``
 (two-sided) or GaLore's one-sided rule, bases from exact SVD, randomized SVD or a seeded Gaussian, refreshed every
 ``update_interval`` steps, rank by spectral energy ``E(r) ≥ τ`` under a state budget. ``HMTMethod`` chooses the
-projected weights (``target_patterns``), builds the optimizer's slots and its per-layer engine. Configuration:
-``hmt_core.hmt_config``; design notes (precision, INT8 weights, layout of non-square weights): docs/design/hmt.md."""
+projected weights (``target_patterns``: ``hmt_core.selection``), builds the optimizer's slots and its per-layer
+engine. Configuration: ``hmt_core.hmt_config``; design notes (precision, INT8 weights, layout of non-square
+weights): docs/design/hmt.md."""
 
 from __future__ import annotations
 
@@ -25,56 +26,14 @@ from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
 from hmt_core.optim.row_adam import RowAdamConfig
 from hmt_core.parallel import ParallelContext, is_replicated, mark_replicated
+from hmt_core.selection import (projectable_modules, projected_elements, projected_weight_names,
+                                require_projected_weights)
 from hmt_core.sparse_embedding import SparseEmbeddingUpdate
 from hmt_core.sparse_embedding import install as install_sparse_embedding
 from hmt_core.state_bytes import state_bytes_summary
 
 __all__ = ["Config", "HMTMethod", "make", "projectable_modules", "projected_elements", "projected_weight_names",
            "require_projected_weights"]
-
-
-def projectable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every ``nn.Linear`` and ``transformers`` ``Conv1D`` module with a 2-D weight."""
-    kinds: tuple[type, ...] = (nn.Linear,)
-    try:
-        from transformers.pytorch_utils import Conv1D
-
-        kinds = (nn.Linear, Conv1D)
-    except ImportError:  # transformers is optional for hmt_core itself
-        pass
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, kinds) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            yield name, module
-
-
-def projected_weight_names(model: nn.Module, patterns: tuple[str, ...]) -> set[str]:
-    """Qualified names of the trainable 2-D ``nn.Linear``/``Conv1D`` weights whose module name matches a
-    pattern (``re.search``); empty when none does (``require_projected_weights`` makes that an error)."""
-    names = set()
-    for mod_name, module in projectable_modules(model):
-        if module.weight.requires_grad and any(re.search(p, mod_name) for p in patterns):
-            names.add(f"{mod_name}.weight" if mod_name else "weight")
-    return names
-
-
-def require_projected_weights(model: nn.Module, patterns: tuple[str, ...],
-                              key: str = "method.target_patterns") -> set[str]:
-    """``projected_weight_names``, or a ``ValueError`` naming ``key``, the model type and a few module names
-    when the patterns match no weight (a projected method would otherwise silently train dense AdamW)."""
-    names = projected_weight_names(model, patterns)
-    if names:
-        return names
-    model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
-    candidates = [n for n, _ in projectable_modules(model)] or [n for n, _ in model.named_parameters()]
-    examples = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n) for n in candidates))[:6]
-    raise ValueError(f"{key}={list(patterns)} match no 2-D Linear/Conv1D weight of {model_type}; names look like: "
-                    + (", ".join(examples) if examples else "(the model has no parameters)"))
-
-
-def projected_elements(params) -> int:
-    """Elements in the projected weights ``params`` (the ``projected_params`` summary entry)."""
-    return int(sum(p.numel() for p in params))
 
 
 class HMTMethod:
@@ -220,6 +179,17 @@ class HMTMethod:
 
     def torch_optimizer(self) -> None:
         return None  # its state is its slots' (``state_dict``), not a torch.optim.Optimizer's
+
+    @property
+    def prepare_reads_values(self) -> bool:
+        """``embedding_dtype="int8"``: ``prepare`` quantizes the tables from the weights' values, which a model
+        started on meta does not have (``hmt_core.method.Method``)."""
+        return self.config.embedding_dtype == "int8"
+
+    def row_shard_slots(self) -> list:
+        """Its slots: on FSDP2's shards their moments are row shards of the parameters (``hmt_core.method.Method``,
+        ``hmt_core.optim.sharded_state``)."""
+        return self.opt.slots
 
     @property
     def slots(self) -> list:

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.optim.head_update import config_error as head_update_config_error
 from hmt_core.optim.row_adam import VARIANTS as EMBEDDING_UPDATES
+from hmt_core.optim.sharded import sharded_config_error
 from hmt_core.optim.settings import OptimizerSettings, Precision, Projection, RefreshSchedule, UpdateRule
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
 from hmt_core.projection import SIDES, SOURCES
 from hmt_core.rank import FALLBACKS
 from hmt_core.rank_budget import normalize_state_budget
+from hmt_core.selection import DEFAULT_PATTERNS
 from hmt_core.streaming import OFFLOADS as WEIGHT_OFFLOADS
 from hmt_core.streaming import config_error as weight_offload_error
 
@@ -22,6 +25,7 @@ from hmt_core.streaming import config_error as weight_offload_error
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "hmt"
+    fsdp2: ClassVar[bool] = True  # its sharded engine steps FSDP2's row shards (hmt_core.optim.sharded)
     mode: str = "A"  # "A": low-rank AdamW; "B": APOLLO scaling
     lr: float = 1e-2  # GaLore/APOLLO's default LR for projected training
     beta1: float = 0.9
@@ -51,7 +55,7 @@ class Config:
     scaling: str = "channel"  # Mode B: "channel" | "tensor"
     norm_limiter: bool = True
     limiter_gamma: float = 1.01
-    target_patterns: tuple[str, ...] = ("attn", "mlp")
+    target_patterns: tuple[str, ...] = DEFAULT_PATTERNS
     dense_8bit: bool = False
     per_layer: bool = True
     seed: int = 0
@@ -87,6 +91,38 @@ class Config:
         object.__setattr__(self, "state_budget", normalize_state_budget(self.state_budget))
         check_ranges(self)
         check_combinations(self)
+
+    def check(self, run: Any) -> None:
+        """``head_update=in_loss`` updates the LM head inside the fused loss's backward: one micro-batch, one
+        process (``hmt_core.method.MethodConfig``)."""
+        if self.head_update == "in_loss":
+            clash = ("train.fused_ce=false" if not run.train.fused_ce
+                     else f"train.grad_accum={run.train.grad_accum}" if run.train.grad_accum > 1
+                     else f"dist={run.dist.mode}" if run.dist.mode != "none" else None)
+            if clash:
+                raise ValueError(f"method.head_update=in_loss updates the LM head inside the fused loss's backward, "
+                                 f"one micro-batch, one process; it cannot be combined with {clash}")
+
+    def dist_error(self, dist: Any) -> str | None:
+        """The distributed sketch (``dist.refresh=sketch``) is the randomized SVD's, of one side; FSDP2 runs the
+        sharded engine (``hmt_core.optim.sharded``); ``dist.lowrank_comm`` all-reduces per-layer Mode A's Ĝ."""
+        if dist.refresh != "gather" and self.basis != "rsvd":
+            return (f"dist.refresh={dist.refresh} needs method=hmt with method.basis=rsvd (got "
+                    f"method.basis={self.basis}): the distributed sketch is the randomized SVD's; use "
+                    "dist.refresh=gather")
+        if dist.refresh != "gather" and self.sides != "one_sided":
+            return (f"dist.refresh={dist.refresh} needs method.sides=one_sided (got method.sides={self.sides}): "
+                    "the distributed sketch keeps one side's basis; use dist.refresh=gather")
+        if dist.mode == "fsdp2":
+            why = sharded_config_error(self)
+            if why is None and dist.lowrank_comm:
+                why = "dist.lowrank_comm=true is not supported with dist=fsdp2 (a left-sided Ĝ is already all-reduced)"
+            return why
+        if dist.lowrank_comm and not (self.per_layer and self.mode == "A"):
+            return (f"dist.lowrank_comm=true needs method=hmt with per_layer=true and mode=A (got hmt with "
+                    f"per_layer={self.per_layer}, mode={self.mode}): only per-layer Mode A projects a gradient "
+                    "before it is reduced")
+        return None
 
 
 def check_choices(c: Config) -> None:

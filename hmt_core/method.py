@@ -15,9 +15,14 @@ The training loop (``experiments.loop``) asks a method exactly these things and 
 4. ``metrics()`` / ``summary()``: what it reports, as flat dicts whose keys carry units
    (``optim/grad_norm``, ``rank/mean``), and ``state_tensors()`` so the memory meter can attribute optimizer
    state bytes.
+5. Its capabilities, which the harness reads instead of asking which method it is: ``shrinks_weights`` and
+   ``prepare_reads_values`` (how the model may be built before ``prepare``: on meta, sharded first),
+   ``row_shard_slots()`` (which state a distributed checkpoint writes as row shards), ``materialize_weights()``
+   (what it does before the weights are saved).
 
-Every method has one frozen keyword-only dataclass ``Config``; the name -> factory dict lives in
-``experiments.methods``. Gradient clipping belongs to the method because a method that updates inside
+Every method has one frozen keyword-only dataclass ``Config`` (``MethodConfig``: its name, learning rate, whether
+it steps FSDP2 shards, and the checks of its settings against the rest of the run); the one name -> Config and
+name -> factory registry is ``experiments.methods``. Gradient clipping belongs to the method because a method that updates inside
 backward must decide how (or whether) a *global* norm can be applied; ``step`` returns the pre-clip global
 gradient norm when it computes one, as a device tensor.
 
@@ -30,7 +35,7 @@ gradients (``experiments.loop.train_step``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -98,6 +103,45 @@ class Method(Protocol):
         """The ``torch.optim.Optimizer`` that holds all of this method's state, its base learning rates included
         (each group's ``initial_lr``, as torch's LR schedulers keep them), or None. A distributed checkpoint can
         then save and reshard it by ``torch.distributed.checkpoint.state_dict``; otherwise ``state_dict``."""
+        ...
+
+    @property
+    def shrinks_weights(self) -> bool:
+        """``prepare`` stores the weights in fewer bytes (INT8): a model whose full-precision weights exceed the
+        device is built elsewhere (meta, or the host) and reaches the device through ``prepare(model, device=...)``."""
+        ...
+
+    @property
+    def prepare_reads_values(self) -> bool:
+        """``prepare`` reads the weights' values (INT8 tables quantized from them): the model is built with values
+        and prepared before it is sharded, never started on meta and sharded first."""
+        ...
+
+    def row_shard_slots(self) -> list[Any] | None:
+        """Under FSDP2: the slots whose moments are row shards of their parameters, which a distributed checkpoint
+        writes rank by rank (``hmt_core.optim.sharded_state``); None when ``state_dict`` is one whole dict."""
+        ...
+
+    def materialize_weights(self) -> None:
+        """Bring every weight up to date before it is read whole (saving the model); a no-op for most methods."""
+        ...
+
+
+class MethodConfig(Protocol):
+    """A method's frozen ``Config``: what the harness asks of it before any model exists."""
+
+    name: str
+    lr: float
+    fsdp2: ClassVar[bool]  # its optimizer steps FSDP2's sharded parameters (dist=fsdp2)
+
+    def check(self, run: Any) -> None:
+        """A ``ValueError`` naming the keys when these settings clash with the rest of the run (``run``: the
+        harness's run config, its ``train`` and ``dist`` sections)."""
+        ...
+
+    def dist_error(self, dist: Any) -> str | None:
+        """Why these settings cannot run under ``dist`` (its ``mode``, ``refresh``, ``lowrank_comm``), naming the
+        keys; None when they can. Asked of a method that ``fsdp2`` allows under ``dist=fsdp2``."""
         ...
 
 

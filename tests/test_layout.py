@@ -81,3 +81,24 @@ def test_size_ratchet():
              for kind in ("files", "functions") for name, n in now[kind].items() if n > allowed[kind].get(name, 0)]
     assert not worse, ("new or grown past the limits (files ≤ 400 lines, functions ≤ 60 in hmt_core/ and "
                        "experiments/; split it, or shrink something else):\n" + "\n".join(worse))
+
+
+def test_the_harness_asks_a_method_not_its_name():
+    """What the harness needs of a method it asks the method (``hmt_core.method``: ``Method``, ``MethodConfig``), never
+    its type or name: no ``isinstance`` of HMT's classes and no comparison of a method's name outside the one
+    registry (``experiments/methods.py``) and each method's own module (docs/design/layout.md)."""
+    import re
+
+    from experiments import methods
+
+    names = "|".join(methods.MODULES)
+    pattern = re.compile(rf"isinstance\([^)]*HMT|\bname\s*(==|!=)\s*\"({names})\"|\"({names})\"\s*(==|!=)\s*\S*name\b")
+    found = []
+    for package in ("experiments", "baselines"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel == "experiments/methods.py":
+                continue
+            found += [f"{rel}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                      if pattern.search(line)]
+    assert not found, "\n".join(found)

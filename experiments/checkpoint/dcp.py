@@ -59,7 +59,6 @@ from experiments.dist import dtensor_state
 from experiments.checkpoint.manager import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from experiments.checkpoint import store as ck
-from hmt_core.hmt import HMTMethod
 from hmt_core.method import Method
 from hmt_core.optim import sharded_state
 
@@ -144,8 +143,8 @@ class DistCheckpointer(Checkpointer):
             sd["optim"] = get_optimizer_state_dict(self.model, opt)
         elif state is None:
             sd["method"] = io.BytesIO()
-        elif self._row_sharded():
-            replicated, sd["hmt_rows"] = sharded_state.split_state(self.method.state_dict(), self.method.slots)
+        elif self._row_slots() is not None:
+            replicated, sd["hmt_rows"] = sharded_state.split_state(self.method.state_dict(), self._row_slots())
             sd["method"] = _blob(replicated)
         elif self.ctx.mode == "fsdp2":  # galore-torch/apollo-torch on DTensors: gathered, any world size reads it
             sd["method"] = _blob(dtensor_state.gather(self.method.state_dict()))
@@ -153,9 +152,10 @@ class DistCheckpointer(Checkpointer):
             sd["method"] = _blob(self.method.state_dict())
         return sd
 
-    def _row_sharded(self) -> bool:
-        """FSDP2 + hmt: some moments are per-rank row shards (``hmt_core.optim.sharded_state``)."""
-        return self.ctx.mode == "fsdp2" and isinstance(self.method, HMTMethod)  # hmt on shards: its sharded engine
+    def _row_slots(self) -> list | None:
+        """FSDP2: the method's slots whose moments are per-rank row shards (``Method.row_shard_slots``,
+        ``hmt_core.optim.sharded_state``); None when its state is saved whole."""
+        return self.method.row_shard_slots() if self.ctx.mode == "fsdp2" else None
 
     def _mesh(self):
         """The device mesh FSDP2 shards this model's parameters on."""
@@ -201,8 +201,8 @@ class DistCheckpointer(Checkpointer):
             restore_base_lrs(opt, loop.get("base_lrs"))  # a checkpoint from before the groups carried them
         else:
             method_state = _unblob(sd["method"], device)
-            if self._row_sharded():
-                rows = sharded_state.row_templates(method_state, self.method.slots)
+            if self._row_slots() is not None:
+                rows = sharded_state.row_templates(method_state, self._row_slots())
                 if rows:
                     dcp.load({"hmt_rows": rows}, checkpoint_id=str(point.path))
                 method_state = sharded_state.join_state(method_state, rows)

@@ -20,7 +20,6 @@ from experiments.dist.context import (  # noqa: F401  (the launch API, reached t
     DistContext, dryrun_context, for_rank, release_process_groups, setup, shard_corpus, teardown)
 from experiments.errors import UserError
 from experiments.models import build_model, model_source
-from hmt_core.hmt import HMTMethod
 from hmt_core.int8_weights import is_phantom
 from hmt_core.optim.sharded import rank_from_root
 from hmt_core.parallel import ParallelContext, is_replicated, mark_replicated
@@ -86,7 +85,7 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
         model = build_model(cfg, vocab_size=vocab_size, device="meta")
         return shard_model(prepared(method, model, device, meta_init.materializer(model, device)), ctx)
 
-    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or _quantizes(method):
+    if ctx is None or ctx.mode != "fsdp2" or model_source(cfg) == "weights" or method.prepare_reads_values:
         return whole()
     if not values:
         model = prepared(method, build_model(cfg, vocab_size=vocab_size, device="meta"))
@@ -101,16 +100,11 @@ def build_sharded(cfg: ModelConfig, method, ctx: DistContext | None, *, vocab_si
 
 
 def quantizes_onto(method, device: torch.device) -> bool:
-    """A CUDA model whose method stores its weights in INT8 (HMT ``weight_dtype`` / ``embedding_dtype``) is built
-    on meta (random init; from weights: on the host) and made, initialised and quantized on the device one module
-    at a time: its start-up peak is the INT8 model plus one full-precision module, not the full-precision model (an
+    """A CUDA model whose method stores its weights in INT8 (``Method.shrinks_weights``: HMT's ``weight_dtype`` /
+    ``embedding_dtype``) is built on meta (random init; from weights: on the host) and made, initialised and
+    quantized on the device one module at a time: its start-up peak is the INT8 model plus one full-precision module, not the full-precision model (an
     8B model's 16 GB of bf16 weights would not start on a 16 GiB GPU whose step fits)."""
-    return device.type == "cuda" and isinstance(method, HMTMethod) and method.shrinks_weights
-
-
-def _quantizes(method) -> bool:
-    """hmt's ``prepare`` quantizes INT8 tables from the weights' values, which a meta build does not have."""
-    return isinstance(method, HMTMethod) and method.config.embedding_dtype == "int8"
+    return device.type == "cuda" and method.shrinks_weights
 
 
 def parallel_context(model: nn.Module, ctx: DistContext) -> ParallelContext:

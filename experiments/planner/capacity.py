@@ -173,7 +173,7 @@ def capacity(run, planner: dict, overrides: list[str], *, log=print) -> dict:
             log(f"capacity: {m}: every size already in {path}")
             continue
         log(f"capacity: {m}" + (f" (kept from {path}: {', '.join(sorted(done, key=int))} GiB)" if done else ""))
-        if m == "hmt":
+        if m not in BASELINES:  # the planned method
             sizes_out = hmt_capacity(run, planner, todo, log=log)
             settings = "planned by experiments.planner.plan"
         else:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from experiments import methods
 from experiments.errors import UserError, one_line_errors
 from experiments.models import TORCH_DTYPES
 from experiments.planner.capacity import capacity
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         run = run_config([o for o in overrides if not o.startswith("mode=")])
         if planner.get("calibrate"):
             return write_calibration(run)
-        if run.method.name != "hmt":
+        if not methods.planned(run.method):
             raise UserError(f"method={run.method.name}: the planner plans method=hmt (--capacity compares the "
                             "baselines)")
         preflight(run)

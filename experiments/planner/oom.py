@@ -26,6 +26,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from experiments import methods
 from experiments.config import RunConfig
 from experiments.memory.gpu_allowance import reserve_bytes
 from experiments.planner.cache import Table
@@ -67,7 +68,7 @@ class Answer:
 def current_choice(run: RunConfig) -> OptChoice:
     """The run's optimizer setting as one of the planner's options, or ``Unanswered`` when it is not one."""
     m = run.method
-    if m.name != "hmt":
+    if not methods.planned(m):
         raise Unanswered(f"the planner plans method=hmt only (method={m.name})")
     head = "lm_head" in m.target_patterns
     try:

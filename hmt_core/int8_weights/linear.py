@@ -7,7 +7,7 @@ and requantized by stochastic rounding), and the handle through which HMT's opti
   of a row) are ``nn.Parameter``s with ``requires_grad=False``: the memory meter counts them as ``params`` like
   any weight, and checkpoints store them (``trained_in_place``);
 - ``weight`` is a *phantom* parameter: a ``requires_grad`` leaf of the weight's logical shape and dtype whose
-  storage is one element (``expand``), so the projection rule (``hmt_core.hmt.projected_weight_names``), parameter
+  storage is one element (``expand``), so the projection rule (``hmt_core.selection.projected_weight_names``), parameter
   counts, the meter's gradient marks, ``.grad`` and post-accumulate-grad hooks (HMT's per-layer updates) all work
   as for a BF16 weight: the weight gradient autograd accumulates into ``weight.grad`` is a real, full-size tensor.
 
