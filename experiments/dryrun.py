@@ -39,6 +39,7 @@ from experiments.loop import autocast_context, check_lm_loss, cpu_rss_peak_bytes
 from experiments.memory.meter import MemoryMeter
 from experiments.models import count_params
 from experiments.results import RunDir
+from experiments.runs import build_summary, print_summary
 from hmt_core.activations import apply_policy, probe
 from hmt_core.activations.probe import PROBE_TOKENS, probe_batch
 from hmt_core.method import NotTraceableError
@@ -237,8 +238,7 @@ def trace_steps(run: RunConfig, method, *, fake: bool = True) -> dict:
                                                   "batch_semantics": "global", "rank_batch_size": rows}}
 
 
-def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
-                   build_summary, print_summary) -> dict:
+def execute_dryrun(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device) -> dict:
     """Trace first, write after: a bad setting fails before anything in ``run_dir`` is touched."""
     dist_checks.check_launch(run, device)  # dist=ddp|fsdp2: dist.world_size, the method, the batch split
     start = time.perf_counter()

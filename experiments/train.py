@@ -28,6 +28,7 @@ from experiments.memory.meter import MemoryMeter, StartupPeak
 from experiments.models import count_params, has_weights, model_vocab_size
 from experiments.replan import Attempt, divergence_advice, restore_at_lr, resumed_plan, train_with_replans
 from experiments.results import RunDir, read_status
+from experiments.runs import build_summary, print_summary
 from experiments.step_tally import Diverged
 from hmt_core.activations import apply_policy
 from hmt_core.method import Method
@@ -89,26 +90,24 @@ def open_wandb(run: RunConfig, run_dir: RunDir, config_dict: dict):
                         f"{str(e).splitlines()[0] if str(e) else ''}); use wandb.mode=offline to log locally") from None
 
 
-def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
-                  build_summary, print_summary) -> dict:
+def execute_train(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device) -> dict:
     """``train_attempt``, or with ``train.on_oom=replan``/``train.on_spike=lower_lr`` as many attempts as
     ``experiments.replan`` steps down or lowers the learning rate (each with a new method object: the failed
     attempt's is attached to its model). ``config_dict`` (the configuration as given) is what config.yaml, the run
     id and the checkpoints' resume check see."""
     if run.train.on_oom != "replan" and run.train.on_spike != "lower_lr":
-        return train_attempt(run, config_dict, method, run_dir, device, build_summary, print_summary)
+        return train_attempt(run, config_dict, method, run_dir, device)
     unused = [method]
 
     def attempt_fn(current: RunConfig, attempt: Attempt) -> dict:
         fresh = unused.pop() if unused else methods.make_method(current.method)
-        return train_attempt(current, config_dict, fresh, run_dir, device, build_summary, print_summary,
-                             attempt=attempt)
+        return train_attempt(current, config_dict, fresh, run_dir, device, attempt=attempt)
 
     return train_with_replans(run, device, attempt_fn)
 
 
-def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device,
-                  build_summary, print_summary, *, attempt: Attempt | None = None) -> dict:
+def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, device: torch.device, *,
+                  attempt: Attempt | None = None) -> dict:
     """Set up (data, model, method: every check that needs them fails here, before any compute and before
     anything is written), then train and write ``run_dir``. One trainer for every launch: a single process is
     world size 1 (``DistContext.single``); under torchrun (``dist=ddp|fsdp2``) every rank runs this, rank 0 alone
@@ -116,7 +115,7 @@ def train_attempt(run: RunConfig, config_dict: dict, method, run_dir: RunDir, de
     ctx = distributed.setup(run, device)  # validates the launch before anything else
     try:
         trainer = Trainer.build(run, config_dict, method, ctx, ctx.run_dir(run_dir), attempt=attempt)
-        return trainer.train(build_summary, print_summary)
+        return trainer.train()
     finally:
         ctx.teardown()
 
@@ -168,7 +167,7 @@ class Trainer:
                    model=model, forward_model=forward_model, meter=meter, startup_peak_bytes=startup_peak,
                    checkpointer=checkpointer, resume_point=point, attempt=attempt)
 
-    def train(self, build_summary, print_summary) -> dict:
+    def train(self) -> dict:
         """Train to ``train.steps`` and write the summary; on failure the run directory says why (status
         ``preempted`` with a checkpoint, ``failed`` with the traceback) and a dead peer is one line."""
         point = self.resume_point
@@ -183,8 +182,8 @@ class Trainer:
             self.checkpointer.install_signal_handlers()
             wandb_run = open_wandb(self.run, self.run_dir, self.config_dict) if self.ctx.is_main else None
             result = self._loop(state, wandb_run, act_handle)
-            summary = self._summary(build_summary, result, params, _with_saved(activation_summary, act_handle))
-            self._finish(summary, result, wandb_run, print_summary)
+            summary = self._summary(result, params, _with_saved(activation_summary, act_handle))
+            self._finish(summary, result, wandb_run)
             return summary
         except BaseException as e:
             self._failed(e)
@@ -206,7 +205,7 @@ class Trainer:
         self.meter.remove_hooks()
         return result
 
-    def _summary(self, build_summary, result: LoopResult, params: tuple[int, int], activation_summary) -> dict:
+    def _summary(self, result: LoopResult, params: tuple[int, int], activation_summary) -> dict:
         run, ctx, device = self.run, self.ctx, self.ctx.device
         rep = self.meter.report()
         memory = memory_summary(rep, self.startup_peak_bytes, device)
@@ -223,7 +222,7 @@ class Trainer:
             divergence=result.divergence,
             **({"replans": self.attempt.replans, "lr_drops": self.attempt.lr_drops} if self.attempt else {}))
 
-    def _finish(self, summary: dict, result: LoopResult, wandb_run, print_summary) -> None:
+    def _finish(self, summary: dict, result: LoopResult, wandb_run) -> None:
         if self.run.train.save_model and self.ctx.is_main:
             self.method.materialize_weights()  # e.g. rows a lazy update has not caught up yet
             save_model(self.model, self.corpus.tokenizer, self.run_dir.path / "model")

@@ -21,9 +21,10 @@ sys.path.insert(0, str(REPO))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from experiments import run as runner  # noqa: E402  (registers every config, the cluster group included)
+from experiments import execute  # noqa: E402,F401  (registers every config, the cluster group included)
 from experiments.config import to_plain_dict, to_run_config  # noqa: E402
 from experiments.results import RunDir, read_status  # noqa: E402
+from experiments.runs import default_run_id  # noqa: E402
 
 FAILING_SEED = 666  # fails like a crash during training: the run writes status failed itself
 DIES_BEFORE_START_SEED = 667  # exits before writing anything, like the runner's config/device errors
@@ -33,7 +34,7 @@ STANDIN_BEST_LR, STANDIN_DIVERGES_LR = 3e-3, 0.1
 @hydra.main(version_base=None, config_path=str(REPO / "experiments" / "conf"), config_name="run")
 def main(cfg: DictConfig) -> None:
     run = to_run_config(cfg)
-    run_id = run.run_id or runner.default_run_id(run)
+    run_id = run.run_id or default_run_id(run)
     run_dir = RunDir(Path(run.results_dir), run_id)
     if read_status(run_dir.path) == "completed" and not run.force:
         return

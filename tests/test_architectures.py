@@ -17,7 +17,7 @@ from experiments.config import ModelConfig
 from experiments.errors import UserError
 from experiments.models import build_model, load_hf_config, max_positions, model_source, model_vocab_size
 from experiments.results import read_metrics
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 from hmt_core.hmt import projected_weight_names
 
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")

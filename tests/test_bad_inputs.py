@@ -19,7 +19,7 @@ from test_runner import CONF, MICRO
 
 from experiments.data.corpus import build_corpus
 from experiments.data.local_corpus import split_long_text
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 
 REPO = Path(__file__).resolve().parent.parent
 PARAGRAPH = ("The committee met in the spring and spoke of roads, of harvests, of the long winter and of the "

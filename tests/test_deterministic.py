@@ -13,7 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.config import TrainConfig, register_configs, to_plain_dict, to_run_config
-from experiments.run import default_run_id, run_id_of
+from experiments.runs import default_run_id, run_id_of
 from experiments.train import deterministic_algorithms, set_deterministic
 from test_bad_inputs import assert_one_line_error, results  # noqa: F401  (the fixture: an earlier run)
 

@@ -142,7 +142,7 @@ def test_dryrun_under_fsdp2_applies_the_policy_and_skips_the_probe(tmp_path, cap
     from hydra import compose, initialize_config_dir
 
     from experiments.config import register_configs
-    from experiments.run import main_with_config
+    from experiments.execute import main_with_config
 
     register_configs()
     conf = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")

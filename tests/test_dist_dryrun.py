@@ -215,7 +215,7 @@ def test_ddp_at_world_size_one_is_the_plain_dry_run_plus_its_gradient_buckets():
 
 
 def test_summary_reports_the_world_size_and_per_rank_batch(tmp_path):
-    from experiments.run import main_with_config
+    from experiments.execute import main_with_config
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("run", overrides=["mode=dryrun", *MICRO, "dist=fsdp2", "method=adamw", "dist.world_size=64",
@@ -233,7 +233,7 @@ def test_summary_reports_the_world_size_and_per_rank_batch(tmp_path):
     (["mode=dryrun", "dist.world_size=2"], ["dist.world_size=2", "dist=ddp"]),
 ])
 def test_bad_per_rank_dry_runs_fail_with_one_line(capsys, tmp_path, overrides, fragments):
-    from experiments.run import main_with_config
+    from experiments.execute import main_with_config
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("run", overrides=[*MICRO, "method=adamw", *overrides, f"results_dir={tmp_path}"])

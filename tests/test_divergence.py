@@ -34,7 +34,7 @@ from test_runner import CONF, MICRO
 from experiments.checkpoint import store as ck
 from experiments.checkpoint.manager import LoopState
 from experiments.results import read_metrics, read_status
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 from experiments.step_tally import COLLAPSE, GRAD, LOSS, SpikeRules, StepTally
 
 REPO = Path(__file__).resolve().parent.parent

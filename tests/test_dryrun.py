@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from experiments import methods
 from experiments.config import to_run_config
 from experiments.dryrun import trace_steps, verdicts
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
 

@@ -21,7 +21,7 @@ from experiments.memory.meter import MemoryMeter
 from hmt_core import projection as proj
 from hmt_core.activations.measure import GradAgreement, cosine
 
-register_configs()  # what importing experiments.run does
+register_configs()  # what importing experiments.execute does
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
 SEQ, BATCH = 64, 2
 MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
@@ -113,7 +113,7 @@ def test_probe_at_125m_width_is_bounded_and_traced():
 
 def test_train_reports_the_metered_probe(tmp_path):
     """mode=train runs the same bounded probe under its own meter; its peak lands beside the step's."""
-    from experiments.run import main_with_config
+    from experiments.execute import main_with_config
 
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("run", overrides=[*MICRO, "method=hmt", "activation=hmt", "train.steps=2", "train.eval_every=2",

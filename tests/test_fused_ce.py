@@ -323,7 +323,7 @@ def test_unknown_architecture_or_wrapped_head_is_refused_clearly(tiny_llama_conf
 def test_unknown_architecture_is_a_one_line_error_before_anything_is_written(tmp_path, capsys):
     from transformers import GemmaConfig
 
-    from experiments.run import main_with_config
+    from experiments.execute import main_with_config
 
     model_dir = tmp_path / "gemma"
     model_dir.mkdir()

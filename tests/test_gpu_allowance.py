@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config import to_run_config
 from experiments.memory.gpu_allowance import GpuTarget, allowance_for, modeled_verdicts
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 
 MiB, GIB = 2**20, 2**30
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")

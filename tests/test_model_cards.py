@@ -24,7 +24,7 @@ from experiments.model_cards import card_config, card_dir, card_names, card_para
 from experiments.models import architecture_name, build_model, load_hf_config, with_config_name
 from experiments.planner.capacity import load_results, readme_block, render_table
 from experiments.planner.costs import layer_variants
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = str(ROOT / "experiments" / "conf")

@@ -27,7 +27,7 @@ from experiments.planner import oom
 from experiments.config import to_run_config
 from experiments.replan import apply_overrides, ladder_plan
 from experiments.results import read_metrics, read_recorded_config, read_status
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 from experiments.checkpoint import store as ck
 from experiments.planner.cache import USER_DIR
 from experiments.memory.gpu_allowance import outside_allocator_bytes, reserve_bytes

@@ -93,7 +93,7 @@ def test_group_key_has_no_package_versions_nor_model_name(monkeypatch):
     a change of shape, sequence or meter version does not."""
     run = planner.run_config(["model=tiny", "train.seq_len=64"])
     key = plan_cache.group_key(run)
-    import experiments.run as runner
+    import experiments.runs as runner
 
     monkeypatch.setattr(runner, "versions", lambda: {"torch": "0.0", "transformers": "0.0"})
     assert plan_cache.group_key(run) == key

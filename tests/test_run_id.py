@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from experiments.checkpoint.manager import config_differences
 from experiments.config import register_configs, to_plain_dict, to_run_config
-from experiments.run import default_run_id, run_id_of
+from experiments.runs import default_run_id, run_id_of
 
 CAMPAIGN = Path(__file__).resolve().parent.parent / "results" / "campaign"
 

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.results import read_metrics
-from experiments.run import main_with_config
+from experiments.execute import main_with_config
 
 CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
 MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",

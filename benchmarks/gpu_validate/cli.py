@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 
 def git_sha() -> str | None:
-    from experiments.run import git_sha as runner_git_sha  # lazy: the no-GPU path stays a one-liner
+    from experiments.runs import git_sha as runner_git_sha  # lazy: the no-GPU path stays a one-liner
 
     return runner_git_sha()
 

@@ -9,7 +9,7 @@ people to read:
   that method's own, keeps one method's fragmentation or leaked references out of the next, and contains a crash:
   a CUDA OOM, or worse a sticky CUDA error (illegal address from a kernel, device-side assert) that poisons the
   CUDA context of the process it happens in, ends that run only. It costs a few seconds of start-up per run.
-- ``runner="inprocess"``: ``experiments.run.main_with_config`` on a Hydra ``compose`` (as ``tests/test_runner.py``
+- ``runner="inprocess"``: ``experiments.execute.main_with_config`` on a Hydra ``compose`` (as ``tests/test_runner.py``
   does), the CUDA caching allocator emptied between runs — faster start-up, weaker isolation.
 
 The CUDA smoke tests (``pytest -m cuda tests/test_cuda_smoke.py``) always run in a subprocess, first; their
@@ -137,7 +137,7 @@ def read_junit(path: Path) -> dict:
 def _compose_and_run(overrides: list[str]) -> dict | None:
     from hydra import compose, initialize_config_dir
 
-    from experiments.run import main_with_config
+    from experiments.execute import main_with_config
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("run", overrides=overrides)

@@ -19,7 +19,7 @@ from experiments.planner.model import calibrate
 from experiments.planner.plan import make_plan, parse_args, plan_with, prepare, run_config
 from experiments.planner.report import plans_dir, render_plan
 from experiments.results import atomic_write_text
-from experiments.run import preflight, resolve_device
+from experiments.runs import preflight, resolve_device
 
 
 def main(argv: Sequence[str] | None = None) -> dict | None:

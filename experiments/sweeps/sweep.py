@@ -4,7 +4,7 @@ A sweep file (``experiments/sweeps/<name>.yaml``) lists override sets for ``pyth
 format and expansion are in ``experiments.sweeps.files``.
 
 A run's identity is the runner's own: the ``run_id`` it would write to (``run_id=`` if given, else
-``experiments.run.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
+``experiments.runs.default_run_id`` of the composed, validated config), under ``results_dir``. Its state is the
 word in ``<results_dir>/<run_id>/status`` (running | completed | failed | diverged | preempted) or ``pending`` when
 the run has not started. Completed runs are skipped by the sweeper (``hydra_plugins/hmt_sweeper``) and by the
 runner unless ``force=true``.
@@ -128,7 +128,7 @@ def validated_run_config(cfg: Any) -> Any:
 
 def run_ref_from_config(cfg: Any) -> RunRef:
     """The run a composed Hydra config would write, per the runner's rules (validating the config)."""
-    from experiments.run import default_run_id
+    from experiments.runs import default_run_id
 
     run = validated_run_config(cfg)
     return RunRef(Path(run.results_dir).expanduser(), run.run_id or default_run_id(run), bool(run.force))
@@ -139,7 +139,7 @@ def compose_run_config(overrides: Sequence[str]) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import experiments.run  # noqa: F401  (registers the structured configs)
+    import experiments.execute  # noqa: F401  (registers the structured configs)
 
     identity = [o for o in overrides if override_key(o).split(".")[0].split("/")[0] not in NON_IDENTITY_KEYS]
     GlobalHydra.instance().clear()
