@@ -32,7 +32,7 @@ PRESETS = {"apollo": {"scaling": "channel", "scale": 1.0}, "mini": {"scaling": "
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "apollo"
-    fsdp2: ClassVar[bool] = True  # apollo-torch steps DTensor shards (experiments.dist.dtensor_state)
+    fsdp2: ClassVar[bool] = True  # apollo-torch steps DTensor shards (experiments.checkpoint.dtensor_state)
     variant: str = "apollo"  # "apollo" | "mini"
     lr: float = 1e-2
     rank: int | None = None  # None: d_model // 4 (apollo) or 1 (mini)

@@ -30,7 +30,7 @@ from hmt_core.selection import DEFAULT_PATTERNS, projected_elements, require_pro
 @dataclass(frozen=True, kw_only=True)
 class Config:
     name: str = "galore"
-    fsdp2: ClassVar[bool] = True  # galore-torch steps DTensor shards (experiments.dist.dtensor_state)
+    fsdp2: ClassVar[bool] = True  # galore-torch steps DTensor shards (experiments.checkpoint.dtensor_state)
     lr: float = 1e-2
     rank: int = 128
     update_proj_gap: int = 200

@@ -10,7 +10,7 @@ shards, ``hmt_core.optim.sharded``) with no activation policy and with ``activat
 recomputed from its input; Korthikanti et al. 2022, Sec. 4: only the 2·s·b·h layer inputs kept), hmt and galore
 under DDP (replicated: the per-rank figure does not depend on W, so they run at W=8 only unless ``--ddp-worlds``
 says otherwise), galore and apollo under FSDP2 (galore-torch's and apollo-torch's optimizers on the DTensor shards,
-``experiments.dist.dtensor_state``). Seq 2048, per-rank batch 1 (``train.batch_size=W``, the global batch).
+``experiments.checkpoint.dtensor_state``). Seq 2048, per-rank batch 1 (``train.batch_size=W``, the global batch).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SETUPS = {  # name -> (dist, method overrides)
 }
 CATS = ("params", "grads", "optimizer", "activations", "temp")
 NOTES = ("galore-fsdp2 / apollo-fsdp2: galore-torch's and apollo-torch's optimizers stepping FSDP2's DTensor shards "
-         "after backward (`experiments.dist.dtensor_state`); their defaults (galore rank 128, apollo rank d/4) with "
+         "after backward (`experiments.checkpoint.dtensor_state`); their defaults (galore rank 128, apollo rank d/4) with "
          "galore-torch's SVD on the all-gathered gradient in the traced step (step 0 refreshes).",
          "hmt-fsdp2-sketch: `dist.refresh=sketch` (no gathered gradient at a refresh); the same peak, which is set at "
          "the start of backward, not in a refresh hook (one refresh's own memory: `benchmarks/refresh_memory.py`).",

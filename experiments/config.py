@@ -19,11 +19,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import methods
+from experiments import cluster, methods
 from experiments.config_checks import check_folder, one_of, positive
 from experiments.model_cards import card_fields, card_names
 from experiments.model_config import MODEL_PHASES, ModelConfig
-from experiments.sweeps import cluster
 from hmt_core.activations.policy import PRESETS, ActivationPolicy
 from hmt_core.method import MethodConfig
 

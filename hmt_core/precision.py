@@ -17,14 +17,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from hmt_core import kernels
+from hmt_core.kernels.chunks import (  # noqa: F401  (re-exported: the row-chunk rule of every chunked update)
+    CHUNK_BYTES, CUDA_CHUNK_BYTES, chunk_budget, chunk_rows_for)
 
-# Row-chunk budgets (bytes of one chunk of an update's temporaries: stochastic-rounding and INT8 writes, the fused
-# update's fallback, Mode B, large dense weights). The host's is sized for CPU memory; on CUDA a 16 MiB chunk is
-# streamed in ~10 µs at HBM bandwidth, no longer than its kernels' launch overhead, so CUDA chunks are 4x larger
-# (a 7B MLP weight in 3 chunks instead of 11; docs/kernels.md).
-CHUNK_BYTES = 16 << 20
-CUDA_CHUNK_BYTES = 64 << 20
 _LOW_BITS = 1 << 16  # BF16 is the upper 16 bits of the fp32 pattern: 16 bits are rounded away
 _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as int32
 
@@ -123,20 +118,6 @@ def is_quantized(param: Any) -> bool:
     if found is None:
         found = _QUANTIZED_TYPES[kind] = isinstance(param, QuantizedWeight)
     return found
-
-
-def chunk_budget(like: Any = None) -> int:
-    """Bytes of one row chunk for tensors like ``like``: ``CUDA_CHUNK_BYTES`` on CUDA (fake tensors standing for
-    CUDA ones in a ``dryrun.device=cuda`` trace included, ``hmt_core.kernels.on_cuda``), else ``CHUNK_BYTES``."""
-    return CUDA_CHUNK_BYTES if like is not None and kernels.on_cuda(like) else CHUNK_BYTES
-
-
-def chunk_rows_for(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, chunk_bytes: int = 0, *,
-                   like: Any = None) -> int:
-    """Rows of a (rows, ...) temporary of ``dtype`` that fit one chunk (``chunk_bytes``, 0: ``chunk_budget(like)``);
-    the one row-chunk rule of every chunked update."""
-    row_bytes = (int(torch.Size(shape).numel()) // max(1, shape[0])) * dtype.itemsize if shape and shape[0] else 1
-    return max(1, (chunk_bytes or chunk_budget(like)) // max(1, row_bytes))
 
 
 def write_rows(shape: tuple[int, ...], chunk_bytes: int | None = None, *, like: Any = None) -> list[Any]:

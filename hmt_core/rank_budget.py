@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from scipy import sparse
@@ -22,7 +22,6 @@ from scipy.optimize import linprog
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from hmt_core.optim.settings import Projection
 from hmt_core.projection import which_sides
 from hmt_core.rank import energy_ratios, valid_candidates
 
@@ -314,7 +313,17 @@ class RankBudget:
             layer.step, layer.held = int(st["step"]), None if st["held"] is None else int(st["held"])
 
 
-def make_rank_budget(weights: dict[str, tuple[tuple[int, int], int, tuple[int, ...]]], cfg: Projection, *,
+class BudgetSettings(Protocol):
+    """The projection keys the budget reads (``hmt_core.optim.settings.Projection``)."""
+
+    state_budget: str | None
+    rank: int | None
+    sides: str
+    rank_fallback: str
+    tau: float
+
+
+def make_rank_budget(weights: dict[str, tuple[tuple[int, int], int, tuple[int, ...]]], cfg: BudgetSettings, *,
                      state_dtype: str, limiter: bool) -> RankBudget | None:
     """The ``RankBudget`` for projected ``weights`` (name -> ((out, in), weight element size, candidates)) under
     HMT's projection settings, ``state_dtype`` moments and Mode B's ``limiter`` (its 0-d norm of G ⊙ s, accumulated

@@ -30,7 +30,7 @@ a model built from other weights and train the same 2 steps.
    and 3e-5; the uninterrupted W=1 and W=2 runs differ by 2e-5 from the step-0 refresh alone, printed for
    context).
    galore-torch and apollo-torch under FSDP2 (their state gathered to full values in the checkpoint,
-   ``experiments.dist.dtensor_state``), 2 → 1 and 1 → 2, W = 1 feeding the halves as micro-batches: the restored state
+   ``experiments.checkpoint.dtensor_state``), 2 → 1 and 1 → 2, W = 1 feeding the halves as micro-batches: the restored state
    equals the saved one bit for bit; the continued run differs only where DTensor sums partial products of the
    two shards (a left-projected Pᵀ G, APOLLO's channel and tensor norms), the reorderings bounded in
    ``tests/test_fsdp2_baselines.py`` (≲ 3.5e-7 per step, two steps here, and the reordered Adam moments carry it
@@ -81,7 +81,7 @@ def _full_state(model, method) -> dict[str, object]:
 
     from torch.distributed.tensor import DTensor
 
-    from experiments.dist import dtensor_state
+    from experiments.checkpoint import dtensor_state
     from experiments.checkpoint.dcp import torch_optimizer
     from hmt_core.optim import sharded_state
 
@@ -283,7 +283,7 @@ def _dcp_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint: weights, AdamW's moments, and (galore, apollo) the gathered state entry."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from experiments.dist import dtensor_state
+    from experiments.checkpoint import dtensor_state
 
     dcp_to_torch_save(str(path), str(tmp))
     state = torch.load(tmp, weights_only=False)

@@ -1,6 +1,6 @@
 """galore-torch and apollo-torch under FSDP2 (``dist=fsdp2``), on CPU with gloo, two processes.
 
-Their optimizers step FSDP2's DTensor shards unchanged (``experiments.dist.dtensor_state`` says how); these tests check
+Their optimizers step FSDP2's DTensor shards unchanged (``experiments.checkpoint.dtensor_state`` says how); these tests check
 that this is the single-process method, and what it communicates:
 
 1. One step at a time from the same state, fsdp2 + galore / apollo / APOLLO-Mini equals the single-process
@@ -87,7 +87,7 @@ def _case(ctx, overrides: dict, data) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from experiments.dist import parallel as distributed
-    from experiments.dist import dtensor_state
+    from experiments.checkpoint import dtensor_state
     from experiments.loop import lm_loss
     from helpers import tiny_llama
 

@@ -16,7 +16,7 @@ What is saved (one state dict, each entry through DCP):
   optimizer state with their projector objects), one serialized entry: it is identical on every rank (each rank
   computes the same update from the all-reduced gradient), so DCP writes it once; under FSDP2 galore-torch's and
   apollo-torch's state holds DTensors (also inside projector objects), gathered to full values first
-  (``experiments.dist.dtensor_state``) and put back on the reading run's mesh;
+  (``experiments.checkpoint.dtensor_state``) and put back on the reading run's mesh;
 - ``hmt_rows`` (FSDP2 + hmt only, ``hmt_core.optim.sharded_state``): the moments that are row shards of a
   parameter (right-sided and dense ones) as ``Shard(0)`` DTensors of their global shape, each rank writing its rows;
   ``method`` then holds placeholders in their place. Restoring reads ``method`` first, builds this rank's empty
@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from baselines.driver import restore_base_lrs
-from experiments.dist import dtensor_state
+from experiments.checkpoint import dtensor_state
 from experiments.checkpoint.manager import Checkpointer, LoopState, Preempted, ResumePoint
 from experiments.errors import UserError
 from experiments.checkpoint import store as ck

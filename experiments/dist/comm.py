@@ -156,7 +156,7 @@ class CommCounter:
 
 
 class GradAverager:
-    """Per-layer HMT's ``reduce_grad`` (``hmt_core.optim.hooks.GradReducer``): the mean over ranks of the gradients
+    """Per-layer HMT's ``reduce_grad`` (``hmt_core.parallel.GradReducer``): the mean over ranks of the gradients
     handed to it (full gradients, or with ``lowrank`` a Mode A weight's projection), bucketed and asynchronous like
     torch DDP's ``Reducer``.
 

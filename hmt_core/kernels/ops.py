@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hmt_core import adam as upd
 from hmt_core import kernels
-from hmt_core.precision import chunk_rows_for
+from hmt_core.kernels.chunks import chunk_rows_for
 from hmt_core.projection import Basis
 from hmt_core.projection import project as project_torch
 

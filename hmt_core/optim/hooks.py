@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -19,24 +18,7 @@ from hmt_core.kernels import ops as kops
 from hmt_core.basis_cache import BasisCache
 from hmt_core.optim import grouped
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot, clip_coefficient, global_norm
-
-
-class GradReducer(Protocol):
-    """Averages gradients across ranks in place (set by ``experiments.dist.parallel``; None single-process). It may
-    defer (bucket, communicate asynchronously): ``done`` runs once the tensor holds the mean, in the order the
-    tensors were handed over, at the latest in ``flush``."""
-
-    lowrank: bool  # Mode A weights between refreshes: reduce Ĝ = project(G_local) instead of G
-
-    def full(self, grad: Tensor, name: str, done: Callable[[], None]) -> None: ...  # grad: any parameter's shape
-
-    def projected(self, low: Tensor, done: Callable[[], None]) -> None: ...  # low: Ĝ, (out, r) | (r, in) | (r, r)
-
-    def flush(self) -> None: ...  # every tensor handed over is reduced and its ``done`` has run
-
-    world_size: int
-
-    def rows(self, ids: Tensor, values: Tensor) -> tuple[Tensor, Tensor]: ...  # (N,), (N, d): every rank's, gathered
+from hmt_core.parallel import GradReducer
 
 
 class PerLayerEngine:
