@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Callable
 
-from baselines import adamw, apollo, galore, qlora
+from baselines import adafactor, adamw, apollo, galore, qlora
 from hmt_core import hmt
 from hmt_core.method import Method, MethodConfig
 
@@ -18,6 +18,7 @@ MODULES: dict[str, ModuleType] = {
     "qlora": qlora,
     "galore": galore,
     "apollo": apollo,
+    "adafactor": adafactor,
 }
 CONFIGS: dict[str, type[MethodConfig]] = {name: module.Config for name, module in MODULES.items()}
 FACTORIES: dict[str, Callable[[Any], Method]] = {name: module.make for name, module in MODULES.items()}
