@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from torch import nn
@@ -52,14 +53,10 @@ def driver_stand_ins() -> Iterator[None]:
                (torch.cuda, "current_stream", lambda device=None: Stream()),
                (torch.cuda, "synchronize", lambda device=None: None),  # bitsandbytes' per-step sync
                (torch.Tensor, "record_stream", lambda self, stream: None)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    try:
+    with contextlib.ExitStack() as stack:
         for owner, name, value in patches:
-            setattr(owner, name, value)
+            stack.enter_context(mock.patch.object(owner, name, value))
         yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
 
 
 @contextlib.contextmanager

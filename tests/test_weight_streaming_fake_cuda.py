@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -78,14 +79,10 @@ class Streams:
                    (torch.cuda, "stream", self.stream), (torch.cuda, "current_stream", lambda device=None: self.Current()),
                    (torch.cuda, "synchronize", lambda device=None: self.syncs.append("torch.cuda.synchronize")),
                    (torch.Tensor, "record_stream", lambda t, s: self.log.append(("record_stream", s.name, t.shape)))]
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-        try:
+        with contextlib.ExitStack() as stack:
             for owner, name, value in patches:
-                setattr(owner, name, value)
+                stack.enter_context(mock.patch.object(owner, name, value))
             yield
-        finally:
-            for owner, name, value in reversed(saved):
-                setattr(owner, name, value)
 
 
 class Copies(TorchDispatchMode):
