@@ -105,7 +105,7 @@ def shown_settings(data: pd.DataFrame) -> tuple[list[tuple[tuple, pd.DataFrame]]
     for key, g in tuned:
         if key[0] not in best or final(g) < final(best[key[0]][1]):
             best[key[0]] = (key, g)
-    return [kg for kg in tuned if best[kg[0][0]] is kg], len(found)
+    return [kg for kg in tuned if best[kg[0][0]][0] == kg[0]], len(found)  # by key: best holds new tuples
 
 
 def clip_early(ax, curves: list[pd.DataFrame], last_step: float) -> bool:
