@@ -126,7 +126,8 @@ def family_row(family: str, answer: tuple[Path, dict], args, scratch: Path, prev
     nodes = yaml.safe_load(plan_yaml.read_text())
     plan_train = nodes["train"]
     warmup = max(1, round(plan_train["warmup_steps"] / plan_train["steps"] * args.steps))  # the plan's fraction
-    common = [f"train.warmup_steps={warmup}"]
+    attn = nodes["model"].get("attn_implementation", "sdpa")  # Gemma 2's card: eager (transformers has no SDPA)
+    common = [f"train.warmup_steps={warmup}", *([f"model.attn_implementation={attn}"] if attn != "sdpa" else [])]
     plan_run = train(f"{family}-plan", [f"hydra.searchpath=[file://{plan_yaml.parent.parent}]",
                                         f"+plans={plan_yaml.stem}", *common], proxy, args, scratch)
     adamw, default = (reusable(previous, f"{family}-{name}", [f"method={name}", *common])

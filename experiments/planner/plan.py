@@ -50,20 +50,20 @@ import yaml
 
 from experiments.config import RUN_ID, to_plain_dict
 from experiments.errors import UserError
+from experiments.execute import main_with_config
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.correct import Corrections
-from experiments.planner.efficiency import Throughput
 from experiments.planner.costs import GIB, Space, policy_for
+from experiments.planner.efficiency import Throughput
 from experiments.planner.extend import extend
+from experiments.planner.learning import learning_check
 from experiments.planner.milp import min_peak
 from experiments.planner.model import build_problem
-from experiments.planner.learning import learning_check
 from experiments.planner.objective import failed_learning, loss_cost, throughput_model, without
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
 from experiments.planner.recipe import run_recipe, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.results import atomic_write_text
-from experiments.run import main_with_config
 from experiments.step_time import CONFIRM_S
 from experiments.sweeps.sweep import checked, validated_run_config
 
