@@ -32,6 +32,7 @@ from analysis import stats  # noqa: E402
 from analysis.figures import method_colors, save  # noqa: E402
 from analysis.load import load_results  # noqa: E402
 from analysis.report import for_display  # noqa: E402
+from analysis.rows import run_configs  # noqa: E402
 from analysis.tables import DASH, Table, by_seed, fmt_mean_std, fmt_p, to_latex, to_markdown  # noqa: E402
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors  # noqa: E402
 
@@ -105,6 +106,16 @@ def horizon_figure(runs: pd.DataFrame, tokens_per_step: int) -> Figure:
     return fig
 
 
+def tokens_per_step(trunks: Path) -> int:
+    """Tokens per optimizer step of the trunks (train.seq_len × batch_size × grad_accum, from their configs); runs
+    that differ in it are one ``UserError``."""
+    found = {int(c["train.seq_len"]) * int(c["train.batch_size"]) * int(c.get("train.grad_accum", 1))
+             for c in run_configs(trunks).values() if "train.seq_len" in c}
+    if len(found) != 1:
+        raise UserError(f"{trunks}: the trunks' tokens per step are {sorted(found) or 'unknown'}; one value needed")
+    return found.pop()
+
+
 def _row_name(item: str) -> tuple[str, str]:
     row, sep, name = item.partition("=")
     if not sep or not row.strip() or not name.strip():
@@ -119,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
                         "<trunks>-branches)")
     parser.add_argument("--out", type=Path, required=True, help="writes <out>/tables/<name>.* and figures/<name>.*")
     parser.add_argument("--name", default="wsd_horizons", help="file name of the table and figure")
-    parser.add_argument("--tokens-per-step", type=int, default=8 * 128, help="sequences × length (default 1024)")
     parser.add_argument("--row-name", action="append", default=[], metavar="ROW=NAME",
                         help="show row ROW (as the table would label it, e.g. adamw) as NAME; repeatable")
     args = parser.parse_args(argv)
@@ -135,14 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - set(runs["label"]))
         if unknown:
             raise UserError(f"--row-name {unknown[0]}=...: no such row (rows: {', '.join(sorted(set(runs['label'])))})")
-        table = horizon_table(runs, args.name, args.tokens_per_step)
+        tokens = tokens_per_step(args.trunks)
+        table = horizon_table(runs, args.name, tokens)
         (args.out / "tables").mkdir(parents=True, exist_ok=True)
         written = []
         for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
             path = args.out / "tables" / f"{args.name}{suffix}"
             path.write_text((f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
             written.append(path)
-        written += save(horizon_figure(runs, args.tokens_per_step), args.out / "figures", args.name)
+        written += save(horizon_figure(runs, tokens), args.out / "figures", args.name)
         print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
         return 0
 

@@ -14,6 +14,7 @@ import yaml
 from scipy import stats
 
 from analysis import wsd
+from experiments.errors import UserError
 
 # {horizon: {method: {seed: validation loss}}}; HMT's seed 4 has no AdamW partner and must not enter the test
 LOSSES = {
@@ -30,7 +31,8 @@ def _write(root: Path, method: str, seed: int, steps: int, val: float) -> None:
     run.mkdir(parents=True)
     config = {"method": {"name": method, "lr": LRS[method]}, "model": {"name": "tiny"}, "seed": seed,
               "mode": "train", "run_id": run_id,
-              "train": {"steps": steps, "schedule": "wsd", "cooldown_frac": 0.25, "warmup_steps": 1}}
+              "train": {"steps": steps, "schedule": "wsd", "cooldown_frac": 0.25, "warmup_steps": 1,
+                        "seq_len": 128, "batch_size": 8, "grad_accum": 1}}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "status").write_text("completed\n")
     (run / "metrics.jsonl").write_text(json.dumps({"step": steps - 1, "loss/train": val, "loss/val": val}) + "\n")
@@ -98,3 +100,12 @@ def test_a_name_for_a_missing_row_is_one_error_line(folders, tmp_path: Path, cap
         wsd.main([str(trunks), "--out", str(tmp_path / "out"), "--row-name", "galore=GaLore"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and err[-1].startswith("error: --row-name galore=...: no such row"), err
+
+
+def test_tokens_per_step_come_from_the_trunks_configs(folders, tmp_path: Path) -> None:
+    trunks, _ = folders
+    assert wsd.tokens_per_step(trunks) == 128 * 8
+    odd = trunks / "adamw-tiny-train-s1-h8" / "config.yaml"
+    odd.write_text(odd.read_text().replace("seq_len: 128", "seq_len: 64"))
+    with pytest.raises(UserError, match=r"tokens per step are \[512, 1024\]"):
+        wsd.tokens_per_step(trunks)
