@@ -313,7 +313,7 @@ def composing_runs(tmp_path_factory) -> tuple[Path, dict[str, subprocess.Complet
 @pytest.mark.parametrize("case, culprits", [
     ("unknown-key", ("method.rnk", "experiments/sweeps/smoke.yaml")),
     ("wrong-type", ("train.steps=abc", "'abc'")),
-    ("unknown-method", ("method/adamww", "available: adamw", "the command-line grid")),
+    ("unknown-method", ("method/adamww", "available: adafactor, adamw", "the command-line grid")),
 ])
 def test_bad_override(composing_runs, case: str, culprits: tuple[str, ...]) -> None:
     assert_one_line_error(composing_runs[1][case], *culprits)
