@@ -2,28 +2,19 @@
 whose loss falls with the factored state the meter measures, and a checkpoint that keeps its fp32 state."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch import nn
 
 from baselines import adafactor
 from experiments import methods
-from experiments.execute import main_with_config
 from experiments.results import read_metrics
-
-CONF = str(Path(__file__).resolve().parent.parent / "experiments" / "conf")
-MICRO = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.intermediate_size=176",
-         "model.vocab_size=512", "train.seq_len=64", "train.batch_size=4", "train.eval_batches=2",
-         "train.progress=false", "train.log_every=1"]
+from tests.test_runner import run as run_micro
 
 
 def run(tmp_path, *overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("run", overrides=[f"results_dir={tmp_path}", *MICRO, "method=adafactor", *overrides])
-    return main_with_config(cfg)
+    return run_micro(tmp_path, "method=adafactor", *overrides)
 
 
 def test_settings_are_checked():
