@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hmt_core import int8_weights, streaming
+from hmt_core import host_weights, int8_weights, streaming
 from hmt_core.basis_cache import BasisCache, basis_bytes
 from hmt_core.hmt_config import Config, optimizer_settings
 from hmt_core.optim import sharded as sh
@@ -54,7 +54,9 @@ class HMTMethod:
         """``weight_dtype="int8"``: the projected weights (but the LM head) become ``Int8Linear`` layers;
         ``embedding_dtype="int8"``: the input embedding and the LM head become ``Int8Embedding`` / ``Int8Linear``.
         Those and a row-updated embedding (``embedding_update != "dense"``) are marked to be held whole on every
-        rank (``hmt_core.parallel.mark_replicated``: FSDP2 leaves them out of its shards). ``device``: each quantized
+        rank (``hmt_core.parallel.mark_replicated``: FSDP2 leaves them out of its shards). ``weight_offload="host"``:
+        the decoder layers' projected weights get host copies and freed device storages (``hmt_core.host_weights``).
+        ``device``: each quantized or streamed
         module is quantized there, then the rest of the model moved (a model built elsewhere, whose full-precision
         weights need not fit the device: ``shrinks_weights``); ``materialize``: a model built on meta has each module
         made and initialised there just before it is read (``hmt_core.int8_weights.Materialize``)."""
@@ -64,6 +66,9 @@ class HMTMethod:
         if c.weight_dtype == "int8":
             int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels, device=device,
                                           materialize=materialize)
+        if c.weight_offload == "host":  # streamed weights: a host copy each, never whole on the device
+            host_weights.place_on_host(model, self._streamed_targets(model), device=device, materialize=materialize,
+                                       resize=streaming.resize_storage)
         if device is not None:
             int8_weights.place_on(model, device, materialize)  # the rest: norms, biases, bf16 tables, buffers
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -76,15 +81,22 @@ class HMTMethod:
 
     @property
     def shrinks_weights(self) -> bool:
-        """``prepare`` stores weights in INT8: a model whose full-precision weights exceed the device is built
-        elsewhere (meta, or the host when loaded from weights) and reaches the device through
-        ``prepare(model, device=...)``."""
-        return self.config.weight_dtype == "int8" or self.config.embedding_dtype == "int8"
+        """``prepare`` stores weights in INT8 or streams them from the host (``weight_offload=host``): a model
+        whose full-precision weights exceed the device is built elsewhere (meta, or the host when loaded from
+        weights) and reaches the device through ``prepare(model, device=...)``."""
+        c = self.config
+        return c.weight_dtype == "int8" or c.embedding_dtype == "int8" or c.weight_offload == "host"
 
     def _int8_targets(self, model: nn.Module) -> set[str]:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return {n for n in require_projected_weights(model, self.config.target_patterns)
                 if head is None or model.get_submodule(n.removesuffix(".weight")) is not head}
+
+    def _streamed_targets(self, model: nn.Module) -> set[str]:
+        """The projected weights inside the decoder layers: what ``weight_offload=host`` streams."""
+        in_layers = {id(p) for layer in streaming.decoder_layers(model) for p in layer.parameters()}
+        return {n for n in projected_weight_names(model, self.config.target_patterns)
+                if id(model.get_parameter(n)) in in_layers}
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
         c = self.config

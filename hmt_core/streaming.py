@@ -35,6 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hmt_core import host_weights
+
 OFFLOADS = ("none", "host")
 
 _STREAMED = WeakIdKeyDictionary()  # nn.Parameter -> (WeightStreamer, _Weight), by identity (readable/writable)
@@ -63,7 +65,8 @@ class _Weight:
         return self.param.numel() * self.param.element_size()
 
 
-def _resize(p: Tensor, nbytes: int) -> None:
+def resize_storage(p: Tensor, nbytes: int) -> None:
+    """``p``'s storage grown or freed (FSDP2's ``alloc_storage`` / ``free_storage``), the observers told."""
     storage = p.untyped_storage()
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
@@ -125,7 +128,7 @@ class WeightStreamer:
         """Start bringing ``w`` to the device (a no-op when it is there or arriving)."""
         if w.on_device:
             return
-        _resize(w.param, w.nbytes)  # allocated on the compute stream, in its order
+        resize_storage(w.param, w.nbytes)  # allocated on the compute stream, in its order
         self.h2d_bytes += w.nbytes
         self.resident_bytes += w.nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
@@ -166,7 +169,7 @@ class WeightStreamer:
         elif w.ready is not None:  # released before its copy was waited for (a prefetch not used)
             torch.cuda.current_stream(self.device).wait_event(w.ready)
             w.ready = None
-        _resize(w.param, 0)
+        resize_storage(w.param, 0)
         w.on_device = False
         self.resident_bytes -= w.nbytes
 
@@ -287,14 +290,6 @@ def _wrap_deferred_writes(streamer: WeightStreamer, opt: Any) -> Callable[[], No
     return lambda: opt.__dict__.pop("write_low_rank", None)
 
 
-def _host_copy(p: Tensor, cuda: bool) -> Tensor:
-    if p.storage_offset() != 0 or not p.is_contiguous() or p.untyped_storage().nbytes() != p.numel() * p.element_size():
-        raise ValueError("method.weight_offload=host: a streamed weight must own its whole storage (a view or a "
-                         "shared storage cannot be freed alone)")
-    host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=cuda)
-    return host.copy_(p.detach())
-
-
 @torch.no_grad()
 def install(model: nn.Module, opt: Any) -> WeightStreamer:
     """Stream the projected weights (``opt``'s projected slots) that sit in ``model``'s decoder layers: host copies
@@ -308,11 +303,16 @@ def install(model: nn.Module, opt: Any) -> WeightStreamer:
                          "nn.ModuleList) of this model")
     device = next(w.param.device for g in groups for w in g)
     streamer = WeightStreamer(device=device, layers=groups)
-    streamer.resident_bytes = sum(w.nbytes for w in streamer.weights())  # all on the device until released here
     for w in streamer.weights():
-        w.host = _host_copy(w.param, streamer.cuda)
-        streamer.release(w, write_back=False)
         _STREAMED[w.param] = (streamer, w)
+        w.host = host_weights.take(w.param)  # placed on the host at prepare: never whole on the device
+        if w.host is None:
+            w.host = host_weights.host_copy(w.param, pinned=streamer.cuda)
+            streamer.resident_bytes += w.nbytes
+            streamer.release(w, write_back=False)
+        else:
+            w.on_device = False
+    host_weights.restore_untaken(model)
     last = max(i for i, g in enumerate(groups) if g)
     for i, layer in enumerate(layers):
         if groups[i]:
