@@ -29,7 +29,8 @@ from experiments.planner.bracket import bracket
 from experiments.planner.capacity import BEGIN, END, largest_batch, load_results, readme_block, render_table
 from experiments.planner.costs import GIB, derive, trace_sample
 from experiments.planner import milp
-from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, predict, solve
+from experiments.planner.milp import solve
+from experiments.planner.problem import KEEP, Action, Option, Problem, Segment, predict
 from experiments.planner.report import render_plan
 
 REPO = Path(__file__).resolve().parent.parent

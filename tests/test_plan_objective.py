@@ -12,7 +12,8 @@ import pytest
 
 from analysis.loss_prices import loss_prices
 from experiments.planner.efficiency import Throughput, efficient_batch
-from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, predict, solve
+from experiments.planner.milp import solve
+from experiments.planner.problem import KEEP, Action, Option, Problem, Segment, predict
 from experiments.planner.prices import PRICES_FILE, option_prices
 from experiments.planner.space import OptChoice, Vocab
 

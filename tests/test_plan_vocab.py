@@ -24,7 +24,8 @@ from experiments.dist.parallel import build_sharded
 from experiments.planner import cli as plan_cli
 from experiments.planner import plan as planner
 from experiments.planner.costs import GIB, derive, layer_variants, policy_for, trace_sample
-from experiments.planner.milp import KEEP, Action, Option, Problem, Segment, leanest, predict, solve
+from experiments.planner.milp import leanest, solve
+from experiments.planner.problem import KEEP, Action, Option, Problem, Segment, predict
 from experiments.planner.model import build_problem
 from experiments.planner.space import DEFAULT_VOCAB, Space, Vocab, all_options
 from experiments.planner.vocab import admissible, model_facts, refusal
@@ -218,7 +219,7 @@ def test_oom_replan_keeps_the_runs_vocabulary_and_layer_codec():
     vocabulary settings are its optimizer option (their state must load), its layer-input codec may stay or go but
     no new one comes, and a changed codec is written as ``activation.residual``."""
     from experiments.planner import oom
-    from experiments.planner.milp import Solution
+    from experiments.planner.problem import Solution
 
     run = planner.run_config(["model=tiny", "model.num_layers=1", "train.seq_len=32", "method.mode=B",
                               "method.basis=random", "method.scaling=tensor", "method.rank=1", "method.scale=128",

@@ -12,7 +12,8 @@ import dataclasses
 import math
 
 from experiments.planner.costs import GIB
-from experiments.planner.milp import Problem, Segment, Solution, leanest, solve
+from experiments.planner.milp import leanest, solve
+from experiments.planner.problem import Problem, Segment, Solution
 
 
 class Corrections:

@@ -34,11 +34,33 @@ class Throughput:
             raise ValueError(f"throughput model: seq_len={self.seq_len}, ridge_flop_per_byte={self.ridge}, "
                              f"efficiency_slack={self.slack} (need ≥ 1, > 0, in [0, 1))")
 
-    def relative(self, batch: int, best: int) -> float:
+    def rate(self, batch: int, transfer: float = 0.0) -> float:
+        """Modeled tokens/s at ``batch`` sequences, in units of F/(6N): T / (T + R), or T / max(T + R, Q) when the
+        micro-batch also waits for Q tokens' worth of host transfers (weight streaming,
+        ``experiments.planner.streaming``)."""
+        tokens = batch * self.seq_len
+        return tokens / max(tokens + self.ridge, transfer)
+
+    def relative(self, batch: int, best: int, transfer: float = 0.0, best_transfer: float = 0.0) -> float:
         """Modeled tokens/s at ``batch`` sequences over that at ``best`` sequences."""
-        return (1 + self.ridge / (best * self.seq_len)) / (1 + self.ridge / (batch * self.seq_len))
+        return self.rate(batch, transfer) / self.rate(best, best_transfer)
 
 
-def efficient_batch(model: Throughput, best: int) -> int:
-    """The fewest sequences whose modeled throughput is within ``model.slack`` of ``best`` sequences'."""
-    return next(b for b in range(1, best + 1) if model.relative(b, best) >= 1 - model.slack - 1e-12)
+def efficient_batch(model: Throughput, best: int, *, transfer: float = 0.0, target: float | None = None) -> int | None:
+    """The fewest sequences (≤ ``best``) whose modeled throughput is within ``model.slack`` of ``target`` (default:
+    ``best`` sequences' own), with ``transfer`` tokens of host copies a micro-batch; None when none is."""
+    goal = model.rate(best, transfer) if target is None else target
+    return next((b for b in range(1, best + 1) if model.rate(b, transfer) / goal >= 1 - model.slack - 1e-12), None)
+
+
+def batch_floors(model: Throughput | None, fits: dict[float, int | None]) -> dict[float, int | None]:
+    """Per group of options with the same host transfer Q (tokens; 0: resident weights) mapped to the largest
+    micro-batch its options fit (None: none fits): the fewest sequences a plan of that group may use, so that its
+    modeled throughput is within the slack of the best any group reaches; None where the group never is. Without
+    a model: the largest micro-batch any group fits, for the groups that fit it."""
+    fitting = {q: fit for q, fit in fits.items() if fit is not None}
+    if model is None:
+        top = max(fitting.values())
+        return {q: (top if fits[q] == top else None) for q in fits}
+    best = max(model.rate(fit, q) for q, fit in fitting.items())
+    return {q: None if fits[q] is None else efficient_batch(model, fits[q], transfer=q, target=best) for q in fits}

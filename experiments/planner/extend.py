@@ -32,7 +32,7 @@ from experiments.planner.costs import (
     sample_depths,
     sample_run,
 )
-from experiments.planner.milp import KEEP, Solution
+from experiments.planner.problem import KEEP, Solution
 
 
 def used_samples(sol: Solution) -> list[str]:

@@ -39,95 +39,12 @@ Pure functions over plain data: ``Problem`` can be written by hand (tests/test_p
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from experiments.planner.efficiency import Throughput, efficient_batch
-
-KEEP = "keep"
-
-
-@dataclass(frozen=True)
-class Option:
-    """An optimizer option: static GiB per phase (relative to the reference), energy, lossy count, payload."""
-
-    name: str
-    static: dict[str, float]
-    energy: float = 0.0
-    lossy: int = 0
-    payload: object = None
-    loss: float = 0.0  # expected loss cost, nats (experiments.planner.prices)
-
-
-@dataclass(frozen=True)
-class Action:
-    """An activation choice: GiB per phase, static (× 1) and per sequence (× b); seconds per sequence; lossy."""
-
-    static: dict[str, float] = field(default_factory=dict)
-    per_seq: dict[str, float] = field(default_factory=dict)
-    time: float = 0.0
-    lossy: int = 0
-    loss: float = 0.0  # expected loss cost, nats
-    # per line of ``Problem.base``: (static, per_seq) measured on that line's micro-batches, or None where the
-    # choice was measured only on the main line (``static``/``per_seq`` then hold there)
-    lines: tuple[tuple[dict[str, float], dict[str, float]] | None, ...] = ()
-
-    def on(self, line: int) -> tuple[dict[str, float], dict[str, float]]:
-        """(static, per_seq) on the reference's line ``line`` (an index into ``Problem.base``)."""
-        own = self.lines[line] if line < len(self.lines) else None
-        return own if own is not None else (self.static, self.per_seq)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A line of the reference's GiB per phase, static + per_seq·b, for micro-batches b ≥ ``start`` up to the next
-    larger start. Lines with the same start hold together (the peak is their maximum); the planner's costs give each
-    secant its own start (``experiments.planner.segments``: the reference at a card's depth need not be convex)."""
-
-    start: int
-    static: dict[str, float]
-    per_seq: dict[str, float]
-
-
-@dataclass(frozen=True)
-class Problem:
-    budget: float  # GiB available to the step (budget − CUDA context)
-    base: tuple[Segment, ...]
-    options: list[Option]
-    actions: dict[str, dict[str, Action]]  # component -> action -> cost (keep: zeros)
-    layer_recompute: Action | None = None
-    layer_components: tuple[str, ...] = ()  # forced to keep when layer_recompute is chosen
-    requires: tuple[tuple[tuple[str, str], tuple[str, str]], ...] = ()  # (c, a) chosen ⇒ (c2, a2) chosen
-    conditional: tuple[str, ...] = ("probe",)  # phases that apply only when the policy is not all-keep
-    max_batch: int = 1024
-    fixed_batch: int | None = None  # solve with b fixed (min_peak)
-    batch_caps: tuple[tuple[int, int], ...] = ()  # (option index, largest b): b ≤ cap when that option is chosen
-    layer_codecs: dict[str, Action] = field(default_factory=dict)  # codec -> its cost over layer_recompute's
-    layer_keep: bool = True  # layer recomputation may keep its inputs as they are (else one codec is required)
-    throughput: Throughput | None = None  # the micro-batch efficiency model (None: the largest micro-batch)
-
-
-@dataclass(frozen=True)
-class Solution:
-    batch: int
-    option: Option
-    actions: dict[str, str]
-    layer_recompute: bool
-    predicted: dict[str, float | None]  # GiB per phase at the solution (the probe: None when it does not run)
-    energy: float
-    time: float
-    lossy: int
-    layer_codec: str = KEEP  # how full layer recomputation stores the layer inputs (activation.residual)
-    loss: float = 0.0  # expected loss cost of the choices, nats
-    fit_batch: int | None = None  # the largest micro-batch any choice fits (tier 0), when solved by ``solve``
-
-    def policy_actions(self) -> dict[str, str]:
-        """The action of each component as the activation policy writes it (the layer inputs' codec under full
-        layer recomputation is ``residual``'s action)."""
-        return {**self.actions, **({"residual": self.layer_codec} if self.layer_recompute else {})}
-
+from experiments.planner.efficiency import batch_floors
+from experiments.planner.problem import KEEP, Option, Problem, Solution, phases, predict
 
 class _Vars:
     def __init__(self, prob: Problem) -> None:
@@ -148,10 +65,6 @@ class _Vars:
 
     def __contains__(self, key: tuple) -> bool:
         return key in self.index
-
-
-def _phases(prob: Problem) -> list[str]:
-    return list(dict.fromkeys(p for seg in prob.base for p in (*seg.static, *seg.per_seq)))
 
 
 class _Rows:
@@ -229,7 +142,7 @@ def _phase_rows(prob: Problem, v: _Vars, out: _Rows) -> None:
     """Per phase and per line of the reference: its bytes at the chosen option, actions and b are ≤ t (a line
     binds only in b's piece; a conditional phase only when n = 1: big-M)."""
     big = _big_m(prob)
-    for p in _phases(prob):
+    for p in phases(prob):
         for j, seg in enumerate(prob.base):  # active in b's piece only; each choice's delta on this line
             row = {v["t",]: -1.0, **{v["y", i]: o.static.get(p, 0.0) for i, o in enumerate(prob.options)}}
             pairs = [(v["x", c, a], v["w", c, a], prob.actions[c][a]) for c, a in v.x]
@@ -317,10 +230,8 @@ def solve(prob: Problem) -> Solution | None:
     if res is None:
         return None
     fit = round(res.x[v["b",]])
-    floor = fit if prob.throughput is None or prob.fixed_batch else efficient_batch(prob.throughput, fit)
-    rows.append(objectives["tokens"].copy())
-    lb.append(-np.inf)
-    ub.append(-floor + 0.5)  # b ≥ floor (b is an integer)
+    if not prob.fixed_batch:
+        _floor_rows(prob, v, fit, objectives["tokens"], rows, lb, ub, integrality, bounds)
     best = None  # the last pinned tier's optimum
     for tier in TIERS:
         c = objectives[tier]
@@ -338,6 +249,31 @@ def solve(prob: Problem) -> Solution | None:
     return dataclasses.replace(_solution(prob, v, res.x), fit_batch=fit)
 
 
+def _floor_rows(prob: Problem, v: _Vars, fit: int, tokens: np.ndarray, rows: list, lb: list, ub: list,
+                integrality: np.ndarray, bounds: Bounds) -> None:
+    """Tier 0's rows: per group of options with the same host transfer, b ≥ its floor when one of them is chosen,
+    or none of them is (``experiments.planner.efficiency.batch_floors``; one group: b ≥ its floor)."""
+    groups: dict[float, list[int]] = {}
+    for i, o in enumerate(prob.options):
+        groups.setdefault(o.transfer, []).append(i)
+
+    def chosen(members: list[int], coef: float) -> np.ndarray:  # coef · Σ y_o over the group
+        row = np.zeros(len(v.names))
+        row[[v["y", i] for i in members]] = coef
+        return row
+
+    fits = {q: fit for q in groups}
+    for q, members in groups.items() if len(groups) > 1 else ():  # the largest micro-batch of each group alone
+        res = _solve(tokens, [*rows, chosen(members, 1.0)], [*lb, 1], [*ub, 1], integrality, bounds)
+        fits[q] = None if res is None else round(res.x[v["b",]])
+    for q, floor in batch_floors(prob.throughput, fits).items():
+        row = chosen(groups[q], 1.0 if floor is None else -floor)
+        row[v["b",]] = 0.0 if floor is None else 1.0
+        rows.append(row)
+        lb.append(-np.inf if floor is None else 0.0)
+        ub.append(0.0 if floor is None else np.inf)
+
+
 def leanest(prob: Problem) -> Solution | None:
     """The choice with the least predicted peak (at ``prob.fixed_batch`` when set), whatever the budget."""
     v, n, rows, lb, ub, integrality, bounds = _setup(prob, with_budget=False)
@@ -350,37 +286,6 @@ def min_peak(prob: Problem) -> float:
     v, n, rows, lb, ub, integrality, bounds = _setup(dataclasses.replace(prob, fixed_batch=1), with_budget=False)
     res = _solve(_objectives(prob, v, n)["peak"], rows, lb, ub, integrality, bounds)
     return float("inf") if res is None else float(res.x[v["t",]])
-
-
-def _lines_at(prob: Problem, batch: int) -> list[int]:
-    start = max(s.start for s in prob.base if s.start <= batch)
-    return [j for j, s in enumerate(prob.base) if s.start == start]
-
-
-def predict(prob: Problem, batch: int, option: Option, actions: dict[str, str], layer_recompute: bool,
-            layer_codec: str = KEEP) -> dict[str, float | None]:
-    """GiB per phase of one choice (the probe: None when the policy is all keep and it does not run)."""
-    extra = [prob.layer_recompute] if layer_recompute else []
-    extra += [prob.layer_codecs[layer_codec]] if layer_recompute and layer_codec != KEEP else []
-    nonid = layer_recompute or any(a != KEEP for a in actions.values())
-    chosen = [prob.actions[c][a] for c, a in actions.items()] + extra
-    out: dict[str, float | None] = {}
-    for p in _phases(prob):
-        if p in prob.conditional and not nonid:
-            out[p] = None
-            continue
-        out[p] = max(_on_line(prob.base[j], j, chosen, p, batch) for j in _lines_at(prob, batch)) \
-            + option.static.get(p, 0.0)
-    return out
-
-
-def _on_line(seg: Segment, j: int, chosen: list[Action], p: str, batch: int) -> float:
-    """GiB of phase ``p`` at ``batch`` on the reference's line ``j`` with the ``chosen`` actions' deltas on it."""
-    total = seg.static.get(p, 0.0) + batch * seg.per_seq.get(p, 0.0)
-    for act in chosen:
-        static, per_seq = act.on(j)
-        total += static.get(p, 0.0) + batch * per_seq.get(p, 0.0)
-    return total
 
 
 def _solution(prob: Problem, v: _Vars, x: np.ndarray) -> Solution:

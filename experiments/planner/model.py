@@ -51,7 +51,7 @@ from experiments.planner.costs import (
 from experiments.planner import prices
 from experiments.planner.deferred import deferred_excess_gib
 from experiments.planner.efficiency import Throughput
-from experiments.planner.milp import Action, KEEP, Option, Problem, Segment
+from experiments.planner.problem import Action, KEEP, Option, Problem, Segment
 from experiments.planner.vocab import from_record
 from hmt_core.activations.apply import llama_scopes
 from hmt_core.activations.codecs import decode, encode

@@ -9,7 +9,7 @@ import dataclasses
 from experiments.errors import UserError
 from experiments.planner.efficiency import DEFAULT_RIDGE, DEFAULT_SLACK, Throughput
 from experiments.planner.learning import learning_check
-from experiments.planner.milp import Problem, Solution
+from experiments.planner.problem import Problem, Solution
 from experiments.planner.prices import priced_choices
 from experiments.planner.recipe import run_recipe, user_set
 from experiments.planner.report import model_label

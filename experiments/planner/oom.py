@@ -32,7 +32,8 @@ from experiments.memory.gpu_allowance import reserve_bytes
 from experiments.planner.cache import Table
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, PHASES, OptChoice, Space, Vocab
-from experiments.planner.milp import Problem, Solution, predict, solve
+from experiments.planner.milp import solve
+from experiments.planner.problem import Problem, Solution, predict
 from experiments.planner.model import build_problem
 from experiments.planner.prepare import SPACE_KEYS, prepare
 from hmt_core.activations.policy import COMPONENTS, LAYER_COMPONENTS

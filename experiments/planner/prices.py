@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.planner.milp import Problem, Solution, predict
+from experiments.planner.problem import Problem, Solution, predict
 from experiments.planner.space import OptChoice
 
 PRICES_FILE = Path(__file__).resolve().parents[2] / "results" / "loss_prices" / "loss_prices.json"
