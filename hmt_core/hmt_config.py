@@ -12,7 +12,7 @@ from hmt_core.kernels import BACKENDS as KERNEL_BACKENDS
 from hmt_core.optim.head_update import config_error as head_update_config_error
 from hmt_core.optim.row_adam import VARIANTS as EMBEDDING_UPDATES
 from hmt_core.optim.sharded import sharded_config_error
-from hmt_core.optim.settings import OptimizerSettings, Precision, Projection, RefreshSchedule, UpdateRule
+from hmt_core.optim.settings import Mode, OptimizerSettings, Precision, Projection, RefreshSchedule, UpdateRule
 from hmt_core.optim.update import MOMENT_POLICIES, STYLES
 from hmt_core.projection import SIDES, SOURCES
 from hmt_core.rank import FALLBACKS
@@ -127,7 +127,7 @@ class Config:
 
 def check_choices(c: Config) -> None:
     """Every enumerated key is one of its options, and the embedding's / head's update fits the rest."""
-    for key, options in (("mode", ("A", "B")), ("adam_style", STYLES), ("sides", SIDES), ("basis", SOURCES),
+    for key, options in (("mode", tuple(m.value for m in Mode)), ("adam_style", STYLES), ("sides", SIDES), ("basis", SOURCES),
                          ("rank_fallback", FALLBACKS), ("moment_policy", MOMENT_POLICIES),
                          ("state_dtype", ("fp32", "bf16")), ("dense_state_dtype", ("weight", "fp32", "bf16")),
                          ("kernels", KERNEL_BACKENDS), ("scaling", ("channel", "tensor")),
@@ -210,7 +210,7 @@ def check_combinations(c: Config) -> None:
 def optimizer_settings(c: Config) -> OptimizerSettings:
     """The keys ``LowRankOptimizer`` reads, grouped by what they decide."""
     return OptimizerSettings(
-        rule=UpdateRule(mode=c.mode, lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
+        rule=UpdateRule(mode=Mode(c.mode), lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
                         adam_style=c.adam_style, scale=c.scale, scaling=c.scaling, norm_limiter=c.norm_limiter,
                         limiter_gamma=c.limiter_gamma, dense_8bit=c.dense_8bit),
         projection=Projection(sides=c.sides, basis=c.basis, rank=c.rank, tau=c.tau, rank_fallback=c.rank_fallback,

@@ -21,7 +21,7 @@ from hmt_core.adam import adam_step_many
 from hmt_core.kernels import ops as kops
 from hmt_core.optim import update as upd
 from hmt_core.optim.optimizer import LowRankOptimizer, Slot
-from hmt_core.precision import chunk_budget, chunk_rows_for
+from hmt_core.precision import chunk_budget
 
 
 def update_low_rank_many(opt: LowRankOptimizer, slots: list[Slot], lows: list[Tensor],  # each low: Ĝ
@@ -39,7 +39,7 @@ def update_low_rank_many(opt: LowRankOptimizer, slots: list[Slot], lows: list[Te
 def update_dense_many(opt: LowRankOptimizer, slots: list[Slot], grads: list[Tensor],  # each grad: the param's
                       coef: Tensor | None) -> None:
     """``opt.update_full(s, grad, coef)`` for each dense slot, in order."""
-    whole = [_whole(opt, s, g) for s, g in zip(slots, grads)]
+    whole = [s.updater.foreach_adam(g) for s, g in zip(slots, grads)]
     batch = [(s, g) for s, g, w in zip(slots, grads, whole) if w]
     if batch:
         gs = [g for _, g in batch]
@@ -51,12 +51,6 @@ def update_dense_many(opt: LowRankOptimizer, slots: list[Slot], grads: list[Tens
     for s, g, w in zip(slots, grads, whole):
         if not w:
             opt.update_full(s, g, coef)
-
-
-def _whole(opt: LowRankOptimizer, s: Slot, grad: Tensor) -> bool:  # update_full's one-tensor dense AdamW
-    if s.projected or s.name in opt.dense8:
-        return False
-    return grad.dim() != 2 or chunk_rows_for(tuple(grad.shape), torch.float32, like=grad) >= grad.shape[0]
 
 
 def _adam_many(opt: LowRankOptimizer, slots: list[Slot], gs: list[Tensor]) -> list[tuple[Tensor, float]]:

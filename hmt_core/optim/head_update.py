@@ -1,8 +1,8 @@
 """The LM head's Mode B update (APOLLO, Zhu et al., 2024, Alg. 1) by vocabulary block inside the fused loss's backward
 (``method.head_update=in_loss``): the head's (V, d) gradient is never materialized. The loss walks the vocabulary
 blocks twice (``fused_ce.HeadUpdate``): ``observe`` keeps R = G Qᵀ's rows and the row norms ‖G_v‖; ``prepare`` runs
-``LowRankOptimizer.mode_b_coefficient`` (the moments step and APOLLO's coefficient, as ``update_full`` from the full
-gradient); ``apply`` updates each block's rows from its recomputed gradient rows (``mode_b_rows``). Design notes,
+the slot's ``ApolloScaling.coefficient`` (the moments step and APOLLO's coefficient, as ``update`` from the full
+gradient); ``apply`` updates each block's rows from its recomputed gradient rows (``write_rows``). Design notes,
 cost and what is refused: docs/design/hmt_core_notes.md."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from hmt_core.fused_ce import IN_LOSS_UPDATE
 from hmt_core.kernels import ops as kops
 from hmt_core.optim.hooks import PerLayerEngine
 from hmt_core.optim.optimizer import Slot
+from hmt_core.optim.settings import Mode
 from hmt_core.precision import chunk_rows_for
 
 
@@ -35,7 +36,7 @@ class Settings(Protocol):
 
 def config_error(cfg: Settings) -> str | None:
     """Why ``cfg`` (HMT's Config) cannot update the head by block whatever the model, or None."""
-    return ("it needs method.mode=B" if cfg.mode != "B"
+    return ("it needs method.mode=B" if Mode(cfg.mode) is not Mode.APOLLO_SCALING
             else "it needs method.basis=random with a fixed method.rank (other bases read the whole gradient)"
             if cfg.basis != "random" or cfg.rank is None
             else "it needs method.sides=one_sided" if cfg.sides != "one_sided"
@@ -151,7 +152,7 @@ class InLossHeadUpdate:
         self.flag = engine._flag(norm)
         row_norms = self.row_norms if self.lag is None else self.row_norms * self.lag
         with opt.skipping(self.flag):
-            self.coef, self.step_size, self.keep = opt.mode_b_coefficient(s, self.low, None, row_norms=row_norms)
+            self.coef, self.step_size, self.keep = s.updater.coefficient(opt, s, self.low, None, row_norms=row_norms)
         self.low = self.row_norms = self.residual = None
 
     @torch.no_grad()
@@ -163,5 +164,5 @@ class InLossHeadUpdate:
         with opt.skipping(self.flag):
             for a in range(0, g.shape[0], rows):
                 b = min(g.shape[0], a + rows)
-                opt.mode_b_rows(self.slot, slice(start + a, start + b), g[a:b], self.coef, self.step_size,
-                                self.keep)
+                self.slot.updater.write_rows(opt, self.slot, slice(start + a, start + b), g[a:b], self.coef,
+                                             self.step_size, self.keep)

@@ -89,7 +89,7 @@ class PerLayerEngine:
         if self.nonfinite:
             param.grad = None
             return
-        if s.projected and opt.rule.mode == "A":
+        if s.updater.takes_low_rank_gradient:  # Mode A: Ĝ accumulated, reduced, clipped
             refresh = (self.index == 0 or s.basis is None) and opt.refresh_due(s)
             param.grad = None  # the full gradient dies here (or once its reduction has been used)
             if refresh or not self.lowrank_comm:

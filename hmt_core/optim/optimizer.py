@@ -2,7 +2,8 @@
 which state each parameter owns (``hmt_core.optim.slot``), when its basis is refreshed and to what
 (``hmt_core.optim.refresh``), and the updates, through the pure math of ``hmt_core.optim.update`` and every weight
 write through ``hmt_core.precision.UpdateWriter``. Dense parameters (embeddings, norms, lm_head) get AdamW (the same
-update functions with no projection) or bitsandbytes' ``AdamW8bit``. Design notes: docs/design/optimizer.md."""
+update functions with no projection) or bitsandbytes' ``AdamW8bit``; each slot's update is its updater's
+(``hmt_core.optim.updaters``), picked here once. Design notes: docs/design/optimizer.md."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ from hmt_core.optim import refresh as rf
 from hmt_core.optim import update as upd
 from hmt_core.optim.clip import clip_coefficient, global_norm
 from hmt_core.optim.moments8 import Moments8
-from hmt_core.optim.rows import row_spans
 from hmt_core.optim.settings import OptimizerSettings
 from hmt_core.optim.skip import DeviceSkip, reconcile
 from hmt_core.optim.slot import Slot, load_slot_state, slot_state
+from hmt_core.optim.updaters import PROJECTED, updater_for
 from hmt_core.precision import UpdateWriter, chunk_rows_for, is_quantized
 from hmt_core.rank import RankHistory
 from hmt_core.rank_budget import make_rank_budget
@@ -58,9 +59,11 @@ class LowRankOptimizer:
             s.seed = self.seed + s.index
             self.writer.check(s.name, s.param)
             s.master = self.writer.make_master(s.param)
+            s.updater = updater_for(s, self.rule)
+        limiter = self.rule.norm_limiter and PROJECTED[self.rule.mode].keeps_limiter_norm
         self.budget = make_rank_budget({s.name: (s.full_shape, s.param.dtype.itemsize, s.candidates)
                                         for s in slots if s.projected}, self.projection, state_dtype=p.state_dtype,
-                                       limiter=self.rule.mode == "B" and self.rule.norm_limiter)  # None: no budget
+                                       limiter=limiter)  # None: no budget
         self.skip = DeviceSkip()  # the step-wide found_inf while updates run under ``skipping``
         self.dense8: dict[str, torch.optim.Optimizer] = {}
         # dense_8bit for a dense INT8 weight (the embedding, method.embedding_dtype=int8): our own 8-bit moments,
@@ -175,16 +178,16 @@ class LowRankOptimizer:
         factors = self.skip.moment_factors(self.rule.beta1, self.rule.beta2)
         return None, factors, (g if factors is None else self.skip.zero(g))
 
-    def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int) -> None:  # grad: (out, in) full gradient
+    def chunk_rows(self, grad: Tensor) -> int:  # grad: (out, in)
+        """Rows of an update from ``grad`` per chunk, so that its fp32 temporaries stay within one row chunk."""
+        return chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)
+
+    def _dense_adam_rows(self, s: Slot, grad: Tensor, rows: int,  # grad: (out, in) full gradient
+                         eight: Moments8 | None = None) -> None:
         """Dense AdamW ``rows`` rows at a time: element-wise the same as the whole-tensor update (bit for bit),
         but only one chunk of fp32 gradient / moments / direction is alive instead of ~6 weight-sized ones. With
-        8-bit moments (``moments8``) each chunk's moments are read as fp32, stepped, and stored back."""
+        8-bit moments ``eight`` (``moments8``) each chunk's moments are read as fp32, stepped, and stored back."""
         c = self.rule
-        eight = None
-        if c.dense_8bit and is_quantized(s.param):
-            if s.name not in self.moments8:
-                self.moments8[s.name] = Moments8(tuple(grad.shape), grad.device)
-            eight = self.moments8[s.name]
         if eight is None:
             self._begin_adam_step(s, grad)
         else:
@@ -245,67 +248,11 @@ class LowRankOptimizer:
     @torch.no_grad()
     def update_full(self, s: Slot, grad: Tensor, coef: Tensor | None = None, *,  # grad: (out, in) full gradient
                     reduce: Callable[[Tensor], Tensor] | None = None, grad_norm: Tensor | None = None) -> None:
-        """Dense AdamW, Mode A (projects ``grad`` itself) or Mode B (``mode_b_coefficient``). ``reduce`` (Mode B on a
-        row shard, ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k and the
+        """One step of ``s`` from its full gradient, clipped by ``coef``: its updater's (``Updater.update``: dense
+        AdamW, Mode A projecting ``grad`` itself, or Mode B). ``reduce`` (Mode B on a row shard,
+        ``hmt_core.optim.sharded``: a sum over ranks, in place): a left-sided R = Σ_k P_kᵀ G_k and the
         tensor-scaling and limiter norms are summed; the update touches this rank's rows."""
-        c = self.rule
-        if coef is not None and not (s.projected and c.mode == "B"):
-            grad = grad * coef
-        if not s.projected:
-            if s.name in self.dense8:
-                if self.skip.on_host():
-                    return  # bitsandbytes' AdamW8bit cannot skip on the device: one host read per step
-                s.param.grad = grad
-                self.dense8[s.name].step()
-                return
-            rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad) if grad.dim() == 2 else grad.shape[0]
-            if rows < grad.shape[0] or (c.dense_8bit and is_quantized(s.param)):
-                # a large dense weight (embedding, lm_head): row chunks, same arithmetic; 8-bit moments: always
-                self._dense_adam_rows(s, grad, rows)
-                return
-            direction, step_size = self._adam(s, grad.float())
-            self._apply(s, direction, step_size)
-            return
-        low = kops.project(grad, s.local_basis(), backend=self.kernels)
-        if self.rule.mode == "A":
-            self.update_low_rank(s, low)
-            return
-        coef, step_size, keep = self.mode_b_coefficient(s, low, grad, reduce=reduce, clip=coef, grad_norm=grad_norm)
-        rows = chunk_rows_for(tuple(grad.shape), torch.float32, like=grad)  # bounds addcmul_'s casting temporaries
-        spans = (row_spans(grad.shape[0], rows) if rows < grad.shape[0]
-                 else self.writer.spans(s.param, s.master, like=grad))
-        for index in spans:
-            self.mode_b_rows(s, index, grad[index], coef, step_size, keep)
-
-    def mode_b_coefficient(self, s: Slot, low: Tensor, grad: Tensor | None, *, reduce: Callable | None = None,
-                           row_norms: Tensor | None = None, clip: Tensor | None = None,  # low: Pᵀ G; grad: (out, in)
-                           grad_norm: Tensor | None = None) -> tuple[Tensor, float, Tensor | None]:
-        """Mode B's moments step on ``clip·low``, APOLLO's coefficient of ``grad`` (``upd.apollo_coefficient``; its
-        ``row_norms``, ``grad_norm``) → (coef: clip in, 0 if skipped; step size·√scale; the writer's keep flag)."""
-        c = self.rule
-        if reduce is not None and s.basis.left is not None:
-            low = reduce(low.float())  # Pᵀ G = Σ_k P_kᵀ G_k, replicated
-        low = upd.fp32_clipped(low, clip)
-        direction, step_size = self._adam(s, low, for_scaling=True)
-        factor = upd.apollo_scaling(direction, low, right_sided=s.basis.right is not None and s.basis.left is None,
-                                    kind=c.scaling, reduce=reduce)
-        coef, s.limiter_prev = upd.apollo_coefficient(  # a skipped step: coef 0 (rows kept), the memory kept
-            grad, factor if clip is None else factor * clip, prev_norm=s.limiter_prev, reduce=reduce,
-            row_norms=row_norms, grad_norm=grad_norm, gamma=c.limiter_gamma if c.norm_limiter else None,
-            found_inf=self.skip.flag)
-        return coef, step_size * math.sqrt(c.scale), self._keep(s)
-
-    def mode_b_rows(self, s: Slot, index: Any, g: Tensor, coef: Tensor, step_size: float,  # g: G[index], (rows, in)
-                    keep: Tensor | None) -> None:
-        """W[index] ← W[index] − step·(g ⊙ coef[index]) (``mode_b_coefficient``'s coef, step size and keep)."""
-        # 0 · NaN is NaN: where the writer does not keep the rows, a skipped step's gradient rows are zeroed too
-        g = g if keep is not None else self.skip.zero(g)
-        if self.writer.fused(s.param.data, g):  # an INT8 weight: one kernel writes the rows
-            self._write_fused(s, index, g * upd.rows_of(coef, index), step_size)
-            return
-        with self.writer.rows(s.param.data, s.master, index, keep) as w:
-            upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=self.lr,
-                                     weight_decay=self.rule.weight_decay, style=self.rule.adam_style)
+        s.updater.update(self, s, grad, coef, reduce=reduce, grad_norm=grad_norm)
 
     @torch.no_grad()
     def step_all(self, max_grad_norm: float | None) -> Tensor | None:
@@ -327,10 +274,7 @@ class LowRankOptimizer:
         coef = clip_coefficient(total, max_grad_norm)
         with self.skipping(found_inf):
             for s in live:
-                if s.projected and self.rule.mode == "A":
-                    self.update_low_rank(s, kops.project(s.param.grad, s.basis, backend=self.kernels), coef)
-                else:
-                    self.update_full(s, s.param.grad, coef)
+                self.update_full(s, s.param.grad, coef)
         return torch.where(found_inf, math.nan, total)
 
     # ------------------------------------------------------------------------------------------------ state

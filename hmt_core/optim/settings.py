@@ -3,7 +3,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Mode(enum.StrEnum):
+    """How a projected weight is updated, parsed once from ``method.mode`` (its value, "A" | "B"; the configs, run ids
+    and results keep the letter): ``hmt_core.optim.updaters`` maps it to the slot's updater."""
+
+    LOW_RANK_ADAM = "A"  # AdamW on the projected gradient, written back through the basis (GaLore, Alg. 2)
+    APOLLO_SCALING = "B"  # the low-rank moments scale the full gradient (APOLLO, Alg. 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -11,7 +20,7 @@ class UpdateRule:
     """The update rule and its moments: AdamW (``adam_style`` torch | hf) on Ĝ (Mode A, GaLore Alg. 2) or APOLLO's
     scaling of G (Mode B, APOLLO Alg. 1), W ← W − lr·α·update."""
 
-    mode: str  # "A" | "B"
+    mode: Mode
     lr: float
     beta1: float
     beta2: float

@@ -188,7 +188,7 @@ class ShardedEngine(PerLayerEngine):
             self.deferred_dense.append(s)  # finish_step: a copy, unless it owns its storage (FSDP's RS buffer)
             param.grad = None
             return
-        if self.opt.rule.mode == "B":
+        if not s.updater.takes_low_rank_gradient:  # Mode B
             if not last:
                 return  # Mode B scales the full gradient: FSDP2 accumulates its shard until the last micro-batch
             self._mode_b_in_hook(s, g, local)

@@ -64,6 +64,7 @@ class Slot:
     limiter_prev: Tensor | None = None  # () Mode B norm-growth limiter memory
     master: Tensor | None = None  # fp32 master copy of a low-precision weight (master_weights)
     pending: Tensor | None = None  # low-rank gradient accumulated over micro-batches / awaiting clipping
+    updater: Any = None  # how it is updated (``hmt_core.optim.updaters.Updater``), picked by the optimizer
 
     @property
     def full_shape(self) -> tuple[int, ...]:  # the layout (which side is projected) and rank follow it, not a shard's
