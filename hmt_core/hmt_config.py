@@ -21,6 +21,8 @@ from hmt_core.selection import DEFAULT_PATTERNS
 from hmt_core.streaming import OFFLOADS as WEIGHT_OFFLOADS
 from hmt_core.streaming import config_error as weight_offload_error
 
+MODES = tuple(mode.value for mode in Mode)  # method.mode's letters: "A", "B"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -127,7 +129,7 @@ class Config:
 
 def check_choices(c: Config) -> None:
     """Every enumerated key is one of its options, and the embedding's / head's update fits the rest."""
-    for key, options in (("mode", tuple(m.value for m in Mode)), ("adam_style", STYLES), ("sides", SIDES), ("basis", SOURCES),
+    for key, options in (("mode", MODES), ("adam_style", STYLES), ("sides", SIDES), ("basis", SOURCES),
                          ("rank_fallback", FALLBACKS), ("moment_policy", MOMENT_POLICIES),
                          ("state_dtype", ("fp32", "bf16")), ("dense_state_dtype", ("weight", "fp32", "bf16")),
                          ("kernels", KERNEL_BACKENDS), ("scaling", ("channel", "tensor")),
@@ -210,9 +212,9 @@ def check_combinations(c: Config) -> None:
 def optimizer_settings(c: Config) -> OptimizerSettings:
     """The keys ``LowRankOptimizer`` reads, grouped by what they decide."""
     return OptimizerSettings(
-        rule=UpdateRule(mode=Mode(c.mode), lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
-                        adam_style=c.adam_style, scale=c.scale, scaling=c.scaling, norm_limiter=c.norm_limiter,
-                        limiter_gamma=c.limiter_gamma, dense_8bit=c.dense_8bit),
+        rule=UpdateRule(mode=Mode(c.mode), lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                        weight_decay=c.weight_decay, adam_style=c.adam_style, scale=c.scale, scaling=c.scaling,
+                        norm_limiter=c.norm_limiter, limiter_gamma=c.limiter_gamma, dense_8bit=c.dense_8bit),
         projection=Projection(sides=c.sides, basis=c.basis, rank=c.rank, tau=c.tau, rank_fallback=c.rank_fallback,
                               random_rank=c.random_rank, power_iters=c.power_iters, oversample=c.oversample,
                               state_budget=c.state_budget),
