@@ -41,7 +41,7 @@ class LowRankOptimizer:
         self.slots = slots
         self.rule, self.projection = settings.rule, settings.projection
         self.schedule, self.precision, self.seed = settings.schedule, settings.precision, settings.seed
-        self.lr = self.rule.lr
+        self.lr = self.rule.lr  # the learning rate every update reads at its step, set by the schedule (``set_lr``)
         self.history = RankHistory()
         # multi-process: (rank, τ-rank, device) -> rank 0's pair, so every process takes one rank decision
         # (``hmt_core.optim.sharded.rank_from_root``); None: this process decides alone
@@ -78,7 +78,7 @@ class LowRankOptimizer:
         r = self.rule
         for s in self.slots:
             if not s.projected and not is_quantized(s.param):
-                self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=r.lr, betas=(r.beta1, r.beta2), eps=r.eps,
+                self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=self.lr, betas=(r.beta1, r.beta2), eps=r.eps,
                                                           weight_decay=r.weight_decay)
 
     # ------------------------------------------------------------------------------------------------ refresh
@@ -125,9 +125,6 @@ class LowRankOptimizer:
     # ------------------------------------------------------------------------------------------------ updates
     def set_lr(self, lr: float) -> None:
         self.lr = lr
-        for opt in self.dense8.values():
-            for group in opt.param_groups:
-                group["lr"] = lr
 
     def _begin_adam_step(self, s: Slot, like: Tensor, count: bool = True) -> None:  # like: the moments' gradient
         """Create the moments on first use (projected: ``state_dtype``; dense: ``dense_state_dtype``) and advance

@@ -21,7 +21,7 @@ class UpdateRule:
     scaling of G (Mode B, APOLLO Alg. 1), W ← W − lr·α·update."""
 
     mode: Mode
-    lr: float
+    lr: float  # the initial rate (``LowRankOptimizer.lr`` holds the scheduled one)
     beta1: float
     beta2: float
     eps: float

@@ -102,8 +102,11 @@ class Dense8bitAdam(Updater):
             grad = grad * coef
         if opt.skip.on_host():
             return
+        adam8 = opt.dense8[s.name]
+        for group in adam8.param_groups:
+            group["lr"] = opt.lr  # the optimizer's rate (``set_lr``), the one every update reads
         s.param.grad = grad
-        opt.dense8[s.name].step()
+        adam8.step()
 
 
 class LowRankAdam(Updater):
