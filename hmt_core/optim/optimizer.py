@@ -24,7 +24,7 @@ from hmt_core.optim.moments8 import Moments8
 from hmt_core.optim.settings import OptimizerSettings
 from hmt_core.optim.skip import DeviceSkip, reconcile
 from hmt_core.optim.slot import Slot, load_slot_state, slot_state
-from hmt_core.optim.updaters import PROJECTED, updater_for
+from hmt_core.optim.updaters import PROJECTED, Dense8bitAdam, updater_for
 from hmt_core.precision import UpdateWriter, chunk_rows_for, is_quantized
 from hmt_core.rank import RankHistory
 from hmt_core.rank_budget import make_rank_budget
@@ -77,7 +77,7 @@ class LowRankOptimizer:
 
         r = self.rule
         for s in self.slots:
-            if not s.projected and not is_quantized(s.param):
+            if isinstance(s.updater, Dense8bitAdam):
                 self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=self.lr, betas=(r.beta1, r.beta2), eps=r.eps,
                                                           weight_decay=r.weight_decay)
 
