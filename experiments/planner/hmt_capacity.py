@@ -101,7 +101,7 @@ def lean_gib(prep, size: int, tokens: int) -> float:
     """The leanest choice's predicted peak (GiB) at one sequence of ``tokens`` (costs scaled per token)."""
     return min_peak(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
                                   flops=prep.flops, cal=prep.cal, budget_gib=float(size), llama=prep.llama,
-                                  seq_scale=tokens / prep.record["seq_len"]))
+                                  seq_scale=tokens / prep.record["seq_len"], streaming=prep.streaming))
 
 
 def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, results: Path, log,
@@ -111,7 +111,7 @@ def next_batch(prep, planner: dict, run, size: int, batch: int, name: str, resul
     makes the answer exact (the leanest choice by the measured costs does not fit one more sequence); the last that
     fits is the answer (``exact`` false when the traces ran out first)."""
     prob = build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats, flops=prep.flops,
-                         cal=prep.cal, budget_gib=float(size), llama=prep.llama)
+                         cal=prep.cal, budget_gib=float(size), llama=prep.llama, streaming=prep.streaming)
     plan_dir, budget, out = Path(planner["plan_dir"]).resolve(), size - reserve_bytes(run) / GIB, {"exact": False}
     for _ in range(max_traces):
         sol = leanest(dataclasses.replace(prob, fixed_batch=batch))

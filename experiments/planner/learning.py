@@ -22,6 +22,8 @@ def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: floa
         row = json.loads(path.read_text()).get("row", {})
         if (row.get("card"), row.get("budget_gib"), row.get("plan_label")) == (model, budget_gib, optimizer_label) \
                 and row.get("plan_lr") is not None and abs(row["plan_lr"] - lr) <= 1e-12 * max(1.0, lr):
+            if row.get("passes") is None:  # the proxy could not run the plan: no verdict either way
+                return {"checked": False, "why": row.get("why", "not judged")}
             return {"checked": True, "passes": bool(row["passes"]), "file": f"results/plan_learns/{path.name}",
                     "gap_to_hmt_default": row.get("gap_to_hmt_default"),
                     "max_loss_after_step0": row.get("max_loss_after_step0"), "step0_loss": row.get("step0_loss")}
@@ -31,7 +33,8 @@ def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: floa
 def describe(check: dict) -> str:
     """The plan table's row."""
     if not check.get("checked"):
-        return "not checked (python -m benchmarks.plan_learns trains a family's answer on a CPU proxy of its shape)"
+        return ("not checked (python -m benchmarks.plan_learns trains a family's answer on a CPU proxy of its shape)"
+                + (f"; {check['why']}" if check.get("why") else ""))
     gap = check.get("gap_to_hmt_default")
     verdict = "passed" if check["passes"] else "FAILED"
     return (f"{verdict} on a CPU proxy ({check['file']}: last loss {gap:+.2f} nats vs HMT default"

@@ -229,9 +229,9 @@ def solve(prob: Problem) -> Solution | None:
     res = _solve(objectives["tokens"], rows, lb, ub, integrality, bounds)
     if res is None:
         return None
-    fit = round(res.x[v["b",]])
+    fit, fit_transfer = round(res.x[v["b",]]), 0.0
     if not prob.fixed_batch:
-        _floor_rows(prob, v, fit, objectives["tokens"], rows, lb, ub, integrality, bounds)
+        fit, fit_transfer = _floor_rows(prob, v, fit, objectives["tokens"], rows, lb, ub, integrality, bounds)
     best = None  # the last pinned tier's optimum
     for tier in TIERS:
         c = objectives[tier]
@@ -246,13 +246,14 @@ def solve(prob: Problem) -> Solution | None:
         rows.append(c.copy())
         lb.append(-np.inf)
         ub.append(best + PIN_TOLERANCES[0] * max(1.0, abs(best)))
-    return dataclasses.replace(_solution(prob, v, res.x), fit_batch=fit)
+    return dataclasses.replace(_solution(prob, v, res.x), fit_batch=fit, fit_transfer=fit_transfer)
 
 
 def _floor_rows(prob: Problem, v: _Vars, fit: int, tokens: np.ndarray, rows: list, lb: list, ub: list,
-                integrality: np.ndarray, bounds: Bounds) -> None:
+                integrality: np.ndarray, bounds: Bounds) -> tuple[int, float]:
     """Tier 0's rows: per group of options with the same host transfer, b ≥ its floor when one of them is chosen,
-    or none of them is (``experiments.planner.efficiency.batch_floors``; one group: b ≥ its floor)."""
+    or none of them is (``experiments.planner.efficiency.batch_floors``; one group: b ≥ its floor). Returns the
+    largest micro-batch of the group with the best modeled throughput, and that group's transfer."""
     groups: dict[float, list[int]] = {}
     for i, o in enumerate(prob.options):
         groups.setdefault(o.transfer, []).append(i)
@@ -266,12 +267,15 @@ def _floor_rows(prob: Problem, v: _Vars, fit: int, tokens: np.ndarray, rows: lis
     for q, members in groups.items() if len(groups) > 1 else ():  # the largest micro-batch of each group alone
         res = _solve(tokens, [*rows, chosen(members, 1.0)], [*lb, 1], [*ub, 1], integrality, bounds)
         fits[q] = None if res is None else round(res.x[v["b",]])
+    rate = (lambda q: fits[q]) if prob.throughput is None else (lambda q: prob.throughput.rate(fits[q], q))
+    best = max((q for q in fits if fits[q] is not None), key=rate)
     for q, floor in batch_floors(prob.throughput, fits).items():
         row = chosen(groups[q], 1.0 if floor is None else -floor)
         row[v["b",]] = 0.0 if floor is None else 1.0
         rows.append(row)
         lb.append(-np.inf if floor is None else 0.0)
         ub.append(0.0 if floor is None else np.inf)
+    return fits[best], best
 
 
 def leanest(prob: Problem) -> Solution | None:

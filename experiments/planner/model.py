@@ -52,6 +52,7 @@ from experiments.planner import prices
 from experiments.planner.deferred import deferred_excess_gib
 from experiments.planner.efficiency import Throughput
 from experiments.planner.problem import Action, KEEP, Option, Problem, Segment
+from experiments.planner.streaming import Streaming
 from experiments.planner.vocab import from_record
 from hmt_core.activations.apply import llama_scopes
 from hmt_core.activations.codecs import decode, encode
@@ -206,11 +207,12 @@ def action_time(component: str, action: str, d: Derived, flops: dict, cal: dict)
 
 def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops: dict, cal: dict,
                   budget_gib: float, llama: bool, seq_scale: float = 1.0,
-                  throughput: Throughput | None = None) -> Problem:
+                  throughput: Throughput | None = None, streaming: Streaming | None = None) -> Problem:
     """The MILP of ``experiments.planner.milp`` from measured costs and the lossy choices' loss prices
     (``experiments.planner.prices``). ``seq_scale``: per-sequence bytes and times scaled for a sequence
     ``seq_scale`` times the measured one (capacity's sequence-length search); ``throughput``: the micro-batch
-    efficiency model (None: the largest micro-batch that fits)."""
+    efficiency model (None: the largest micro-batch that fits); ``streaming``: what a streamed option changes
+    (``experiments.planner.streaming``; needed when the space offers ``weight_offloads=[host]``)."""
     options = []
     for choice in all_options(space, from_record(record)):
         lossy = (int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
@@ -220,8 +222,12 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
         cost = option_cost(d, choice, space)
         if choice.mode == "A":  # the deferred low-rank update, hidden at 1-2 layers (experiments.planner.deferred)
             cost = {**cost, "optimizer": cost["optimizer"] + deferred_excess_gib(record, stats, sample, d.layers)}
+        transfer = 0.0
+        if choice.offload == "host":  # the streamed weights leave the device; the micro-batch waits for PCIe
+            cost = {p: v + streaming.delta(stats, d.layers)[p] for p, v in cost.items()}
+            transfer = streaming.tokens(stats, d.layers)
         options.append(Option(choice.label(), cost, energy(stats, record, sample, d.layers), lossy, choice,
-                              loss=prices.total(prices.option_prices(choice))))
+                              loss=prices.total(prices.option_prices(choice)), transfer=transfer))
     zero = {p: 0.0 for p in PHASES}
     actions: dict[str, dict[str, Action]] = {}
     if llama:

@@ -78,7 +78,7 @@ def current_choice(run: RunConfig) -> OptChoice:
         raise Unanswered(f"method.state_budget={m.state_budget} is not one of the planner's fractions of AdamW's "
                          "state") from None
     choice = OptChoice(m.mode, m.state_dtype, budget, head, m.dense_8bit, m.weight_dtype,
-                       Vocab(m.embedding_dtype, m.embedding_update, m.head_update))
+                       Vocab(m.embedding_dtype, m.embedding_update, m.head_update), m.weight_offload)
     if dataclasses.replace(m, **choice.method_changes(m)) != m:
         raise Unanswered(f"the method's settings are not one of the planner's options ({choice.label()} differs "
                          "from them in rank, scaling or target patterns)")
@@ -107,7 +107,7 @@ def resumable_space(run: RunConfig, choice: OptChoice) -> Space:
                      project_head=(choice.head,), actions=("keep", *in_use), layer_recompute=(False, True),
                      embedding_dtypes=(v.embedding_dtype,), embedding_updates=(v.embedding_update,),
                      head_updates=(v.head_update,), layer_inputs=tuple(dict.fromkeys(("keep", codec))),
-                     max_batch_size=run.train.batch_size, mode_b_head=True)
+                     weight_offloads=(choice.offload,), max_batch_size=run.train.batch_size, mode_b_head=True)
     except ValueError as e:
         raise Unanswered(f"the activation policy is outside the planner's choices ({e})") from None
 
@@ -168,7 +168,7 @@ def next_plan(run: RunConfig, *, peak_bytes: int | None, limit_bytes: int | None
     except PlanTimeout:
         raise Unanswered(f"its cost table lacks this model and tracing the costs took over {plan_s:g} s") from None
     prob = build_problem(prep.costs, space=space, record=prep.record, stats=prep.stats, flops=prep.flops,
-                         cal=prep.cal, budget_gib=budget / GIB, llama=prep.llama)
+                         cal=prep.cal, budget_gib=budget / GIB, llama=prep.llama, streaming=prep.streaming)
     (option,) = prob.options
     t = run.train
     actions = {c: a for c, a in current_actions(run).items() if c in prob.actions}

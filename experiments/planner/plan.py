@@ -54,7 +54,7 @@ from experiments.execute import main_with_config
 from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_bytes
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, Space, policy_for
-from experiments.planner.efficiency import Throughput
+from experiments.planner.efficiency import DEFAULT_RIDGE, Throughput
 from experiments.planner.extend import extend
 from experiments.planner.learning import learning_check
 from experiments.planner.milp import min_peak
@@ -63,6 +63,7 @@ from experiments.planner.objective import failed_learning, loss_cost, throughput
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
 from experiments.planner.recipe import run_recipe, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
+from experiments.planner.streaming import streaming_record
 from experiments.results import atomic_write_text
 from experiments.step_time import CONFIRM_S
 from experiments.sweeps.sweep import checked, validated_run_config
@@ -72,7 +73,7 @@ PLAN_NODES = ("model", "method", "activation", "train", "data", "dryrun")
 KEYS = {"budget_gib": (int, float), "batch_size": int, "name": str, "plan_dir": str, "verify": bool, "max_iters": int,
         "calibration": str, "refresh_costs": bool, "workers": int, "capacity": bool, "calibrate": bool, "table": bool,
         "methods": list, "readme": str, "table_budgets": list, "ridge_flop_per_byte": (int, float),
-        "efficiency_slack": (int, float),
+        "efficiency_slack": (int, float), "pcie_gb_per_s": (int, float), "peak_flops": (int, float),
         **{k: (list, int) for k in SPACE_KEYS if k != "mode_b_head"}, "mode_b_head": bool}
 FLAGS = ("--capacity", "--calibrate", "--table")
 
@@ -186,6 +187,10 @@ class NoPlan(UserError):
 # (Qwen2.5-0.5B: 14.6 % at 16 GiB, 18.5 % at 80 GiB; docs/planner.md, "Allocator slack in an unverified answer"),
 # the largest rounded up.
 UNVERIFIED_SLACK = 0.19
+# The same for a plan whose weights are streamed (``method.weight_offload=host``): the layers' weight blocks freed and
+# allocated again each micro-batch leave more reserved beyond live: 23-32 % on the verified Llama-3.1-8B 12 GiB plan
+# (micro-batches 7 to 4 × 2,048; docs/weight_streaming.md), the largest rounded up.
+UNVERIFIED_STREAMED_SLACK = 0.32
 
 
 def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | None = None, name: str | None = None,
@@ -194,14 +199,12 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     model by what was measured and solve again (``corrected``). Returns the plan record (also written as
     ``<record_dir>/<name>.json``, by default next to the plan). ``seq_len``: plan for other sequences than the
     measured ones (costs scaled per token)."""
-    run = prep.run
-    if seq_len is not None:
-        run = dataclasses.replace(run, train=dataclasses.replace(run.train, seq_len=seq_len))
+    run = prep.run if seq_len is None else dataclasses.replace(
+        prep.run, train=dataclasses.replace(prep.run.train, seq_len=seq_len))
     ctx = reserve_bytes(run) / GIB
     name = checked_name(prep, run, planner, budget, name, ctx)
     folder = plans_dir(run.results_dir, planner.get("plan_dir"))
-    verify_dir = (record_dir or prep.verify_dir) / name
-    record_dir = record_dir or folder
+    verify_dir, record_dir = (record_dir or prep.verify_dir) / name, record_dir or folder
     plan_path = folder / f"{name}.yaml"
     step_budget = budget - ctx
     live_budget = step_budget if planner.get("verify", False) else step_budget / (1 + UNVERIFIED_SLACK)
@@ -217,11 +220,13 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         if sol is None:
             raise no_plan(run, planner, budget, need=min_peak(prob) + ctx, ctx=ctx, traced=iterations,
                           live_budget=None if planner.get("verify", False) else live_budget)
+        if (streamed := streamed_live_budget(sol, planner, live_budget, step_budget)) is not None:
+            live_budget = streamed  # solved again, leaving the streamed plans' allocator slack
+            continue
         predicted = write(sol)
-        step = {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
-                "predicted_peak_gib": predicted, "live_budget_gib": live_budget,
-                "slack_allowance": step_budget / live_budget - 1, **fix.record()}
-        iterations.append(step)
+        iterations.append(step := {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
+                                   "predicted_peak_gib": predicted, "live_budget_gib": live_budget,
+                                   "slack_allowance": step_budget / live_budget - 1, **fix.record()})
         if not planner.get("verify", False):
             break
         summary, verified = traced_step(run, plan_path, verify_dir, step, step_budget, log)
@@ -243,23 +248,39 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
                       elapsed_s=round(time.perf_counter() - planner.get("_t0", time.perf_counter()), 1))
-    out.update(learning_record(run, planner, sol, prob, prep.space, model, plan_path, budget))
-    out["leanest_over_batch"] = fix.over  # the least micro-batch whose leanest choice a trace put over (or None)
+    # leanest_over_batch: the least micro-batch whose leanest choice a trace put over (or None)
+    out.update(learning_record(run, planner, sol, prob, prep, model, plan_path, budget), leanest_over_batch=fix.over)
     record_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(record_dir / f"{name}.json", json.dumps(out, indent=1, sort_keys=True))
     return out
 
 
-def learning_record(run, planner: dict, sol, prob, space: Space, model: Throughput, plan_path: Path,
+def streamed_live_budget(sol, planner: dict, live_budget: float, step_budget: float) -> float | None:
+    """An unverified answer that streams its weights: the smaller live budget its allocator slack leaves, when the
+    answer was solved with the larger one (``UNVERIFIED_STREAMED_SLACK``); else None."""
+    streamed = step_budget / (1 + UNVERIFIED_STREAMED_SLACK)
+    if sol.option.payload.offload == "host" and not planner.get("verify", False) and live_budget > streamed + 1e-9:
+        return streamed
+    return None
+
+
+def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throughput, plan_path: Path,
                     budget: float) -> dict:
     """The record's keys on learning: the rate written, the learning check's verdict, the expected loss cost, the
-    settings not offered, and the micro-batch's modeled throughput against the largest that fits."""
+    settings not offered, the micro-batch's modeled throughput against the largest that fits, and a streamed
+    plan's copies (``experiments.planner.streaming``)."""
+    space = prep.space
+    streamed = {} if sol.option.payload.offload != "host" else {"streaming": streaming_record(
+        prep.streaming, prep.stats, prep.layers, sol.batch * run.train.seq_len,
+        model.ridge if model is not None else DEFAULT_RIDGE)}
     recipe = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
     return {"recipe": recipe,
             "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"]),
             "loss_cost": loss_cost(prob, sol, space), "not_offered": sorted(set(planner["_not_offered"])),
             "micro_batch": {"fits_up_to": sol.fit_batch, "model": dataclasses.asdict(model),
-                            "relative_throughput": model.relative(sol.batch, sol.fit_batch or sol.batch)}}
+                            "relative_throughput": model.relative(sol.batch, sol.fit_batch or sol.batch,
+                                                                  sol.option.transfer, sol.fit_transfer)},
+            **streamed}
 
 
 def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: float, scale: float, log,
@@ -270,7 +291,8 @@ def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: fl
     while True:
         prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
                                        flops=prep.flops, cal=prep.cal, budget_gib=live_budget,
-                                       llama=prep.llama, seq_scale=scale, throughput=model))
+                                       llama=prep.llama, seq_scale=scale, throughput=model,
+                                       streaming=prep.streaming))
         if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
             prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
         prob = without(prob, planner["_not_offered"])

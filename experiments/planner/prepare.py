@@ -17,11 +17,12 @@ from experiments.planner.costs import GIB, Space, derive, layer_variants, lin, m
 from experiments.planner.model import calibrate, int8_table_bytes, param_bytes, region_flops, weight_stats
 from experiments.planner.report import model_label
 from experiments.planner.tracing import default_workers
+from experiments.planner.streaming import Streaming, device_delta, streaming_model
 from experiments.planner.vocab import admissible, first_refusal, model_facts
 
 SPACE_KEYS = ("modes", "state_budgets", "state_dtypes", "weight_dtypes", "dense_8bit", "project_head", "actions",
               "layer_recompute", "embedding_dtypes", "embedding_updates", "head_updates", "layer_inputs",
-              "max_batch_size", "mode_b_head")
+              "weight_offloads", "max_batch_size", "mode_b_head")
 
 
 def space_from(planner: dict) -> Space:
@@ -58,6 +59,11 @@ def floor(run, space: Space, table: Table, stats: dict, lowest: str):
     what they are, and a function caching the INT8 tables' bytes (called once the budget holds them)."""
     layers = target_layers(run)
     weights, label = param_bytes(stats, layers, lowest) / GIB, f"{lowest} projected weights"
+    if "host" in space.weight_offloads:  # the streamed layers leave the device but the ones at work
+        patterns = (run.method.attn_pattern, run.method.mlp_pattern)
+        streamed = param_bytes(stats, layers, "bf16") / GIB + max(device_delta(stats, layers, patterns).values())
+        if streamed < weights:
+            weights, label = streamed, "bf16 projected weights streamed from the host (2 layers on the device)"
     if "int8" not in space.embedding_dtypes:
         return weights, label, lambda: None
     key = f"weights:vocab-int8:{lowest}"
@@ -102,6 +108,7 @@ class Prepared:
     lowest: str  # what the leanest weights are (e.g. "int8 projected weights")
     table: Table | None = None  # where more cost samples are read and cached (``experiments.planner.extend``)
     workers: int = 1  # processes missing cost traces may use
+    streaming: Streaming | None = None  # what a streamed option changes (``experiments.planner.streaming``)
 
     @property
     def verify_dir(self) -> Path:
@@ -140,5 +147,10 @@ def prepare(run, planner: dict, *, log=print, table_type=None) -> Prepared:
     vocab = vocab_choices(run, space, table)
     record = measure(run, space, llama=llama, table=table, log=log, workers=workers, vocab=vocab)
     flops = table.memo("flops", lambda: region_flops(run)) if llama else {}
-    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops,
-                    load_calibration(planner, run), weights, label, table, workers)
+    cal = load_calibration(planner, run)
+    try:
+        streaming = streaming_model(run, planner, cal, stats, layers)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    return Prepared(run, space, layers, stats, llama, record, derive(record, layers), flops, cal, weights, label,
+                    table, workers, streaming)

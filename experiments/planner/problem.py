@@ -84,7 +84,8 @@ class Solution:
     lossy: int
     layer_codec: str = KEEP  # how full layer recomputation stores the layer inputs (activation.residual)
     loss: float = 0.0  # expected loss cost of the choices, nats
-    fit_batch: int | None = None  # the largest micro-batch any choice fits (tier 0), when solved by ``solve``
+    fit_batch: int | None = None  # the largest micro-batch of the most efficient choices (tier 0; ``solve``)
+    fit_transfer: float = 0.0  # their host transfer (tokens; weight streaming), against which efficiency is judged
 
     def policy_actions(self) -> dict[str, str]:
         """The action of each component as the activation policy writes it (the layer inputs' codec under full

@@ -15,6 +15,7 @@ from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_
 from experiments.planner.costs import GIB, PHASES, STEP_PHASES
 from experiments.planner.learning import describe
 from experiments.planner.prices import describe as describe_prices
+from experiments.planner.streaming import describe as describe_streaming
 
 SCHEMA = "hmt-plan/1"
 
@@ -67,7 +68,8 @@ def plan_record(run, sol, summary, *, command, name, plan_path, plan_dir, budget
             "model": model_label(run), "layers": costs.layers, "seq_len": run.train.seq_len, "budget_gib": budget,
             "reserve_gib": ctx, "reserve": reserve_label(run), "floor_gib": floor,
             "choice": {"batch_size": sol.batch, "tokens_per_micro_batch": sol.batch * run.train.seq_len,
-                       "grad_accum": run.train.grad_accum, "optimizer": dataclasses.asdict(choice),
+                       "grad_accum": run.train.grad_accum, "optimizer": {  # offload only where streamed
+                           k: x for k, x in dataclasses.asdict(choice).items() if (k, x) != ("offload", "none")},
                        "optimizer_label": choice.label(), "activation": sol.actions,
                        "layer_recompute": sol.layer_recompute, "layer_codec": sol.layer_codec},
             "energy": sol.energy, "extra_time_s_per_micro_batch": sol.time,
@@ -137,6 +139,7 @@ def render_plan(rec: dict) -> str:
                       + (", dense weights bitsandbytes 8-bit AdamW" if o["dense_8bit"] else "")
                       + (", INT8 projected weights" if o["weights"] == "int8" else "")),
         ("vocabulary", vocab_row(o.get("vocab"))),
+        *[("weights", describe_streaming(st, c["tokens_per_micro_batch"])) for st in [rec.get("streaming")] if st],
         ("ranks", ranks),
         *([("expected loss cost", describe_prices(lc["choices"]))] if (lc := rec.get("loss_cost")) else []),
         ("retained gradient energy (bound)", f"{rec['energy']:.4f}"),

@@ -33,6 +33,8 @@ class Space:
     embedding_updates: tuple[str, ...] = ("dense", "lazy_exact")
     head_updates: tuple[str, ...] = ("dense", "in_loss")
     layer_inputs: tuple[str, ...] = ("keep", "int8")
+    # method.weight_offload: "host" streams the decoder layers' weights (BF16 only; experiments.planner.streaming)
+    weight_offloads: tuple[str, ...] = ("none",)
     max_batch_size: int = 1024
     # Mode B (APOLLO-Mini's tensor scale) on a projected lm_head: not offered unless asked for (``learns_at_scale``)
     mode_b_head: bool = False
@@ -41,7 +43,7 @@ class Space:
                "dense_8bit": (False, True), "project_head": (False, True), "layer_recompute": (False, True),
                "actions": ("keep", "recompute", *CODECS), "embedding_dtypes": ("bf16", "int8"),
                "embedding_updates": ("dense", "lazy_exact", "sparse_adam"), "head_updates": ("dense", "in_loss"),
-               "layer_inputs": ("keep", *CODECS)}
+               "layer_inputs": ("keep", *CODECS), "weight_offloads": ("none", "host")}
 
     def __post_init__(self) -> None:
         for name in ("state_budgets", *self.ALLOWED):
@@ -112,11 +114,13 @@ class OptChoice:
     dense_8bit: bool
     weights: str
     vocab: Vocab = field(default=DEFAULT_VOCAB)
+    offload: str = "none"  # method.weight_offload
 
     def method_changes(self, method) -> dict:
         targets = (method.attn_pattern, method.mlp_pattern) + (("lm_head",) if self.head else ())
         out = {"state_dtype": self.dtype, "dense_8bit": self.dense_8bit, "target_patterns": targets,
-               "weight_dtype": self.weights, **self.vocab.method_changes()}
+               "weight_dtype": self.weights, **self.vocab.method_changes(),
+               **({"weight_offload": self.offload} if self.offload != "none" else {})}
         if self.mode == "B":
             return {**out, **MINI, "state_budget": None}
         return {**out, "mode": "A", "rank": None, "state_budget": repr(self.budget)}
@@ -126,7 +130,8 @@ class OptChoice:
         vocab = self.vocab.label()
         return (f"Mode {self.mode}, {state}, lm_head {'projected' if self.head else 'dense'}, {self.dtype} state"
                 + (", dense 8-bit" if self.dense_8bit else "") + (", INT8 weights" if self.weights == "int8" else "")
-                + (f", {vocab}" if vocab else ""))
+                + (f", {vocab}" if vocab else "")
+                + (", weights streamed from the host" if self.offload == "host" else ""))
 
 
 def families(space: Space) -> list[tuple[str, str]]:
@@ -187,5 +192,6 @@ def all_options(space: Space, vocab: dict[tuple[str, bool, bool], tuple[Vocab, .
                         if not learns_at_scale(mode, head, space):
                             continue
                         for v in ((DEFAULT_VOCAB,) if vocab is None else vocab.get((mode, head, eight), ())):
-                            out.append(OptChoice(mode, dtype, budget, head, eight, weights, v))
+                            out += [OptChoice(mode, dtype, budget, head, eight, weights, v, offload)
+                                    for offload in space.weight_offloads if offload == "none" or weights == "bf16"]
     return out
