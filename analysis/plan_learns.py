@@ -32,6 +32,8 @@ def _losses(run: dict) -> list[float]:
 def _verdict(row: dict, delta: float, noise: float) -> str:
     if row["passes"]:
         return f"yes (last {row['gap_to_hmt_default']:+.2f} nats vs HMT default)"
+    if row["passes"] is None:
+        return row["why"]
     if "why" in row:
         return f"**no**: {row['why']}"
     why = []

@@ -98,8 +98,10 @@ def train(label: str, overrides: list[str], proxy: Path, args, scratch: Path) ->
 def verdict(plan: dict, default: dict) -> dict:
     """The pass rule of the module docstring, with its two numbers."""
     losses = plan.get("losses") or []
-    if not losses or not default.get("losses"):
-        return {"passes": False, "why": "a run did not finish"}
+    if not losses or not default.get("losses"):  # the proxy could not run (out of memory, ...): no verdict
+        failed = plan if not losses else default
+        return {"passes": None, "why": f"not judged: {failed['label']} logged no step (rc {failed['returncode']}"
+                                       f"{', killed: out of memory' if failed['returncode'] == -9 else ''})"}
     after = losses[1:]
     worst = max(after) if after else -math.inf
     gap = losses[-1] - default["losses"][-1]

@@ -95,6 +95,12 @@ def test_a_checked_plan_carries_its_verdict_and_a_failed_one_is_named(tmp_path):
                  ("llama3.1-8b", 16, "Mode A, y", 6.25e-4)):
         assert learning_check(*args, folder=tmp_path) == {"checked": False}, args
     assert describe({"checked": False}).startswith("not checked")
+    # a proxy that could not run the plan (killed: out of memory) gives no verdict, so the setting stays offered
+    (tmp_path / "gemma2.json").write_text(json.dumps({"row": {**row, "card": "gemma2-9b", "passes": None,
+                                                              "why": "not judged: gemma2-plan logged no step"}}))
+    check = learning_check("gemma2-9b", 16, "Mode B, x", 6.25e-4, tmp_path)
+    assert check == {"checked": False, "why": "not judged: gemma2-plan logged no step"}, check
+    assert describe(check).startswith("not checked") and "logged no step" in describe(check)
 
 
 def test_planner_page_learning_table_is_what_the_committed_results_render():
