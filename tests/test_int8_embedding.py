@@ -183,6 +183,45 @@ def test_prepare_stores_embedding_and_head_in_int8_and_training_runs():
     assert summary["int8/weight_bytes"] >= expected
 
 
+def _int8_embedding_run(max_grad_norm: float | None, steps: int = 3):
+    """``steps`` training steps of the memory-minimal setting (INT8 embedding and head, 8-bit dense moments) from
+    the same model, data and seed → (losses, the model, the method)."""
+    model = tiny_llama(dtype=torch.bfloat16)
+    cfg = hmt.Config(mode="B", basis="random", scaling="tensor", rank=1, scale=128, state_dtype="bf16",
+                     target_patterns=("attn", "mlp"), dense_8bit=True, embedding_dtype="int8", lr=1e-2, seed=3)
+    method = hmt.make(cfg)
+    method.prepare(model)
+    method.attach(model, max_grad_norm=max_grad_norm)
+    losses = []
+    for x in batches(steps):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        method.step()
+        method.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, model, method
+
+
+def test_a_deferred_int8_embedding_update_keeps_its_8bit_moments():
+    """With clipping the per-layer engine defers the dense updates to ``finish_step`` and runs them grouped
+    (``hmt_core.optim.grouped.update_dense_many``); the INT8 embedding and head still step with their 8-bit moments
+    (``Moments8``, uint8 codes; no 16-bit moments on the slot), never the grouped one-tensor AdamW. A threshold that
+    never clips (coefficient exactly 1) gives the unclipped run's trajectory bit for bit: losses and final weights."""
+    losses, model, method = _int8_embedding_run(max_grad_norm=1e9)
+    ref_losses, ref_model, ref = _int8_embedding_run(max_grad_norm=None)
+    states = {}
+    for run, m in (("clipped", method), ("unclipped", ref)):
+        for s in m.opt.slots:
+            if s.name in ("model.embed_tokens.weight", "lm_head.weight"):
+                eight = m.opt.moments8.get(s.name)
+                states[run, s.name] = (None if s.m is None else str(s.m.dtype),  # 16-bit moments: none
+                                       None if eight is None else sorted({str(t.dtype) for t in eight.tensors()}))
+    sd, ref_sd = model.state_dict(), ref_model.state_dict()
+    differ = {n: int((t != ref_sd[n]).sum()) for n, t in sd.items() if not torch.equal(t, ref_sd[n])}
+    assert losses == ref_losses and not differ, (losses, ref_losses, differ, states)
+    assert len(states) == 4 and all(s == (None, ["torch.float32", "torch.uint8"]) for s in states.values()), states
+
+
 def test_bad_settings_fail_with_a_clear_message():
     with pytest.raises(ValueError, match="method.embedding_dtype must be one of"):
         hmt.Config(embedding_dtype="fp8")

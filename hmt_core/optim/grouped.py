@@ -8,8 +8,8 @@ A group's directions (and the foreach temporaries beside them) are alive togethe
 group's fp32 directions hold at most a quarter of one row chunk (``hmt_core.precision.chunk_budget``), so the
 group's temporaries (gradient copies, numerators, denominators, directions) stay within the one row chunk that an
 update's write already holds. Slots the foreach path does not cover (the fused Triton Adam, young rank indices with
-their own bias-correction clock, bitsandbytes' dense 8-bit AdamW, row-chunked large dense weights) take the
-ordinary one-slot path.
+their own bias-correction clock, bitsandbytes' dense 8-bit AdamW, a dense INT8 weight's own 8-bit moments,
+row-chunked large dense weights) take the ordinary one-slot path.
 """
 
 from __future__ import annotations

@@ -91,6 +91,11 @@ class DenseInt8Adam(DenseAdam):
             opt.moments8[s.name] = Moments8(tuple(grad.shape), grad.device)
         opt._dense_adam_rows(s, grad, _dense_rows(opt, grad), opt.moments8[s.name])
 
+    def foreach_adam(self, grad: Tensor) -> bool:
+        """Never: the grouped one-tensor AdamW steps 16-bit moments on the slot, not this weight's 8-bit ones, so a
+        deferred (clipped) update calls ``update`` like every other path, whatever the weight's size."""
+        return False
+
 
 class Dense8bitAdam(Updater):
     """bitsandbytes' ``AdamW8bit`` (``LowRankOptimizer.dense8``, one per slot); it cannot skip a step on the device:
