@@ -2,7 +2,7 @@
 of its shape (the card's full width and vocabulary, ``--layers`` decoder layers), against AdamW and HMT defaults
 at equal tokens.
 
-    python -m benchmarks.plan_learns [--families llama3,qwen2.5,mistral,gemma2,llama2] [--layers 1]
+    python -m benchmarks.plan_learns [--families llama3,qwen2.5,mistral,gemma2,llama2,llama3-streamed] [--layers 1]
                                      [--steps 10] [--seq 256] [--batch 2] [--out-dir results/plan_learns]
 
 Per family: the planner answers for the card at its budget (``python -m experiments.plan model=<card>
@@ -46,7 +46,9 @@ DELTA = 0.5  # nats: the last-step loss a plan may lose against HMT default's (t
 # lost 0.87 nats to HMT default on `tiny` after 300 steps; a plan is allowed a bit over half of that at 10 steps)
 # family -> (model card, budget GiB); the Llama-2 shape is the named `7b` model (experiments.model_config)
 FAMILIES = {"llama3": ("llama3.1-8b", 16), "qwen2.5": ("qwen2.5-7b", 16), "mistral": ("mistral-7b-v0.3", 16),
-            "gemma2": ("gemma2-9b", 24), "llama2": ("7b", 16)}
+            "gemma2": ("gemma2-9b", 24), "llama2": ("7b", 16), "llama3-streamed": ("llama3.1-8b", 12)}
+# planner keys a family's answer is asked with: the streamed family is the 12 GiB card only weight streaming fits
+PLANNER_KEYS = {"llama3-streamed": ["weight_offloads=[none,host]"]}
 LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
              "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
              "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
@@ -65,11 +67,11 @@ def proxy_dir(card: str, layers: int, scratch: Path) -> Path:
     return out
 
 
-def plan_for(card: str, budget: int, scratch: Path) -> tuple[Path, dict]:
-    """The planner's answer: (the plan's yaml, its record)."""
-    results = scratch / f"plan-{card}"
+def plan_for(card: str, budget: int, scratch: Path, keys: list[str] = ()) -> tuple[Path, dict]:
+    """The planner's answer (asked with the planner ``keys``): (the plan's yaml, its record)."""
+    results = scratch / f"plan-{card}-{budget}"
     cmd = [sys.executable, "-m", "experiments.plan", f"model={card}", "train.seq_len=2048", f"budget_gib={budget}",
-           f"results_dir={results}"]
+           f"results_dir={results}", *keys]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"planner failed for {card}@{budget} GiB: {proc.stderr.strip().splitlines()[-1:]}")
@@ -114,9 +116,18 @@ def reusable(previous: dict | None, label: str, overrides: list[str]) -> dict | 
     ones it would run with now: the references do not depend on the planner's answer, so a re-planned family
     retrains only its plan."""
     for run in (previous or {}).get("runs", []):
-        if run.get("label") == label and run.get("overrides") == overrides and run.get("losses"):
+        same = run.get("label") == label or run.get("label", "").split("-")[-1] == label.split("-")[-1]
+        if same and run.get("overrides") == overrides and run.get("losses"):
             return run
     return None
+
+
+def same_card_rows(out_dir: Path, family: str, settings: dict) -> list[dict]:
+    """The rows of other families on the same card at the same settings: their AdamW and HMT-default runs train the
+    same proxy on the same batches (a streamed family reuses its resident family's)."""
+    card = FAMILIES[family][0]
+    docs = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json")) if not p.name.startswith("archive-")]
+    return [d["row"] for d in docs if d.get("settings") == settings and d["row"].get("card") == card]
 
 
 def family_row(family: str, answer: tuple[Path, dict], args, scratch: Path, previous: dict | None = None) -> dict:
@@ -132,8 +143,9 @@ def family_row(family: str, answer: tuple[Path, dict], args, scratch: Path, prev
     common = [f"train.warmup_steps={warmup}", *([f"model.attn_implementation={attn}"] if attn != "sdpa" else [])]
     plan_run = train(f"{family}-plan", [f"hydra.searchpath=[file://{plan_yaml.parent.parent}]",
                                         f"+plans={plan_yaml.stem}", *common], proxy, args, scratch)
-    adamw, default = (reusable(previous, f"{family}-{name}", [f"method={name}", *common])
-                      or train(f"{family}-{name}", [f"method={name}", *common], proxy, args, scratch)
+    rows = [previous, *(getattr(args, "same_card", None) or [])]
+    adamw, default = (next((r for row in rows if (r := reusable(row, f"{family}-{name}", [f"method={name}", *common]))),
+                           None) or train(f"{family}-{name}", [f"method={name}", *common], proxy, args, scratch)
                       for name in ("adamw", "hmt"))
     return {"family": family, "card": card, "budget_gib": budget, "plan": record.get("choice", {}),
             "plan_label": record["choice"]["optimizer_label"], "plan_lr": nodes["method"]["lr"],
@@ -191,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             if previous.get("settings") != settings:
                 previous = {}
             t0 = time.perf_counter()
-            answer = plan_for(*FAMILIES[family], Path(tmp))
+            answer = plan_for(*FAMILIES[family], Path(tmp), PLANNER_KEYS.get(family, []))
+            args.same_card = same_card_rows(out_dir, family, settings)
             if previous and (previous["row"].get("plan"), previous["row"].get("plan_lr")) == (
                     answer[1].get("choice", {}), yaml.safe_load(answer[0].read_text())["method"]["lr"]):
                 continue  # measured at these settings for the answer the planner gives today

@@ -178,3 +178,45 @@ def test_backward_by_hand_updates_on_the_device_and_writes_back_on_the_copy_out_
     assert len(kept) == 2 * n and all(s == streamer.d2h.name for _, s, _ in kept)  # no reuse before the copy
     assert all(s.m.device == CUDA for s in method.opt.slots if s.projected and s.m is not None)
     assert not streams.syncs and not mode.assumed
+
+
+def test_a_streamed_model_is_built_on_the_host_never_whole_on_the_device():
+    # experiments.dist.build_sharded on CUDA with weight_offload=host: built on meta, each decoder module made on
+    # the device and its projected weights copied to pinned host memory and freed before the next module is made
+    # (hmt_core.host_weights), so the device never holds more than the resident part or one module
+    from experiments import methods
+    from experiments.config import ModelConfig
+    from experiments.dist import parallel
+    from experiments.memory.meter import MemoryMeter
+    from hmt_core import streaming
+
+    cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, intermediate_size=176, vocab_size=256,
+                      max_position_embeddings=128, dtype="bf16")
+    method = methods.make_method(methods.make_config({"name": "hmt", "mode": "B", "rank": 8,
+                                                      "weight_offload": "host"}))
+    pinned = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):  # pinned host copies (pin_memory needs the driver: recorded, then dropped)
+        if kwargs.pop("pin_memory", False):
+            pinned.append(args[0] if args else kwargs.get("size"))
+        return real_empty(*args, **kwargs)
+
+    with fake_cuda_tier.driver_stand_ins(), Streams().installed(), fake_cuda(), \
+            mock.patch.object(torch, "empty", empty):
+        with MemoryMeter(source="tracker", device=CUDA) as meter:  # host tensors counted apart
+            model = parallel.build_sharded(cfg, method, None, vocab_size=None, device=CUDA)
+            peak = meter.report().peak_bytes
+        method.attach(model, max_grad_norm=1.0)  # the streamer adopts the host copies: nothing copied again
+    layers = streaming.decoder_layers(model)
+    streamed = [p for layer in layers for name, p in layer.named_parameters() if name.endswith("proj.weight")]
+    assert len(streamed) == 3 * 7 and len(pinned) == len(streamed), (len(streamed), len(pinned))
+    assert all(p.device == CUDA and p.untyped_storage().nbytes() == 0 for p in streamed)
+    layer_bytes = sum(p.numel() * 2 for p in layers[0].parameters() if p.dim() == 2)
+    resident = sum(p.untyped_storage().nbytes() for p in model.parameters())  # embedding, head, norms
+    # the streamed modules are made (and freed) before the resident part is placed: the peak is the resident part
+    # (66,432 bytes here) plus a few bytes of temporaries, well under it plus one layer's weights (100,352)
+    assert resident <= peak < resident + max(p.numel() * 2 for p in streamed) < resident + layer_bytes, \
+        (peak, resident, layer_bytes)
+    assert method.streamer.resident_bytes == 0 and method.streamer.h2d_bytes == 0
+    assert all(w.host.device.type == "cpu" for w in method.streamer.weights())
