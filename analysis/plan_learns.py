@@ -59,11 +59,13 @@ def render(docs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str) -> str:
-    begin, end = text.find(BEGIN), text.find(END)
+def replace_block(text: str, block: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """``text`` with ``block`` between the page's two ``markers`` (a generated table)."""
+    (first, last) = markers
+    begin, end = text.find(first), text.find(last)
     if begin < 0 or end < begin:
-        raise SystemExit(f"error: the page has no table markers {BEGIN!r} ... {END!r}")
-    return text[: begin + len(BEGIN)] + "\n" + block + text[end:]
+        raise SystemExit(f"error: the page has no table markers {first!r} ... {last!r}")
+    return text[: begin + len(first)] + "\n" + block + text[end:]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ MODULES: dict[str, ModuleType] = {
 CONFIGS: dict[str, type[MethodConfig]] = {name: module.Config for name, module in MODULES.items()}
 FACTORIES: dict[str, Callable[[Any], Method]] = {name: module.make for name, module in MODULES.items()}
 PLANNED = "hmt"  # the method whose settings experiments.planner chooses (the baselines it measures as they are)
+DEFAULT = "hmt"  # the method a run gets when it names none (experiments/conf/run.yaml's defaults: method: hmt)
 
 
 def planned(config: MethodConfig) -> bool:

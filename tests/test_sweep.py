@@ -140,3 +140,15 @@ def test_local_multirun_resumes_skipping_completed_runs(tmp_path: Path, capsys) 
     forced = _multirun(sweep_file, results, "cluster=local", "force=true")
     assert "3 runs: 3 to launch, 0 completed and skipped" in forced.stdout + forced.stderr
     assert len(launched.read_text().split()) == 7
+
+
+def test_the_registry_names_the_method_a_run_gets_by_default():
+    # a tuned sweep's row without method= searches the default method's learning rates: the registry's DEFAULT
+    # must be what experiments/conf/run.yaml composes when no method is named
+    import yaml
+
+    from experiments import methods
+
+    defaults = yaml.safe_load((Path(__file__).resolve().parents[1] / "experiments/conf/run.yaml").read_text())
+    chosen = [d["method"] for d in defaults["defaults"] if isinstance(d, dict) and "method" in d]
+    assert chosen == [methods.DEFAULT], chosen

@@ -63,7 +63,7 @@ from experiments.planner.objective import failed_learning, loss_cost, throughput
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
 from experiments.planner.recipe import run_recipe, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
-from experiments.planner.streaming import streaming_record
+from experiments.planner.streaming import micro_batch_time
 from experiments.results import atomic_write_text
 from experiments.step_time import CONFIRM_S
 from experiments.sweeps.sweep import checked, validated_run_config
@@ -267,12 +267,12 @@ def streamed_live_budget(sol, planner: dict, live_budget: float, step_budget: fl
 def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throughput, plan_path: Path,
                     budget: float) -> dict:
     """The record's keys on learning: the rate written, the learning check's verdict, the expected loss cost, the
-    settings not offered, the micro-batch's modeled throughput against the largest that fits, and a streamed
-    plan's copies (``experiments.planner.streaming``)."""
+    settings not offered, the micro-batch's modeled throughput against the largest that fits, and its modeled
+    time with a streamed plan's copies (``experiments.planner.streaming.micro_batch_time``)."""
     space = prep.space
-    streamed = {} if sol.option.payload.offload != "host" else {"streaming": streaming_record(
-        prep.streaming, prep.stats, prep.layers, sol.batch * run.train.seq_len,
-        model.ridge if model is not None else DEFAULT_RIDGE)}
+    timed = micro_batch_time(prep.streaming, prep.stats, prep.layers, sol.batch * run.train.seq_len,
+                             model.ridge if model is not None else DEFAULT_RIDGE,
+                             streamed=sol.option.payload.offload == "host")
     recipe = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
     return {"recipe": recipe,
             "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"]),
@@ -280,7 +280,7 @@ def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throug
             "micro_batch": {"fits_up_to": sol.fit_batch, "model": dataclasses.asdict(model),
                             "relative_throughput": model.relative(sol.batch, sol.fit_batch or sol.batch,
                                                                   sol.option.transfer, sol.fit_transfer)},
-            **streamed}
+            "micro_batch_time": timed}
 
 
 def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: float, scale: float, log,

@@ -139,7 +139,7 @@ def render_plan(rec: dict) -> str:
                       + (", dense weights bitsandbytes 8-bit AdamW" if o["dense_8bit"] else "")
                       + (", INT8 projected weights" if o["weights"] == "int8" else "")),
         ("vocabulary", vocab_row(o.get("vocab"))),
-        *[("weights", describe_streaming(st, c["tokens_per_micro_batch"])) for st in [rec.get("streaming")] if st],
+        *[("weights", describe_streaming(t)) for t in [rec.get("micro_batch_time")] if t and t["streamed"]],
         ("ranks", ranks),
         *([("expected loss cost", describe_prices(lc["choices"]))] if (lc := rec.get("loss_cost")) else []),
         ("retained gradient energy (bound)", f"{rec['energy']:.4f}"),

@@ -13,9 +13,10 @@ against the model's 2·0.41 GiB; docs/weight_streaming.md).
 Time. Per micro-batch W·(2L − 1)/L bytes cross to the device (forward; backward re-fetches all but the last layer)
 and W back (each updated weight once), plus W more to the device when the update waits for the clipped norm (the
 deferred writes fetch each weight again), the two directions at once. At ``pcie`` bytes/s that is τ seconds; a
-micro-batch of T tokens computes for 6·N·T/F (``experiments.planner.efficiency``), so the copies hide behind compute only above
-Q = τ·F/(6·N) tokens: the micro-batch's time is max(T + R, Q) in token units (R the ridge point), with F the
-calibrated GPU's matmul rate or the datasheet peak (``peak_flops``, default an H100's) — the most tokens it asks for.
+micro-batch of T tokens computes for 6·N·(T + R)/F (``experiments.planner.efficiency``, R the ridge point), so the
+copies hide behind compute only above Q = τ·F/(6·N) tokens: the micro-batch's time is max(T + R, Q) in token units,
+with F the calibrated GPU's matmul rate or the datasheet peak (``peak_flops``, default an H100's): the most tokens
+it asks for.
 """
 
 from __future__ import annotations
@@ -106,22 +107,26 @@ def streaming_model(run, planner: dict, cal: dict, stats: dict, layers: int) -> 
                      deferred=bool(run.train.max_grad_norm), transfer=transfer)
 
 
-def streaming_record(s: Streaming, stats: dict, layers: int, tokens: int, ridge: float) -> dict:
-    """A streamed plan's record: host bytes, the copies per micro-batch and the modeled micro-batch time with and
-    without them (roofline compute at ``s.transfer.flops``: 6·N·(T + R)/F, ``experiments.planner.efficiency``)."""
+def micro_batch_time(s: Streaming, stats: dict, layers: int, tokens: int, ridge: float, *, streamed: bool) -> dict:
+    """The modeled seconds of one micro-batch of ``tokens``: the roofline's compute at ``s.transfer.flops``,
+    6·N·(T + R)/F (``experiments.planner.efficiency``), and for a streamed plan the copies it waits for; with the
+    host bytes and the model's constants (every plan's record: resident and streamed plans compare by it)."""
     t = s.transfer
     compute = 6 * t.params * (tokens + ridge) / t.flops
-    copies = s.seconds(stats, layers)
-    return {"host_gib": layer_bytes(stats, s.patterns) * layers / GIB, "pcie_gb_per_s": t.pcie / 1e9,
-            "peak_flops": t.flops, "transfer_s_per_micro_batch": copies, "hidden_from_tokens": s.tokens(stats, layers),
-            "compute_s_per_micro_batch": compute, "micro_batch_s": max(compute, copies), "deferred": s.deferred}
+    out = {"tokens": tokens, "compute_s": compute, "micro_batch_s": compute, "us_per_token": 1e6 * compute / tokens,
+           "peak_flops": t.flops, "params": t.params, "ridge_flop_per_byte": ridge, "streamed": streamed}
+    if streamed:
+        copies = s.seconds(stats, layers)
+        out.update(host_gib=layer_bytes(stats, s.patterns) * layers / GIB, pcie_gb_per_s=t.pcie / 1e9,
+                   transfer_s=copies, hidden_from_tokens=s.tokens(stats, layers), deferred=s.deferred,
+                   micro_batch_s=max(compute, copies), us_per_token=1e6 * max(compute, copies) / tokens)
+    return out
 
 
-def describe(rec: dict, tokens: int) -> str:
-    """The plan table's ``weights`` row of a streamed plan."""
+def describe(rec: dict) -> str:
+    """The plan table's ``weights`` row of a streamed plan (``micro_batch_time``'s record)."""
     return (f"BF16 decoder weights streamed from the host (method.weight_offload=host): {rec['host_gib']:.2f} GiB "
-            f"there; {rec['transfer_s_per_micro_batch']:.2f} s of copies per micro-batch at "
-            f"{rec['pcie_gb_per_s']:g} GB/s (pcie_gb_per_s), hidden behind compute from "
-            f"{rec['hidden_from_tokens']:,.0f} tokens a micro-batch (this one: {tokens:,}); modeled micro-batch "
-            f"{rec['micro_batch_s']:.2f} s against {rec['compute_s_per_micro_batch']:.2f} s of compute at "
-            f"{rec['peak_flops'] / 1e12:.0f} TFLOP/s")
+            f"there; {rec['transfer_s']:.2f} s of copies per micro-batch at {rec['pcie_gb_per_s']:g} GB/s "
+            f"(pcie_gb_per_s), hidden behind compute from {rec['hidden_from_tokens']:,.0f} tokens a micro-batch "
+            f"(this one: {rec['tokens']:,}); modeled micro-batch {rec['micro_batch_s']:.2f} s against "
+            f"{rec['compute_s']:.2f} s of compute at {rec['peak_flops'] / 1e12:.0f} TFLOP/s")

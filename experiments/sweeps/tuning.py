@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments import methods
 from experiments.errors import UserError
 from experiments.sweeps.overrides import merge_overrides, override_key
 
@@ -222,7 +223,7 @@ def tuned_jobs(rows: Sequence[Sequence[str]], spec: TuneSpec, lookup: RunLookup)
                          (spec.scan_key, "it is searched (`tune.scan`)")):
             if key is not None and _value(row, key) is not None:
                 raise UserError(f"run [{' '.join(row)}] sets {key}; in a tuned sweep {why}")
-        method = _value(row, "method") or "hmt"
+        method = _value(row, "method") or methods.DEFAULT
         results_dir = search_results_dir(_value(row, "results_dir") or lookup.default_results_dir)
         search.append([merge_overrides(row, [*point, f"seed={spec.search_seed}", f"results_dir={results_dir}"])
                        for point in _search_points(spec, method)])
