@@ -10,7 +10,6 @@ weights): docs/design/hmt.md."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,13 +119,8 @@ class HMTMethod:
             if projected and c.rank is not None and c.sides != "identity" and c.rank > min(p.shape):
                 raise ValueError(f"method.rank={c.rank} exceeds min(out, in)={min(p.shape)} of {name} "
                                  f"{tuple(p.shape)}")
-            candidates = c.rank_candidates
-            if c.attn_candidates is not None and re.search(c.attn_pattern, name):
-                candidates = c.attn_candidates
-            elif c.mlp_candidates is not None and re.search(c.mlp_pattern, name):
-                candidates = c.mlp_candidates
             slots.append(make(name=name, param=p, index=index, projected=projected,
-                              candidates=tuple(int(r) for r in candidates)))
+                              candidates=c.rank_candidates_for(name)))
         self.opt = LowRankOptimizer(slots, optimizer_settings(c))
         self.device = trainable[0][1].device if trainable else None
         self.max_grad_norm = max_grad_norm

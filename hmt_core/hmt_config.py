@@ -94,6 +94,15 @@ class Config:
         check_ranges(self)
         check_combinations(self)
 
+    def rank_candidates_for(self, name: str) -> tuple[int, ...]:
+        """The ranks the allocator may give weight ``name``: the attention or MLP prior where its name matches
+        ``attn_pattern`` / ``mlp_pattern`` and one is set, else ``rank_candidates``."""
+        if self.attn_candidates is not None and re.search(self.attn_pattern, name):
+            return tuple(int(r) for r in self.attn_candidates)
+        if self.mlp_candidates is not None and re.search(self.mlp_pattern, name):
+            return tuple(int(r) for r in self.mlp_candidates)
+        return tuple(int(r) for r in self.rank_candidates)
+
     def check(self, run: Any) -> None:
         """``head_update=in_loss`` updates the LM head inside the fused loss's backward: one micro-batch, one
         process (``hmt_core.method.MethodConfig``)."""
