@@ -101,3 +101,12 @@ def test_llama8b_on_12gib_fits_only_streamed(tmp_path):
     assert timed["micro_batch_s"] == max(timed["compute_s"], timed["transfer_s"]), timed
     assert "weight_offload: host" in Path(rec["plan_file"]).read_text()
     assert "streamed from the host" in proc.stdout
+
+
+def test_memory_savings_streaming_table_is_what_the_committed_results_render():
+    from analysis.plan_learns import replace_block
+    from analysis.streaming_plans import MARKERS, load, render
+
+    page = (REPO / "docs" / "memory_savings.md").read_text()
+    rendered = replace_block(page, render(load(REPO / "results" / "streaming_plans")), MARKERS)
+    assert rendered == page, "python -m analysis.streaming_plans results/streaming_plans --docs docs/memory_savings.md"
