@@ -121,7 +121,7 @@ class Corrections:
             missed, excess = self.pending
             self.pending = None
             lean = leanest(dataclasses.replace(prob, fixed_batch=missed.batch))
-            if lean is not None and _same(lean, missed):
+            if lean is not None and same_choice(lean, missed):
                 self._leanest_missed(missed, excess)
                 prob = dataclasses.replace(prob, max_batch=max(1, min(prob.max_batch, self.over - 1)))
         top = min(self.lean_batch, prob.max_batch, prob.fixed_batch or prob.max_batch)
@@ -138,6 +138,6 @@ class Corrections:
                 "corrected_option_gib": dict(self.option)}
 
 
-def _same(a: Solution, b: Solution) -> bool:
+def same_choice(a: Solution, b: Solution) -> bool:
     return (a.batch, a.option.name, a.actions, a.layer_recompute, a.layer_codec) == (
         b.batch, b.option.name, b.actions, b.layer_recompute, b.layer_codec)

@@ -55,15 +55,14 @@ from experiments.memory.gpu_allowance import reserve_bytes, reserve_label, step_
 from experiments.planner.correct import Corrections
 from experiments.planner.costs import GIB, Space, policy_for
 from experiments.planner.efficiency import DEFAULT_RIDGE, Throughput
-from experiments.planner.extend import extend
 from experiments.planner.learning import learning_check
 from experiments.planner.milp import min_peak
-from experiments.planner.model import build_problem
-from experiments.planner.objective import failed_learning, loss_cost, throughput_model, without
+from experiments.planner.objective import loss_cost, throughput_model
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
 from experiments.planner.recipe import run_recipe, user_set
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.planner.streaming import micro_batch_time
+from experiments.planner.verified import Verifier, next_choice, settle
 from experiments.results import atomic_write_text
 from experiments.step_time import CONFIRM_S
 from experiments.sweeps.sweep import checked, validated_run_config
@@ -209,9 +208,11 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     step_budget = budget - ctx
     live_budget = step_budget if planner.get("verify", False) else step_budget / (1 + UNVERIFIED_SLACK)
     fix, scale = Corrections(), run.train.seq_len / prep.record["seq_len"]
-    iterations, summary, best = [], None, None  # best: (solution, summary) of the largest verified fit so far
-    write = functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx)
-    model = throughput_model(prep.cal, planner, run.train.seq_len)
+    summary, best = None, None  # best: (solution, summary) of the largest verified fit so far
+    v = Verifier(write=functools.partial(write_plan, run, planner, prep.space, plan_path, budget=budget, ctx=ctx),
+                 trace=functools.partial(traced_step, run, plan_path, verify_dir, step_budget=step_budget, log=log),
+                 step_budget=step_budget)
+    iterations, model = v.iterations, throughput_model(prep.cal, planner, run.train.seq_len)
     planner = {**planner, "_budget": budget, "_not_offered": []}
     for _ in range(int(planner.get("max_iters", 8))):
         prob, sol = next_choice(prep, planner, fix, live_budget, scale, log, model)
@@ -223,13 +224,10 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
         if (streamed := streamed_live_budget(sol, planner, live_budget, step_budget)) is not None:
             live_budget = streamed  # solved again, leaving the streamed plans' allocator slack
             continue
-        predicted = write(sol)
-        iterations.append(step := {"batch_size": sol.batch, "option": sol.option.name, "predicted_gib": sol.predicted,
-                                   "predicted_peak_gib": predicted, "live_budget_gib": live_budget,
-                                   "slack_allowance": step_budget / live_budget - 1, **fix.record()})
+        step = v.written(sol, live_budget, fix)
         if not planner.get("verify", False):
             break
-        summary, verified = traced_step(run, plan_path, verify_dir, step, step_budget, log)
+        summary, verified = v.trace(step)
         if verified <= step_budget * GIB:
             best = (sol, summary)
             if fix.fitted(sol):
@@ -241,9 +239,8 @@ def plan_with(prep: Prepared, planner: dict, budget: float, *, seq_len: int | No
     else:
         if best is None:
             raise no_verified_plan(budget, iterations)
-    if best is not None and best[0] is not sol:  # a later trace was over: the plan is the largest verified fit
-        sol, summary = best
-        write(sol)
+    if best is not None:  # the largest verified fit, then the least-loss choice there (``verified.settle``)
+        sol, summary = settle(prep, planner, fix, best, v, live_budget=live_budget, scale=scale, model=model, log=log)
     out = plan_record(run, sol, summary, command=planner.get("_argv", []), name=name, plan_path=plan_path,
                       plan_dir=folder, budget=budget, floor=prep.floor_gib, iterations=iterations, cal=prep.cal,
                       record=prep.record, costs=prep.costs, train_note=train_note(prep, sol, run),
@@ -283,29 +280,6 @@ def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throug
             "micro_batch_time": timed}
 
 
-def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: float, scale: float, log,
-                model: Throughput | None = None):
-    """(the corrected problem, its next choice) with the predicted live peak at most ``live_budget`` GiB, solved
-    again after tracing the costs the choice's micro-batch needs past the traced ones
-    (``experiments.planner.extend``) until it needs none."""
-    while True:
-        prob = fix.apply(build_problem(prep.costs, space=prep.space, record=prep.record, stats=prep.stats,
-                                       flops=prep.flops, cal=prep.cal, budget_gib=live_budget,
-                                       llama=prep.llama, seq_scale=scale, throughput=model,
-                                       streaming=prep.streaming))
-        if planner.get("batch_size"):  # a fixed micro-batch: the budget goes to energy, then time
-            prob = dataclasses.replace(prob, fixed_batch=int(planner["batch_size"]))
-        prob = without(prob, planner["_not_offered"])
-        sol = fix.choose(prob)
-        while sol is not None and failed_learning(prep.run, planner, planner["_budget"], sol.option.payload):
-            log(f"learning check: {sol.option.name} failed at this model and budget; not offered")
-            planner["_not_offered"].append(sol.option.name)
-            prob = without(prob, [sol.option.name])
-            sol = fix.choose(prob)
-        if sol is None or prep.table is None or not extend(prep, sol, seq_scale=scale, log=log):
-            return prob, sol
-
-
 def write_plan(run, planner: dict, space: Space, plan_path: Path, sol, *, budget: float, ctx: float) -> float:
     """Writes ``sol`` as the plan config at ``plan_path``; returns its predicted peak (GiB)."""
     predicted = max(v for v in sol.predicted.values() if v is not None)
@@ -320,7 +294,7 @@ def no_verified_plan(budget: float, iterations: list[dict]) -> UserError:
                      f"{iterations[-1].get('verified_peak_gib', float('nan')):.2f} GiB); raise max_iters")
 
 
-def traced_step(run, plan_path: Path, verify_dir: Path, step: dict, step_budget: float, log) -> tuple[dict, int]:
+def traced_step(run, plan_path: Path, verify_dir: Path, step: dict, *, step_budget: float, log) -> tuple[dict, int]:
     """The written plan's dry run at full size: (its summary, the step bytes judged against ``step_budget`` GiB);
     ``step`` (the iteration's record) gains the measured peak and how long the trace took."""
     log(f"verify: dry run of {plan_path.name} at full size (batch {step['batch_size']}, seq {run.train.seq_len}) ...")
