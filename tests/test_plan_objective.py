@@ -2,11 +2,13 @@
 the least expected loss cost of its lossy choices (experiments.planner.prices, priced by the tuned campaign), then
 energy and time."""
 
+import dataclasses
 import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -128,3 +130,29 @@ def test_a_setting_that_failed_the_learning_check_is_not_offered(tmp_path, monke
     assert second["choice"]["optimizer_label"] != label, second["choice"]
     assert second["not_offered"] == [label] and second["learning_check"] == {"checked": False}, second
     assert "| not offered | failed the learning check" in capsys.readouterr().out
+
+
+def test_verification_settles_on_the_least_loss_choice_at_the_verified_micro_batch(monkeypatch):
+    # the loop reached b = 4 with the leanest (lossy) choice verified; at b = 4 the lossless option is predicted to
+    # fit too (2 + 4 + 4 = 10 GiB): it is traced once more and taken when its trace fits, else the lossy stays
+    from experiments.planner import verified
+    from experiments.planner.correct import Corrections
+
+    prob = _instance(None)
+    monkeypatch.setattr(verified, "corrected_problem", lambda *a, **k: prob)
+    monkeypatch.setattr(verified, "failed_learning", lambda *a, **k: False)
+    lossy = solve(dataclasses.replace(prob, fixed_batch=4, options=[prob.options[0]]))
+    assert lossy.option.name == "lossy"
+    for fits in (True, False):
+        written, traced = [], []
+        v = verified.Verifier(write=lambda sol: written.append(sol.option.name) or 10.0,
+                              trace=lambda step: (traced.append(step["option"]) or {"run": step["option"]},
+                                                  (9 if fits else 11) * 2**30),
+                              step_budget=10.0)
+        v.last = lossy
+        sol, summary = verified.settle(SimpleNamespace(run=None), {"_budget": 10}, Corrections(), (lossy, {"run": "lossy"}), v,
+                                       live_budget=10.0, scale=1.0, model=None, log=print)
+        assert traced == ["lossless"], traced
+        expected = ("lossless", ["lossless"]) if fits else ("lossy", ["lossless", "lossy"])
+        assert (sol.option.name, written) == expected, (fits, sol.option.name, written)
+        assert summary == {"run": sol.option.name}
