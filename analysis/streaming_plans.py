@@ -32,13 +32,16 @@ def _row(doc: dict, resident: dict | None) -> str:
     head = f"| {doc['card']}, {doc['budget_gib']:g} GiB ({keys}) |"
     rec = doc.get("record")
     if rec is None:
-        return head + f" no plan: {doc.get('error', '?')} | | | | | | | {doc['wall_s']:.0f} s |"
+        why = doc.get("error", "?").removeprefix("error: ").split(";")[0]
+        return head + f" {why} | — | — | — | — | — | — | {doc['wall_s']:.0f} s |"
     t, c, v = rec["micro_batch_time"], rec["choice"], rec.get("verified")
     peak = max(x for x in rec["predicted_gib"].values() if x is not None)
     verified = "—" if v is None else \
         f"{v['step_bytes'] / GIB + rec['reserve_gib']:.2f} ({'fits' if v['fits'] else 'over'})"
     versus = "—"
-    if t["streamed"] and resident is not None:
+    if t["streamed"] and resident is not None and resident.get("record") is None:
+        versus = f"no resident plan at {resident['budget_gib']:g} GiB"
+    elif t["streamed"] and resident is not None:
         r = resident["record"]["micro_batch_time"]
         versus = (f"{t['us_per_token'] / r['us_per_token']:.1f}× ({r['us_per_token']:.0f} µs at "
                   f"{resident['budget_gib']:g} GiB, {resident['record']['choice']['batch_size']} × 2,048)")
@@ -47,7 +50,7 @@ def _row(doc: dict, resident: dict | None) -> str:
 
 
 def render(docs: list[dict]) -> str:
-    resident = {d["card"]: d for d in docs if d.get("record") and not d["record"]["micro_batch_time"]["streamed"]}
+    resident = {d["card"]: d for d in docs if not any("weight_offloads" in k for k in d["keys"])}
     return "\n".join([HEADER, *(_row(d, resident.get(d["card"])) for d in docs)]) + "\n"
 
 

@@ -4,8 +4,8 @@ corrected cost model, each written plan's iteration record and its full-size tra
 The loop finds the largest micro-batch that fits by tracing, after a miss by the caching allocator's slack, the
 leanest choice at each candidate micro-batch (``experiments.planner.correct``). The objective ranks the expected
 loss cost before a larger micro-batch (docs/planner.md), so a verified micro-batch reached by the leanest choice is
-not the answer yet: the corrected model's least-loss choice at that micro-batch is traced once more and taken when
-it fits too (``settle``). Llama-3.1-8B on a 12 GiB card with weights streamed had settled on Mode B rank 1 at
+not the answer yet: the corrected model's least-loss choice at that micro-batch is traced and taken when it fits
+too; a candidate over the budget asks the next to be predicted leaner by its overshoot (``settle``). Llama-3.1-8B on a 12 GiB card with weights streamed had settled on Mode B rank 1 at
 4 × 2,048, where Mode A fits the same micro-batch (both verified).
 """
 
@@ -23,6 +23,9 @@ from experiments.planner.milp import solve
 from experiments.planner.model import build_problem
 from experiments.planner.objective import failed_learning, without
 from experiments.planner.prepare import Prepared
+
+SETTLE_TRIES = 3  # traces the settling step may spend (a full-size dry run each: 1.5-2 min at 8B)
+SETTLE_STEP_GIB = 0.01  # after a candidate's miss, the next is predicted at least this much leaner
 
 
 @dataclass
@@ -77,20 +80,25 @@ def next_choice(prep: Prepared, planner: dict, fix: Corrections, live_budget: fl
 
 
 def settle(prep: Prepared, planner: dict, fix: Corrections, best: tuple, v: Verifier, *, live_budget: float,
-           scale: float, model: Throughput | None, log) -> tuple:
-    """The answer, ``(solution, summary)``: ``best`` (the largest verified fit), or the corrected model's least-loss
-    choice at its micro-batch when that is another choice and its trace fits too; the plan file is left holding
-    the answer."""
+           scale: float, model: Throughput | None, log, tries: int = SETTLE_TRIES) -> tuple:
+    """The answer, ``(solution, summary)``: ``best`` (the largest verified fit), or at its micro-batch the corrected
+    model's least-loss choice when its trace fits too. A candidate over the budget (by the allocator's slack, which
+    the model does not predict) asks the next one to be predicted leaner by its overshoot; at most ``tries``
+    traces. The plan file is left holding the answer."""
     sol, summary = best
     prob = dataclasses.replace(corrected_problem(prep, planner, fix, live_budget, scale, model),
                                fixed_batch=sol.batch)
-    better = solve(prob)
-    if better is not None and not same_choice(better, sol) and better.loss < sol.loss - 1e-12 \
-            and not failed_learning(prep.run, planner, planner["_budget"], better.option.payload):
-        log(f"verify: {sol.batch} sequences fit; the least-loss choice there next ({better.option.name})")
+    for _ in range(tries):
+        better = solve(prob)
+        if better is None or same_choice(better, sol) or better.loss >= sol.loss - 1e-12 \
+                or failed_learning(prep.run, planner, planner["_budget"], better.option.payload):
+            break
+        log(f"verify: {sol.batch} sequences fit; the least-loss option there next ({better.option.name})")
         found, verified = v.trace(v.written(better, live_budget, fix))
         if verified <= v.step_budget * GIB:
             return better, found
+        peak = max(x for x in better.predicted.values() if x is not None)  # the next: leaner by the overshoot
+        prob = dataclasses.replace(prob, budget=peak - max(SETTLE_STEP_GIB, verified / GIB - v.step_budget))
     if v.last is not sol:
         v.write(sol)
         v.last = sol
