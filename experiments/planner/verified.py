@@ -5,8 +5,7 @@ The loop finds the largest micro-batch that fits by tracing, after a miss by the
 leanest choice at each candidate micro-batch (``experiments.planner.correct``). The objective ranks the expected
 loss cost before a larger micro-batch (docs/planner.md), so a verified micro-batch reached by the leanest choice is
 not the answer yet: the corrected model's least-loss choice at that micro-batch is traced and taken when it fits
-too; a candidate over the budget asks the next to be predicted leaner by its overshoot (``settle``). Llama-3.1-8B on a 12 GiB card with weights streamed had settled on Mode B rank 1 at
-4 × 2,048, where Mode A fits the same micro-batch (both verified).
+too; a candidate over the budget asks the next to be predicted leaner by its overshoot (``settle``).
 """
 
 from __future__ import annotations
