@@ -2,8 +2,8 @@
 ``hmt_core.streaming``). A model whose decoder weights do not fit the device must never be whole there, so
 ``prepare`` gives each streamed weight its host copy (pinned on CUDA) and an empty device storage one module at a
 time, as FSDP2's meta-device initialisation makes one unit at a time (Zhao et al. 2023, "PyTorch FSDP"); the
-streamer adopts these copies at ``attach``. Start-up peak on the device: the resident part of the model plus one
-module at full size.
+streamer adopts these copies at ``attach``. Start-up peak on the device: the larger of the resident part of the model
+and one module at full size (the streamed modules are made and freed before the rest is placed).
 """
 
 from __future__ import annotations
