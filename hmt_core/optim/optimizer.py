@@ -73,13 +73,13 @@ class LowRankOptimizer:
             self._make_dense8()
 
     def _make_dense8(self) -> None:
-        import bitsandbytes as bnb  # optional dependency: only when asked for
+        from hmt_core.optim.adamw8bit_chunked import ChunkedAdamW8bit  # imports bitsandbytes: only when asked for
 
         r = self.rule
         for s in self.slots:
             if isinstance(s.updater, Dense8bitAdam):
-                self.dense8[s.name] = bnb.optim.AdamW8bit([s.param], lr=self.lr, betas=(r.beta1, r.beta2), eps=r.eps,
-                                                          weight_decay=r.weight_decay)
+                self.dense8[s.name] = ChunkedAdamW8bit([s.param], lr=self.lr, betas=(r.beta1, r.beta2), eps=r.eps,
+                                                        weight_decay=r.weight_decay)
 
     # ------------------------------------------------------------------------------------------------ refresh
     def refresh_due(self, s: Slot) -> bool:
