@@ -16,8 +16,9 @@ after step 0 has a training loss more than ``NOISE_NATS`` above its step-0 loss 
 last-step loss is within ``DELTA`` nats of HMT default's (``--rejudge``: apply the rule to the files already written,
 training nothing). Every run's
 per-step losses are kept in ``<out-dir>/<family>.json`` (written atomically when the family's three runs are done);
-a rerun skips the families already measured at the same settings for the answer the planner gives today, and
-where only the answer changed retrains the plan alone (the AdamW and HMT-default runs do not depend on it).
+a rerun skips the families already judged at the same settings for the answer the planner gives today, and
+where only the answer changed (or the plan's run gave no verdict) retrains the plan alone (the AdamW and
+HMT-default runs do not depend on it).
 """
 
 from __future__ import annotations
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             answer = plan_for(*FAMILIES[family], Path(tmp), PLANNER_KEYS.get(family, []))
             args.same_card = same_card_rows(out_dir, family, settings)
-            if previous and (previous["row"].get("plan"), previous["row"].get("plan_lr")) == (
+            judged = previous and previous["row"].get("passes") is not None  # a run with no verdict is retried
+            if judged and (previous["row"].get("plan"), previous["row"].get("plan_lr")) == (
                     answer[1].get("choice", {}), yaml.safe_load(answer[0].read_text())["method"]["lr"]):
                 continue  # measured at these settings for the answer the planner gives today
             r = {**family_row(family, answer, args, Path(tmp), previous.get("row")),

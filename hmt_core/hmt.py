@@ -62,11 +62,15 @@ class HMTMethod:
         c = self.config
         if c.embedding_dtype == "int8":
             int8_weights.quantize_vocab(model, backend=c.kernels, device=device, materialize=materialize)
+        streamed = self._streamed_targets(model) if c.weight_offload == "host" else set()
         if c.weight_dtype == "int8":
-            int8_weights.quantize_linears(model, self._int8_targets(model), backend=c.kernels, device=device,
-                                          materialize=materialize)
-        if c.weight_offload == "host":  # streamed weights: a host copy each, never whole on the device
-            host_weights.place_on_host(model, self._streamed_targets(model), device=device, materialize=materialize,
+            int8_weights.quantize_linears(model, self._int8_targets(model) - streamed, backend=c.kernels,
+                                          device=device, materialize=materialize)
+        for name in sorted(streamed):  # a host copy each, one module at a time: never whole on the device
+            if c.weight_dtype == "int8":  # quantized on the device, then its codes and scales placed on the host
+                int8_weights.quantize_linears(model, {name}, backend=c.kernels, device=device, materialize=materialize)
+            stored = {f"{name.removesuffix('weight')}{n}" for n in self._stored_names(model, name)}
+            host_weights.place_on_host(model, stored, device=device, materialize=materialize,
                                        resize=streaming.resize_storage)
         if device is not None:
             int8_weights.place_on(model, device, materialize)  # the rest: norms, biases, bf16 tables, buffers
@@ -96,6 +100,12 @@ class HMTMethod:
         in_layers = {id(p) for layer in streaming.decoder_layers(model) for p in layer.parameters()}
         return {n for n in projected_weight_names(model, self.config.target_patterns)
                 if id(model.get_parameter(n)) in in_layers}
+
+    @staticmethod
+    def _stored_names(model: nn.Module, name: str) -> tuple[str, ...]:
+        """The names, within its module, of the tensors holding weight ``name``'s values (what streaming moves)."""
+        module = model.get_submodule(name.removesuffix(".weight"))
+        return ("weight_codes", "weight_scales") if isinstance(module, int8_weights.Int8Linear) else ("weight",)
 
     def attach(self, model: nn.Module, *, max_grad_norm: float | None) -> None:
         c = self.config

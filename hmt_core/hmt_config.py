@@ -202,7 +202,7 @@ def check_combinations(c: Config) -> None:
             raise ValueError(f"method.{key}=int8 writes its updates by stochastic rounding; "
                              "method.master_weights=true (an fp32 copy of every weight) would defeat it")
     if c.weight_offload == "host":
-        why = weight_offload_error(per_layer=c.per_layer, master_weights=c.master_weights, weight_dtype=c.weight_dtype)
+        why = weight_offload_error(per_layer=c.per_layer, master_weights=c.master_weights)
         if why:
             raise ValueError(f"method.weight_offload=host cannot be combined: {why}")
     if c.offload_bases and not c.per_layer:

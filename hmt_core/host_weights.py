@@ -54,7 +54,9 @@ def place_on_host(model: nn.Module, names: set[str], *, device: torch.device | N
             target = device if device is not None else p.device
             host = host_copy(p, pinned=target.type == "cuda")
             if p.device != target:
-                p = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=target), requires_grad=p.requires_grad)
+                moved = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=target), requires_grad=p.requires_grad)
+                moved.__dict__.update(p.__dict__)  # tags such as an INT8 layer's tensor roles
+                p = moved
                 module._parameters[name] = p
             resize(p, 0)
             _HOST[p] = host

@@ -100,6 +100,12 @@ class QuantizedWeight(Protocol):
     def fuses_update(self, update: Tensor) -> bool:  # whether ``update_rows`` runs one fused kernel for it
         ...
 
+    def stored_tensors(self) -> tuple[Tensor, ...]:  # the tensors holding its values (codes, scales)
+        ...
+
+    def exported(self, *stored: Tensor) -> Tensor:  # the weight a state dict exports, from copies of stored_tensors
+        ...
+
     def update_rows(self, index: Any, update: Tensor, *, step_size: float, decay: float, decay_after: bool,
                     generator: torch.Generator | None,
                     keep: Tensor | None = None) -> None:  # update: (rows, cols) fp32; keep: () bool

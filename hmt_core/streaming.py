@@ -1,6 +1,7 @@
-"""Weight streaming (``method.weight_offload=host``): the decoder layers' projected weights live in host memory
-(pinned on CUDA) and are on the device only while their layer computes; HMT's per-layer update runs on the device
-inside backward and the updated weight goes back to the host. Design notes: docs/weight_streaming.md.
+"""Weight streaming (``method.weight_offload=host``): the decoder layers' projected weights (BF16, or INT8 codes and
+scales: ``method.weight_dtype=int8``) live in host memory (pinned on CUDA) and are on the device only while their
+layer computes; HMT's per-layer update runs on the device inside backward and the updated weight goes back to the
+host. Design notes: docs/weight_streaming.md.
 
 Mechanism (FSDP2's, without the sharding: ``torch.distributed.fsdp._fully_shard._fsdp_param.free_storage`` /
 ``alloc_storage``): each streamed ``nn.Parameter`` stays the same device tensor all along (autograd, the optimizer's
@@ -14,9 +15,9 @@ Per decoder layer (the longest ``nn.ModuleList``, as FSDP2 wraps):
 * forward hook: layer i released (no write-back: forward does not change weights), except the last layer of a
   forward that records a graph, whose backward comes first; a pre-backward hook (``register_multi_grad_hook`` on
   the layer's outputs, FSDP2's trigger) fetches layer i again and prefetches layer i − 1;
-* each weight's post-accumulate-grad hook, registered after HMT's (so it runs after the update): the weight is
-  written back to the host when an update was applied (the slot has no pending low-rank gradient and no
-  accumulated ``.grad``), then released. An update deferred to ``finish_step`` (Mode A under clipping) fetches the
+* each weight's post-accumulate-grad hook, registered after HMT's (so it runs after the update): the weight (an
+  INT8 weight's codes and scales, which the update rewrites) is written back to the host when an update was
+  applied (the slot has no pending low-rank gradient and no accumulated ``.grad``), then released. An update deferred to ``finish_step`` (Mode A under clipping) fetches the
   weight again in ``write_low_rank`` and writes it back the same way.
 
 On CUDA the host-to-device copies run on one side stream and the device-to-host copies on another, ordered by CUDA
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hmt_core import host_weights
+from hmt_core.precision import is_quantized
 
 OFFLOADS = ("none", "host")
 
@@ -52,7 +54,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 @dataclass(eq=False)
 class _Weight:
     name: str
-    param: nn.Parameter  # the device tensor; its storage is empty while released
+    param: nn.Parameter  # the device tensor holding values (a weight, an INT8 weight's codes or scales); its
+    # storage is empty while released
     host: Tensor  # the current values between uses (pinned on CUDA)
     layer: int
     slot: Any  # the optimizer's slot: whether an update was applied in the hook
@@ -88,14 +91,12 @@ class observe_resizes:  # noqa: N801 - a context manager used like a function
         _OBSERVERS.remove(self.callback)
 
 
-def config_error(*, per_layer: bool, master_weights: bool, weight_dtype: str) -> str | None:
+def config_error(*, per_layer: bool, master_weights: bool) -> str | None:
     """Why ``method.weight_offload=host`` cannot be combined with these keys, or None."""
     if not per_layer:
         return "it streams each layer around its update inside backward: method.per_layer=false has none"
     if master_weights:
         return "method.master_weights=true keeps an fp32 copy of every weight on the device"
-    if weight_dtype != "bf16":
-        return "method.weight_dtype=int8 weights (codes + scales) are not streamed yet"
     return None
 
 
@@ -208,6 +209,13 @@ class WeightStreamer:
         for layer in self.layers:
             yield from layer
 
+    def by_slot(self) -> list[list[_Weight]]:
+        """The streamed tensors grouped by the optimizer slot they belong to (an INT8 weight: codes and scales)."""
+        groups: dict[int, list[_Weight]] = {}
+        for w in self.weights():
+            groups.setdefault(id(w.slot), []).append(w)
+        return list(groups.values())
+
     def host_bytes(self) -> int:
         return sum(w.host.numel() * w.host.element_size() for w in self.weights())
 
@@ -264,27 +272,36 @@ def _layer_hooks(streamer: WeightStreamer, i: int, last: int) -> tuple[Callable,
     return pre, post
 
 
-def _after_grad(streamer: WeightStreamer, w: _Weight) -> Callable[[Tensor], None]:
-    def hook(param: Tensor) -> None:  # after HMT's: an update applied leaves no pending Ĝ and no .grad
-        updated = w.slot.pending is None and param.grad is None
-        streamer.release(w, write_back=updated)
+def _after_grad(streamer: WeightStreamer, slot: Any, stored: list[_Weight]) -> Callable[[Tensor], None]:
+    def hook(param: Any) -> None:  # after HMT's: an update applied leaves no pending Ĝ and no .grad
+        updated = slot.pending is None and param.grad is None
+        for w in stored:
+            streamer.release(w, write_back=updated)
 
     return hook
+
+
+def stored_tensors(param: Any) -> list[Tensor]:
+    """The tensors that hold a weight's values, which streaming moves: the weight itself, or an INT8 weight's codes
+    and scales (``param`` its optimizer handle, ``hmt_core.int8_weights.Int8Weight``)."""
+    return list(param.stored_tensors()) if is_quantized(param) else [param]
 
 
 def _wrap_deferred_writes(streamer: WeightStreamer, opt: Any) -> Callable[[], None]:
     """``opt.write_low_rank`` fetches a released weight first and writes it back after (Mode A's update deferred
     to ``finish_step`` by clipping); an in-hook write finds its weight on the device and leaves it there."""
-    by_slot = {id(w.slot): w for w in streamer.weights()}
+    by_slot = {id(stored[0].slot): stored for stored in streamer.by_slot()}
     original = opt.write_low_rank
 
     def write_low_rank(s: Any, direction: Tensor, step_size: float) -> None:
-        w = by_slot.get(id(s))
-        if w is None or w.on_device:
+        stored = by_slot.get(id(s), [])
+        if not stored or all(w.on_device for w in stored):
             return original(s, direction, step_size)
-        streamer.wait(w)
+        for w in stored:
+            streamer.wait(w)
         original(s, direction, step_size)
-        streamer.release(w, write_back=True)
+        for w in stored:
+            streamer.release(w, write_back=True)
 
     opt.write_low_rank = write_low_rank
     return lambda: opt.__dict__.pop("write_low_rank", None)
@@ -294,9 +311,9 @@ def _wrap_deferred_writes(streamer: WeightStreamer, opt: Any) -> Callable[[], No
 def install(model: nn.Module, opt: Any) -> WeightStreamer:
     """Stream the projected weights (``opt``'s projected slots) that sit in ``model``'s decoder layers: host copies
     made, device storages freed, hooks registered. Call after the optimizer's own hooks (they must run first)."""
-    slots = {id(s.param): s for s in opt.slots if s.projected}
+    owner = {id(t): s for s in opt.slots if s.projected for t in stored_tensors(s.param)}
     layers = decoder_layers(model)
-    groups = [[_Weight(slots[id(p)].name, p, None, i, slots[id(p)]) for p in layer.parameters() if id(p) in slots]
+    groups = [[_Weight(owner[id(p)].name, p, None, i, owner[id(p)]) for p in layer.parameters() if id(p) in owner]
               for i, layer in enumerate(layers)]
     if not any(groups):
         raise ValueError("method.weight_offload=host: no projected weight sits in a decoder layer (the longest "
@@ -318,8 +335,9 @@ def install(model: nn.Module, opt: Any) -> WeightStreamer:
         if groups[i]:
             pre, post = _layer_hooks(streamer, i, last)
             streamer.handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
-    for w in streamer.weights():
-        streamer.handles.append(w.param.register_post_accumulate_grad_hook(_after_grad(streamer, w)))
+    for stored in streamer.by_slot():
+        slot = stored[0].slot
+        streamer.handles.append(slot.param.register_post_accumulate_grad_hook(_after_grad(streamer, slot, stored)))
     streamer.handles.append(model._register_state_dict_hook(_state_dict_hook(streamer, model)))
     streamer.restore = _wrap_deferred_writes(streamer, opt)
     return streamer
@@ -328,12 +346,15 @@ def install(model: nn.Module, opt: Any) -> WeightStreamer:
 def _state_dict_hook(streamer: WeightStreamer, model: nn.Module) -> Callable:
     names = {id(p): n for n, p in model.named_parameters()}
     owned = [(names[id(w.param)], w.param) for w in streamer.weights()]
+    quantized = [stored[0].slot for stored in streamer.by_slot() if is_quantized(stored[0].slot.param)]
 
     def hook(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         if module is model:  # the model's own state_dict (not a submodule's)
             for name, p in owned:
                 if prefix + name in state:
                     state[prefix + name] = readable(p)
+            for s in quantized:  # an INT8 weight's export, from its codes and scales as stored now
+                state[prefix + s.name] = s.param.exported(*(readable(t) for t in s.param.stored_tensors())).detach()
 
     return hook
 

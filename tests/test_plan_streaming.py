@@ -71,6 +71,14 @@ def test_streamed_bytes_of_a_llama_layer_and_the_phases_that_hold_it():
     assert t.seconds(stats, 32, ("attn", "mlp"), deferred=False) == pytest.approx(total * 63 / 32 / 25e9, rel=1e-12)
     assert t.seconds(stats, 32, ("attn", "mlp"), deferred=True) == pytest.approx(total * 95 / 32 / 25e9, rel=1e-12)
     assert t.tokens(1.0) == pytest.approx(989e12 / 6e9, rel=1e-12)
+    # INT8 weights: the layer's parameter bytes as prepared (codes + scales of its projected weights, its norm in
+    # BF16, the INT8 layers' one-element BF16 phantom weights) beyond the 1-layer model's, less the unprojected part
+    # (the norm: 2·256 bytes) and the phantoms (2 bytes each of q and up)
+    int8_layer = (65536 + 176128) * (1 + 4 / 256)
+    stats["L1"]["param_bytes"] = {"bf16": 10_000, "int8": 5_000}
+    stats["L2"]["param_bytes"] = {"bf16": 10_000 + 2 * (65536 + 176128) + 512,
+                                  "int8": 5_000 + int8_layer + 512 + 2 * 2}
+    assert layer_bytes(stats, ("attn", "mlp"), "int8") == int8_layer
 
 
 def test_space_refuses_an_unknown_offload():
@@ -85,21 +93,29 @@ def _plan(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_llama8b_on_12gib_fits_only_streamed(tmp_path):
+# Llama-3.1-8B's decoder layer: 218,103,808 projected elements (q, o 4,096²; k, v 1,024 × 4,096; gate, up, down
+# 14,336 × 4,096), every row a whole number of 256-element INT8 blocks (4 bytes of scale each)
+LAYER_ELEMENTS = 218_103_808
+
+
+@pytest.mark.parametrize("weights, layer_bytes_", [("int8", LAYER_ELEMENTS * (1 + 4 / 256)),
+                                                   ("bf16", LAYER_ELEMENTS * 2)])
+def test_llama8b_on_12gib_fits_only_streamed(tmp_path, weights, layer_bytes_):
     # from the committed cost table (no trace): the resident floor (INT8 weights and tables) leaves no plan at
-    # 12 GiB; with streaming offered the answer streams its 13.00 GiB of decoder weights (32 layers × 218,103,808
-    # BF16 elements = 13 GiB exactly) and writes method.weight_offload=host
+    # 12 GiB; with streaming offered the answer streams its decoder weights, INT8 codes + scales (32 layers: 6.60
+    # GiB) when INT8 weights are offered, else BF16 (13 GiB exactly), and writes method.weight_offload=host
     resident = _plan(tmp_path / "resident")
     assert resident.returncode != 0 and "error:" in resident.stderr, resident.stderr[-2000:]
-    proc = _plan(tmp_path / "streamed", "weight_offloads=[none,host]")
+    proc = _plan(tmp_path / "streamed", "weight_offloads=[none,host]", f"weight_dtypes=[{weights}]")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (record,) = (tmp_path / "streamed" / "plans").glob("*.json")
     rec = json.loads(record.read_text())
-    assert rec["choice"]["optimizer"]["offload"] == "host" and rec["choice"]["optimizer"]["weights"] == "bf16"
+    assert rec["choice"]["optimizer"]["offload"] == "host" and rec["choice"]["optimizer"]["weights"] == weights
     timed = rec["micro_batch_time"]
-    assert timed["streamed"] and timed["host_gib"] == 13.0, timed
+    assert timed["streamed"] and timed["host_gib"] == 32 * layer_bytes_ / 2**30, timed
     assert timed["micro_batch_s"] == max(timed["compute_s"], timed["transfer_s"]), timed
-    assert "weight_offload: host" in Path(rec["plan_file"]).read_text()
+    plan_yaml = Path(rec["plan_file"]).read_text()
+    assert "weight_offload: host" in plan_yaml and (weights == "bf16" or "weight_dtype: int8" in plan_yaml)
     assert "streamed from the host" in proc.stdout
 
 

@@ -20,6 +20,9 @@ CASES = {  # (method keys, micro-batches per step, max_grad_norm)
     "mode_a_in_hooks": (MODE_A, 1, None),
     "mode_b": (MODE_B, 1, 1.0),  # lagged clipping: updates in the hooks
     "mode_b_accum": (MODE_B, 2, 1.0),
+    # INT8 weights (codes + scales streamed; stochastic rounding in the update): deferred, and in the hooks
+    "mode_a_int8_clipped_accum": ({**MODE_A, "weight_dtype": "int8"}, 2, 1.0),
+    "mode_b_int8": ({**MODE_B, "weight_dtype": "int8"}, 1, 1.0),
 }
 AUTOCAST = (lambda: torch.autocast("cpu", torch.bfloat16))
 
@@ -37,6 +40,7 @@ def _build(raw: dict, clip: float | None, seed: int = 0):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_config())
     method = methods.make_method(methods.make_config(dict(raw)))
+    model = method.prepare(model)  # INT8 weights: Int8Linear layers
     method.attach(model, max_grad_norm=clip)
     return model, method
 
@@ -77,7 +81,9 @@ def test_streamed_run_equals_resident_run_bit_for_bit(case):
 
     got = _steps(model, method, batches, 0, 4, accum, watch=released)
     assert got == expected
-    assert len(streamed) == 3 * 7  # q, k, v, o, gate, up, down of each of the 3 layers
+    per_weight = 2 if raw.get("weight_dtype") == "int8" else 1  # an INT8 weight's codes and scales
+    count = len(streamed)  # (a list of released parameters must not reach pytest's repr)
+    assert count == 3 * 7 * per_weight, count  # q, k, v, o, gate, up, down of each of the 3 layers
     final = model.state_dict()  # the state_dict hook reads the host copies of the released weights
     assert all(torch.equal(t, final[n]) for n, t in resident_model.state_dict().items())
     # at most the working layers: layer i and the one prefetched (i + 1 in forward, i - 1 in backward)
@@ -111,7 +117,7 @@ def test_layer_recompute_streams_in_the_recompute_too():
     assert all(torch.equal(t, runs[1][1][n]) for n, t in runs[0][1].items())
 
 
-@pytest.mark.parametrize("case", ["mode_a_clipped_accum", "mode_b"])
+@pytest.mark.parametrize("case", ["mode_a_clipped_accum", "mode_b", "mode_a_int8_clipped_accum"])
 def test_checkpoint_of_a_streamed_run_resumes_to_the_resident_trajectory(tmp_path, case):
     raw, accum, clip = CASES[case]
     batches = _batches(4 * accum)
@@ -126,7 +132,9 @@ def test_checkpoint_of_a_streamed_run_resumes_to_the_resident_trajectory(tmp_pat
     _, payload = ck.load_checkpoint(saved.path)
     resident_model, resident = _build(raw, clip)  # the same two steps, resident: the saved weights are theirs
     _steps(resident_model, resident, batches, 0, 2, accum)
-    assert all(torch.equal(payload["model"]["params"][n], p) for n, p in resident_model.named_parameters())
+    resident_params, saved_params = dict(resident_model.named_parameters()), payload["model"]["params"]
+    assert len(saved_params) >= 3 * 7  # every stored weight (an INT8 one's codes and scales, not its phantom)
+    assert all(torch.equal(t, resident_params[n]) for n, t in saved_params.items())
     del model, method
 
     model, method = _build(streamed, clip, seed=999)  # different init: everything must come from disk
@@ -138,7 +146,6 @@ def test_checkpoint_of_a_streamed_run_resumes_to_the_resident_trajectory(tmp_pat
 @pytest.mark.parametrize("keys, message", [
     ({"per_layer": False}, "method.per_layer=false"),
     ({"master_weights": True}, "method.master_weights=true"),
-    ({"weight_dtype": "int8"}, "method.weight_dtype=int8"),
     ({"weight_offload": "disk"}, "method.weight_offload must be one of"),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(keys, message):

@@ -102,9 +102,10 @@ class Copies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.fixture
-def streamed():
-    """A tiny bf16 Llama (3 layers) on fake CUDA with HMT ``weight_offload=host`` attached, recording streams."""
+@pytest.fixture(params=["bf16", "int8"])
+def streamed(request):
+    """A tiny bf16 Llama (3 layers) on fake CUDA with HMT ``weight_offload=host`` attached, recording streams; its
+    projected weights BF16, or INT8 (``method.weight_dtype=int8``: codes and scales streamed)."""
     from experiments import methods
     from experiments.config import ModelConfig
     from experiments.models import build_model
@@ -115,9 +116,15 @@ def streamed():
                           max_position_embeddings=128, dtype="bf16")
         model = build_model(cfg, device="cuda")
         method = methods.make_method(methods.make_config({"name": "hmt", "mode": "B", "rank": 8,
-                                                          "weight_offload": "host"}))
+                                                          "weight_offload": "host", "weight_dtype": request.param}))
+        model = method.prepare(model)
         method.attach(model, max_grad_norm=1.0)
         yield model, method, streams, mode
+
+
+def _grad_leaf(slot):
+    """The parameter autograd accumulates a slot's gradient into: the weight, or an INT8 weight's phantom."""
+    return slot.param.layer.weight if hasattr(slot.param, "stored_tensors") else slot.param
 
 
 def _on_device(method) -> list[int]:
@@ -150,7 +157,10 @@ def test_forward_holds_only_the_working_layers_and_copies_in_on_the_side_stream(
 def test_backward_by_hand_updates_on_the_device_and_writes_back_on_the_copy_out_stream(streamed):
     model, method, streams, mode = streamed
     streamer = method.streamer
-    layer_of = {id(w.param): i for i, layer in enumerate(streamer.layers) for w in layer}
+    layer_of = {id(_grad_leaf(w.slot)): i for i, layer in enumerate(streamer.layers) for w in layer}
+    stored_of = {id(_grad_leaf(w.slot)): [] for w in streamer.weights()}
+    for w in streamer.weights():
+        stored_of[id(_grad_leaf(w.slot))].append(w.param)
     copies = Copies(streams)
     for step in range(2):
         with copies:
@@ -167,7 +177,7 @@ def test_backward_by_hand_updates_on_the_device_and_writes_back_on_the_copy_out_
                 for hook in list(p._post_accumulate_grad_hooks.values()):
                     hook(p)
                 if i is not None:  # Mode B: updated in HMT's hook, then written back and freed
-                    assert p.untyped_storage().nbytes() == 0 and p.grad is None
+                    assert p.grad is None and not any(t.untyped_storage().nbytes() for t in stored_of[id(p)])
             method.step()
             method.zero_grad()
         assert _on_device(method) == [] and streamer.resident_bytes == 0, step
@@ -180,7 +190,8 @@ def test_backward_by_hand_updates_on_the_device_and_writes_back_on_the_copy_out_
     assert not streams.syncs and not mode.assumed
 
 
-def test_a_streamed_model_is_built_on_the_host_never_whole_on_the_device():
+@pytest.mark.parametrize("weight_dtype", ["bf16", "int8"])
+def test_a_streamed_model_is_built_on_the_host_never_whole_on_the_device(weight_dtype):
     # experiments.dist.build_sharded on CUDA with weight_offload=host: built on meta, each decoder module made on
     # the device and its projected weights copied to pinned host memory and freed before the next module is made
     # (hmt_core.host_weights), so the device never holds more than the resident part or one module
@@ -193,7 +204,7 @@ def test_a_streamed_model_is_built_on_the_host_never_whole_on_the_device():
     cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, intermediate_size=176, vocab_size=256,
                       max_position_embeddings=128, dtype="bf16")
     method = methods.make_method(methods.make_config({"name": "hmt", "mode": "B", "rank": 8,
-                                                      "weight_offload": "host"}))
+                                                      "weight_offload": "host", "weight_dtype": weight_dtype}))
     pinned = []
     real_empty = torch.empty
 
@@ -209,14 +220,18 @@ def test_a_streamed_model_is_built_on_the_host_never_whole_on_the_device():
             peak = meter.report().peak_bytes
         method.attach(model, max_grad_norm=1.0)  # the streamer adopts the host copies: nothing copied again
     layers = streaming.decoder_layers(model)
-    streamed = [p for layer in layers for name, p in layer.named_parameters() if name.endswith("proj.weight")]
-    assert len(streamed) == 3 * 7 and len(pinned) == len(streamed), (len(streamed), len(pinned))
+    stored = ("proj.weight_codes", "proj.weight_scales") if weight_dtype == "int8" else ("proj.weight",)
+    streamed = [p for layer in layers for name, p in layer.named_parameters() if name.endswith(stored)]
+    assert len(streamed) == 3 * 7 * len(stored) and len(pinned) == len(streamed), (len(streamed), len(pinned))
     assert all(p.device == CUDA and p.untyped_storage().nbytes() == 0 for p in streamed)
-    layer_bytes = sum(p.numel() * 2 for p in layers[0].parameters() if p.dim() == 2)
+    layer_bytes = 2 * (4 * 64 * 64 + 3 * 64 * 176)  # one layer's BF16 projections: 100,352 bytes
+    largest = 2 * 64 * 176  # the largest BF16 weight (gate, up, down): 22,528 bytes
     resident = sum(p.untyped_storage().nbytes() for p in model.parameters())  # embedding, head, norms
     # the streamed modules are made (and freed) before the resident part is placed: the peak is the resident part
-    # (66,432 bytes here) plus a few bytes of temporaries, well under it plus one layer's weights (100,352)
-    assert resident <= peak < resident + max(p.numel() * 2 for p in streamed) < resident + layer_bytes, \
-        (peak, resident, layer_bytes)
+    # (66,432 bytes here) plus a few bytes of temporaries, well under it plus one layer's weights; an INT8 module
+    # is made in BF16 and quantized on the device, so its codes and scales and the quantizer's temporaries join
+    # it (measured: 25,782 bytes over the resident part), still under the BF16 weight twice
+    made = largest * (2 if weight_dtype == "int8" else 1)
+    assert resident <= peak < resident + made < resident + layer_bytes, (peak, resident, made, layer_bytes)
     assert method.streamer.resident_bytes == 0 and method.streamer.h2d_bytes == 0
     assert all(w.host.device.type == "cpu" for w in method.streamer.weights())

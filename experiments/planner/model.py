@@ -214,7 +214,9 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
     efficiency model (None: the largest micro-batch that fits); ``streaming``: what a streamed option changes
     (``experiments.planner.streaming``; needed when the space offers ``weight_offloads=[host]``)."""
     options = []
-    streamed = None if streaming is None else (streaming.delta(stats, d.layers), streaming.tokens(stats, d.layers))
+    streamed = {} if streaming is None else {
+        w: (streaming.delta(stats, d.layers, w), streaming.tokens(stats, d.layers, w))
+        for w in space.weight_dtypes if w in stats["L1"]["param_bytes"]}  # per weight dtype: BF16, INT8
     for choice in all_options(space, from_record(record)):
         lossy = (int(choice.dtype == "bf16") + int(choice.dense_8bit) + int(choice.weights == "int8")
                  + int(choice.head) + choice.vocab.lossy)  # a projected head keeps low-rank moments: lossy
@@ -225,7 +227,7 @@ def build_problem(d: Derived, *, space: Space, record: dict, stats: dict, flops:
             cost = {**cost, "optimizer": cost["optimizer"] + deferred_excess_gib(record, stats, sample, d.layers)}
         transfer = 0.0
         if choice.offload == "host":  # the streamed weights leave the device; the micro-batch waits for PCIe
-            delta, transfer = streamed
+            delta, transfer = streamed[choice.weights]
             cost = {p: v + delta[p] for p, v in cost.items()}
         options.append(Option(choice.label(), cost, energy(stats, record, sample, d.layers), lossy, choice,
                               loss=prices.total(prices.option_prices(choice)), transfer=transfer))

@@ -269,7 +269,7 @@ def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throug
     space = prep.space
     timed = micro_batch_time(prep.streaming, prep.stats, prep.layers, sol.batch * run.train.seq_len,
                              model.ridge if model is not None else DEFAULT_RIDGE,
-                             streamed=sol.option.payload.offload == "host")
+                             streamed=sol.option.payload.offload == "host", weights=sol.option.payload.weights)
     recipe = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
     return {"recipe": recipe,
             "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"]),

@@ -61,9 +61,10 @@ def floor(run, space: Space, table: Table, stats: dict, lowest: str):
     weights, label = param_bytes(stats, layers, lowest) / GIB, f"{lowest} projected weights"
     if "host" in space.weight_offloads:  # the streamed layers leave the device but the ones at work
         patterns = (run.method.attn_pattern, run.method.mlp_pattern)
-        streamed = param_bytes(stats, layers, "bf16") / GIB + max(device_delta(stats, layers, patterns).values())
+        delta = device_delta(stats, layers, patterns, lowest)
+        streamed = param_bytes(stats, layers, lowest) / GIB + max(delta.values())
         if streamed < weights:
-            weights, label = streamed, "bf16 projected weights streamed from the host (2 layers on the device)"
+            weights, label = streamed, f"{lowest} projected weights streamed from the host (2 layers on the device)"
     if "int8" not in space.embedding_dtypes:
         return weights, label, lambda: None
     key = f"weights:vocab-int8:{lowest}"

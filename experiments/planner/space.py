@@ -33,7 +33,8 @@ class Space:
     embedding_updates: tuple[str, ...] = ("dense", "lazy_exact")
     head_updates: tuple[str, ...] = ("dense", "in_loss")
     layer_inputs: tuple[str, ...] = ("keep", "int8")
-    # method.weight_offload: "host" streams the decoder layers' weights (BF16 only; experiments.planner.streaming)
+    # method.weight_offload: "host" streams the decoder layers' weights (BF16, or INT8 codes and scales;
+    # experiments.planner.streaming)
     weight_offloads: tuple[str, ...] = ("none",)
     max_batch_size: int = 1024
     # Mode B (APOLLO-Mini's tensor scale) on a projected lm_head: not offered unless asked for (``learns_at_scale``)
@@ -193,5 +194,5 @@ def all_options(space: Space, vocab: dict[tuple[str, bool, bool], tuple[Vocab, .
                             continue
                         for v in ((DEFAULT_VOCAB,) if vocab is None else vocab.get((mode, head, eight), ())):
                             out += [OptChoice(mode, dtype, budget, head, eight, weights, v, offload)
-                                    for offload in space.weight_offloads if offload == "none" or weights == "bf16"]
+                                    for offload in space.weight_offloads]
     return out

@@ -3,7 +3,9 @@ docs/weight_streaming.md): the device bytes it frees, from the weights' shapes, 
 micro-batch, in the efficiency model's units.
 
 Bytes. The streamed weights are the projected weights inside the decoder layers, W per layer (BF16: 2 bytes an
-element; the 2-layer model's projected weights beyond the 1-layer model's). Resident at a phase's peak: every
+element; the 2-layer model's projected weights beyond the 1-layer model's; INT8, ``method.weight_dtype=int8``: their
+codes and scales as ``prepare`` stores them, the 2-layer model's INT8 parameter bytes beyond the 1-layer model's less
+the layer's unprojected part and the INT8 layers' one-element phantom weights). Resident at a phase's peak: every
 layer's, L·W; streamed: at most ``RESIDENT_LAYERS[phase]`` layers' (forward and backward: the layer computing and
 the one prefetched; the optimizer phase: the deferred writes fetch one weight at a time, counted as a layer). A
 trace of 1-2 layers holds them all, so the delta is computed, not traced; ``verify=true`` checks it against the
@@ -32,18 +34,24 @@ RESIDENT_LAYERS = {"forward": 2, "backward": 2, "optimizer": 1, "probe": 2}
 OFFLOADS = ("none", "host")
 
 
-def layer_bytes(stats: dict, patterns: tuple[str, ...]) -> int:
-    """Bytes of one decoder layer's streamed weights (BF16): the projected 2-D weights (module name matching
-    ``patterns``) the 2-layer model has beyond the 1-layer model (``experiments.planner.model.weight_stats``)."""
+def layer_bytes(stats: dict, patterns: tuple[str, ...], weights: str = "bf16") -> int:
+    """Bytes of one decoder layer's streamed weights: the projected 2-D weights (module name matching ``patterns``)
+    the 2-layer model has beyond the 1-layer model (``experiments.planner.model.weight_stats``), in BF16, or as
+    ``weights="int8"`` codes and scales (the layer's parameter bytes with INT8 weights less its unprojected part)."""
     one, two = stats["L1"]["weights"], stats["L2"]["weights"]
     added = [name for name in two if name not in one]
-    return 2 * sum(two[n][0] for n in added
-                   if two[n][1] > 1 and any(re.search(p, n.removesuffix(".weight")) for p in patterns))
+    streamed = [n for n in added if two[n][1] > 1 and any(re.search(p, n.removesuffix(".weight")) for p in patterns)]
+    bf16 = 2 * sum(two[n][0] for n in streamed)
+    if weights == "bf16":
+        return bf16
+    layer = {w: stats["L2"]["param_bytes"][w] - stats["L1"]["param_bytes"][w] for w in ("bf16", weights)}
+    # each INT8 layer also holds its phantom weight (``hmt_core.int8_weights.linear``: one BF16 element), not streamed
+    return bf16 + layer[weights] - layer["bf16"] - 2 * len(streamed)
 
 
-def device_delta(stats: dict, layers: int, patterns: tuple[str, ...]) -> dict[str, float]:
+def device_delta(stats: dict, layers: int, patterns: tuple[str, ...], weights: str = "bf16") -> dict[str, float]:
     """GiB per phase that streaming changes against the resident model (negative: freed)."""
-    w = layer_bytes(stats, patterns)
+    w = layer_bytes(stats, patterns, weights)
     return {p: (min(layers, RESIDENT_LAYERS[p]) - layers) * w / GIB for p in PHASES}
 
 
@@ -65,9 +73,10 @@ class Transfer:
             raise ValueError(f"streaming time model: pcie_gb_per_s={self.pcie / 1e9:g}, peak_flops={self.flops:g} "
                              "(need > 0)")
 
-    def seconds(self, stats: dict, layers: int, patterns: tuple[str, ...], *, deferred: bool) -> float:
+    def seconds(self, stats: dict, layers: int, patterns: tuple[str, ...], *, deferred: bool,
+                weights: str = "bf16") -> float:
         """τ: seconds of copies per micro-batch (the larger direction)."""
-        w = layer_bytes(stats, patterns) * layers
+        w = layer_bytes(stats, patterns, weights) * layers
         into = w * (2 * layers - 1) / layers + (w if deferred else 0)
         return max(into, w) / self.pcie  # back: each updated weight once, in its hook or its deferred write
 
@@ -86,14 +95,14 @@ class Streaming:
     deferred: bool
     transfer: Transfer
 
-    def delta(self, stats: dict, layers: int) -> dict[str, float]:
-        return device_delta(stats, layers, self.patterns)
+    def delta(self, stats: dict, layers: int, weights: str = "bf16") -> dict[str, float]:
+        return device_delta(stats, layers, self.patterns, weights)
 
-    def seconds(self, stats: dict, layers: int) -> float:
-        return self.transfer.seconds(stats, layers, self.patterns, deferred=self.deferred)
+    def seconds(self, stats: dict, layers: int, weights: str = "bf16") -> float:
+        return self.transfer.seconds(stats, layers, self.patterns, deferred=self.deferred, weights=weights)
 
-    def tokens(self, stats: dict, layers: int) -> float:
-        return self.transfer.tokens(self.seconds(stats, layers))
+    def tokens(self, stats: dict, layers: int, weights: str = "bf16") -> float:
+        return self.transfer.tokens(self.seconds(stats, layers, weights))
 
 
 def streaming_model(run, planner: dict, cal: dict, stats: dict, layers: int) -> Streaming:
@@ -107,25 +116,29 @@ def streaming_model(run, planner: dict, cal: dict, stats: dict, layers: int) -> 
                      deferred=bool(run.train.max_grad_norm), transfer=transfer)
 
 
-def micro_batch_time(s: Streaming, stats: dict, layers: int, tokens: int, ridge: float, *, streamed: bool) -> dict:
+def micro_batch_time(s: Streaming, stats: dict, layers: int, tokens: int, ridge: float, *, streamed: bool,
+                     weights: str = "bf16") -> dict:
     """The modeled seconds of one micro-batch of ``tokens``: the roofline's compute at ``s.transfer.flops``,
-    6·N·(T + R)/F (``experiments.planner.efficiency``), and for a streamed plan the copies it waits for; with the
-    host bytes and the model's constants (every plan's record: resident and streamed plans compare by it)."""
+    6·N·(T + R)/F (``experiments.planner.efficiency``), and for a streamed plan the copies it waits for (its
+    ``weights``: bf16 | int8); with the host bytes and the model's constants (every plan's record: resident and
+    streamed plans compare by it)."""
     t = s.transfer
     compute = 6 * t.params * (tokens + ridge) / t.flops
     out = {"tokens": tokens, "compute_s": compute, "micro_batch_s": compute, "us_per_token": 1e6 * compute / tokens,
            "peak_flops": t.flops, "params": t.params, "ridge_flop_per_byte": ridge, "streamed": streamed}
     if streamed:
-        copies = s.seconds(stats, layers)
-        out.update(host_gib=layer_bytes(stats, s.patterns) * layers / GIB, pcie_gb_per_s=t.pcie / 1e9,
-                   transfer_s=copies, hidden_from_tokens=s.tokens(stats, layers), deferred=s.deferred,
+        copies = s.seconds(stats, layers, weights)
+        out.update(host_gib=layer_bytes(stats, s.patterns, weights) * layers / GIB, pcie_gb_per_s=t.pcie / 1e9,
+                   weights=weights, transfer_s=copies, hidden_from_tokens=s.tokens(stats, layers, weights),
+                   deferred=s.deferred,
                    micro_batch_s=max(compute, copies), us_per_token=1e6 * max(compute, copies) / tokens)
     return out
 
 
 def describe(rec: dict) -> str:
     """The plan table's ``weights`` row of a streamed plan (``micro_batch_time``'s record)."""
-    return (f"BF16 decoder weights streamed from the host (method.weight_offload=host): {rec['host_gib']:.2f} GiB "
+    kind = "INT8 (codes + scales)" if rec.get("weights") == "int8" else "BF16"
+    return (f"{kind} decoder weights streamed from the host (method.weight_offload=host): {rec['host_gib']:.2f} GiB "
             f"there; {rec['transfer_s']:.2f} s of copies per micro-batch at {rec['pcie_gb_per_s']:g} GB/s "
             f"(pcie_gb_per_s), hidden behind compute from {rec['hidden_from_tokens']:,.0f} tokens a micro-batch "
             f"(this one: {rec['tokens']:,}); modeled micro-batch {rec['micro_batch_s']:.2f} s against "

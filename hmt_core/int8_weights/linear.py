@@ -102,9 +102,12 @@ class Int8Storage:
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """Codes, scales and bias, and as ``weight`` the dequantized weight in the model's dtype (not the phantom):
-        a Hugging Face export (``save_pretrained``) loads into a plain model with the trained values."""
+        a Hugging Face export (``save_pretrained``) loads into a plain model with the trained values. A streamed
+        layer's released codes (no storage) are not read: the streamer's model-level hook writes its ``weight`` from
+        the host copies (``hmt_core.streaming``)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.dequantized(self.weight.dtype).detach()
+        if self.weight_codes.untyped_storage().nbytes() or not self.weight_codes.numel():
+            destination[prefix + "weight"] = self.dequantized(self.weight.dtype).detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -265,9 +268,18 @@ class Int8Weight:
             torch.where(keep, old[0], codes, out=codes)
             torch.where(keep, old[1], scales, out=scales)
 
-    def nbytes(self) -> int:
+    def stored_tensors(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """The tensors that hold the weight's values (what weight streaming moves): its codes and scales."""
+        return self.layer.weight_codes, self.layer.weight_scales
+
+    def exported(self, codes: Tensor, scales: Tensor) -> Tensor:  # -> the weight's shape and dtype
+        """The weight a state dict exports (``Int8Storage``) from ``codes`` and ``scales`` stored elsewhere (a
+        streamed weight's host copies)."""
         layer = self.layer
-        return sum(t.numel() * t.element_size() for t in (layer.weight_codes, layer.weight_scales))
+        return dequantize(codes, scales, layer.block, layer.weight.dtype, backend=layer.backend)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stored_tensors())
 
 
 def quantize_linears(model: nn.Module, names: set[str], *, block: int = BLOCK, backend: str | None = None,
