@@ -26,6 +26,8 @@ STREAM = "weight_offloads=[none,host]"
 # case -> (card, budget GiB, planner keys)
 CASES = {"llama3.1-8b-12gib": ("llama3.1-8b", 12, [STREAM, "verify=true"]),
          "llama3.1-8b-12gib-mode-a": ("llama3.1-8b", 12, [STREAM, "modes=[A]", "verify=true"]),
+         "llama3.1-8b-12gib-mode-a-bf16": ("llama3.1-8b", 12, [STREAM, "modes=[A]", "weight_dtypes=[bf16]",
+                                                               "verify=true"]),
          "llama3.1-8b-16gib-resident": ("llama3.1-8b", 16, []),
          "7b-8gib": ("7b", 8, [STREAM, "verify=true"]),
          "7b-16gib-resident": ("7b", 16, []),

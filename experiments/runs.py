@@ -50,6 +50,22 @@ def run_id_of(config: dict) -> str:
     return f"{plain['method']['name']}-{plain['model']['name']}-{plain['mode']}-s{plain['seed']}-{digest}"
 
 
+def recorded_under(results_dir: Path, run_id: str) -> str | None:
+    """The folder of ``results_dir`` that records the run ``run_id`` under the id it had before one of its keys was
+    added with its default (``experiments.config.ADDED_WITH_DEFAULT``): the same configuration, whose id today
+    (``run_id_of`` its config.yaml) is ``run_id``; None if there is none."""
+    import yaml
+
+    prefix = run_id.rsplit("-", 1)[0] + "-"  # <method>-<model>-<mode>-s<seed>-
+    for folder in sorted(Path(results_dir).glob(f"{prefix}*")):
+        recorded = folder / "config.yaml"
+        if folder.name != run_id and recorded.is_file():
+            config = yaml.safe_load(recorded.read_text())
+            if isinstance(config, dict) and run_id_of(config) == run_id:
+                return folder.name
+    return None
+
+
 def git_sha() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)

@@ -45,3 +45,27 @@ def test_an_added_option_changes_the_id_and_the_resume_check_only_away_from_its_
     sketch = replace(run, dist=replace(run.dist, refresh="sketch"))
     assert default_run_id(sketch) != d.name
     assert config_differences(recorded, to_plain_dict(sketch)) == ["dist.refresh: '(unset)' -> 'sketch'"]
+
+
+def test_a_sweep_finds_a_run_recorded_under_the_id_it_had_before_a_key_was_added(tmp_path):
+    """A run folder named by an earlier id (hashed while a key, since added with its default, was still hashed)
+    is found by the id its recorded configuration has today; a different configuration under the same prefix is
+    not."""
+    import yaml
+
+    from experiments.sweeps.sweep import compose_run_config, run_ref_for, validated_run_config
+
+    job = ["mode=train", "model=tiny", "method=hmt", "seed=1", f"results_dir={tmp_path}"]
+    config = to_plain_dict(validated_run_config(compose_run_config(job)))
+    today = run_id_of(config)
+    assert run_ref_for(job).run_id == today  # nothing recorded: today's id
+    other = tmp_path / (today.rsplit("-", 1)[0] + "-00000000")  # the same prefix, another learning rate
+    other.mkdir()
+    (other / "config.yaml").write_text(yaml.safe_dump({**config, "method": {**config["method"], "lr": 0.5}}))
+    assert run_ref_for(job).run_id == today
+    earlier = tmp_path / (today.rsplit("-", 1)[0] + "-7b248476")
+    earlier.mkdir()
+    (earlier / "config.yaml").write_text(yaml.safe_dump(config))
+    assert run_ref_for(job).run_id == earlier.name
+    (tmp_path / today).mkdir()  # a folder under today's id wins
+    assert run_ref_for(job).run_id == today

@@ -1,8 +1,8 @@
 """Cool-down branches of a wsd trunk (``experiments.sweeps.branches``; Hägele et al. 2024) on CPU, ``model=tiny``
 at a few dozen steps: a 24-step trunk (cool-down 25 %, a checkpoint every 6 steps) and branches at 8 and 16 steps
-leaving it at steps 6 and 12. A branch's rate at its first step is the trunk's there; the 16-step branch ends on the
-same losses as a 16-step wsd run trained from step 0 (same seed, same data: resuming is exact on CPU with one
-thread); launching again skips completed branches; a missing branch-point checkpoint is one ``error:`` line."""
+leaving it at steps 6 and 12, and a 48-step extension leaving it at its own cool-down start, step 18. A branch's rate
+at its first step is the trunk's there; the 16-step branch and the extension end on the same losses as 16- and
+48-step wsd runs trained from step 0 (same seed, same data: resuming is exact on CPU with one thread); launching again skips completed branches; a missing branch-point checkpoint is one ``error:`` line."""
 
 from __future__ import annotations
 
@@ -46,10 +46,10 @@ def trunk(tmp_path_factory) -> tuple[Path, Path]:
 def test_branches_start_at_the_trunks_rate_and_match_a_run_from_scratch(trunk) -> None:
     root, sweep = trunk
     found = branches.all_branches(str(sweep), [])
-    assert [(b.horizon, b.start) for b in found] == [(8, 6), (16, 12)], found  # 24 is the trunk, 48 longer
+    assert [(b.horizon, b.start) for b in found] == [(8, 6), (16, 12), (48, 18)], found  # 24 is the trunk
     counts = branches.launch(found, run=lambda job: subprocess.call(
         [sys.executable, "-m", "experiments.run", *job], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL))
-    assert counts == {"launched": 2, "skipped": 0, "failed": 0}, counts
+    assert counts == {"launched": 3, "skipped": 0, "failed": 0}, counts
     trunk_rows = {r["step"]: r for r in read_metrics(found[0].trunk)}
     for branch in found:
         rows = [r for r in read_metrics(_branch_dir(root, branch)) if "lr_scale" in r]
@@ -60,13 +60,15 @@ def test_branches_start_at_the_trunks_rate_and_match_a_run_from_scratch(trunk) -
         cfg = TrainConfig(steps=branch.horizon, warmup_steps=2, schedule="wsd", cooldown_frac=0.25, min_lr_ratio=0.0)
         bad = [(r["step"], r["lr_scale"]) for r in rows if abs(r["lr_scale"] - lr_scale(r["step"], cfg)) > 1e-15]
         assert not bad, bad
-    run(*COMMON, f"results_dir={root / 'scratch'}", "train.steps=16", "run_id=scratch-16")
-    scratch = {r["step"]: r for r in read_metrics(root / "scratch" / "scratch-16")}
-    branched = {r["step"]: r for r in read_metrics(_branch_dir(root, found[1]))}
-    pairs = [(s, branched[s].get(k), scratch[s].get(k)) for s in branched for k in ("loss/train", "loss/val")
-             if k in branched[s]]
-    # exact: the branch resumes the trunk's step-12 state, which is the 16-step run's (same seed, data, rate)
-    assert pairs and all(a == b for _, a, b in pairs), pairs
+    for branch in found[1:]:
+        steps = branch.horizon
+        run(*COMMON, f"results_dir={root / 'scratch'}", f"train.steps={steps}", f"run_id=scratch-{steps}")
+        scratch = {r["step"]: r for r in read_metrics(root / "scratch" / f"scratch-{steps}")}
+        branched = {r["step"]: r for r in read_metrics(_branch_dir(root, branch))}
+        pairs = [(s, branched[s].get(k), scratch[s].get(k)) for s in branched for k in ("loss/train", "loss/val")
+                 if k in branched[s]]
+        # exact: the branch resumes the trunk's state at its start, which is the run's (same seed, data, rate)
+        assert pairs and all(a == b for _, a, b in pairs), (steps, pairs)
 
 
 def _branch_dir(root: Path, branch: branches.Branch) -> Path:
@@ -78,7 +80,7 @@ def _branch_dir(root: Path, branch: branches.Branch) -> Path:
 def test_completed_branches_are_skipped_and_a_missing_checkpoint_is_one_line(trunk, capsys) -> None:
     root, sweep = trunk
     found = branches.all_branches(str(sweep), [])
-    assert branches.launch(found, run=lambda job: 1) == {"launched": 0, "skipped": 2, "failed": 0}
+    assert branches.launch(found, run=lambda job: 1) == {"launched": 0, "skipped": 3, "failed": 0}
     odd = root / "odd.yaml"  # a 10-step branch leaves at step 8 (10 - round(2.5)): the trunk kept 6, 12, 18, 24
     odd.write_text(sweep.read_text().replace("horizons: [8, 16, 24, 48]", "horizons: [10]"))
     with pytest.raises(SystemExit) as exit_:

@@ -7,7 +7,7 @@ A sweep file with a ``branches`` block::
              train.keep_checkpoints=0, ...]
     runs: [...]                        # each final (non-search) run is a trunk
     branches:
-      horizons: [300, 600, 1200, 2400]  # shorter than the trunk: one branch each
+      horizons: [300, 600, 1200, 2400]  # one branch each (shorter than the trunk, or longer: an extension)
       results_dir: results/wsd-branches # optional; default <the trunk's results_dir>-branches
 
 Under ``train.schedule=wsd`` (``experiments.loop.lr_scale``) the rate before the cool-down's first step
@@ -16,8 +16,10 @@ D = H − ``cooldown_steps(H, cooldown_frac)`` does not depend on the horizon H,
 overrides with ``train.steps=H`` — started from the trunk's checkpoint at step D instead of from step 0: the
 checkpoint is copied into the branch's own checkpoint folder, its recorded configuration set to the branch's (the
 only difference is ``train.steps``; the trunk's folder and step are kept in the manifest as ``branched_from``), and
-the runner resumes it as any preempted run (``train.resume=auto``; its rate at D is the trunk's, 1 × lr). A
-completed branch is skipped; a preempted or killed one resumes from its newest checkpoint; the trunk must be
+the runner resumes it as any preempted run (``train.resume=auto``; its rate at D is the trunk's, 1 × lr). A horizon
+longer than the trunk's N continues the trunk: up to N's own cool-down start D_N the H-step run equals the trunk as
+well, so it starts from the trunk's checkpoint at D_N and runs H − D_N steps (the trunk's cool-down is the only part
+not shared). A completed branch is skipped; a preempted or killed one resumes from its newest checkpoint; the trunk must be
 completed and hold a checkpoint at each D (``train.checkpoint_every`` dividing every D,
 ``train.keep_checkpoints=0``), else one ``error:`` line says which.
 
@@ -106,9 +108,10 @@ def trunk_branches(job: Sequence[str], trunk: Path, spec: BranchSpec) -> list[Br
         raise UserError(f"{trunk}: trunk runs with train.schedule={train.get('schedule', 'cosine')}; cool-down "
                         "branches need train.schedule=wsd")
     out_dir = spec.results_dir or f"{config['results_dir'].rstrip('/')}-branches"
+    steps, frac = int(train["steps"]), train["cooldown_frac"]
     return [Branch(job=tuple(merge_overrides(list(job), [f"train.steps={h}", f"results_dir={out_dir}"])),
-                   trunk=trunk, horizon=h, start=branch_start(h, train["cooldown_frac"]))
-            for h in spec.horizons if h < int(train["steps"])]
+                   trunk=trunk, horizon=h, start=min(branch_start(h, frac), branch_start(steps, frac)))
+            for h in spec.horizons if h != steps]  # longer than the trunk: from its cool-down start
 
 
 def seed_checkpoint(branch: Branch, branch_dir: Path, branch_config: dict) -> Path | None:

@@ -127,11 +127,16 @@ def validated_run_config(cfg: Any) -> Any:
 
 
 def run_ref_from_config(cfg: Any) -> RunRef:
-    """The run a composed Hydra config would write, per the runner's rules (validating the config)."""
-    from experiments.runs import default_run_id
+    """The run a composed Hydra config would write, per the runner's rules (validating the config); a run
+    recorded under an earlier id of the same configuration (``experiments.runs.recorded_under``) is that run."""
+    from experiments.runs import default_run_id, recorded_under
 
     run = validated_run_config(cfg)
-    return RunRef(Path(run.results_dir).expanduser(), run.run_id or default_run_id(run), bool(run.force))
+    results_dir = Path(run.results_dir).expanduser()
+    run_id = run.run_id or default_run_id(run)
+    if not run.run_id and not (results_dir / run_id).exists():
+        run_id = recorded_under(results_dir, run_id) or run_id
+    return RunRef(results_dir, run_id, bool(run.force))
 
 
 def compose_run_config(overrides: Sequence[str]) -> Any:
