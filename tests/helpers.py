@@ -5,7 +5,9 @@ from the same state) comparison of HMT with a reference optimizer."""
 from __future__ import annotations
 
 import copy
+import itertools
 import os
+import socket
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -321,6 +323,27 @@ def lm_step(model: nn.Module, step: Callable[[], object], zero: Callable[[], Non
         return out
 
     return run
+
+
+# A free TCP port for a gloo rendezvous or torchrun's --master_port. Drawn below Linux's ephemeral range
+# (32768-60999), so no outgoing connection (gloo's own, another test's) can be given it between this check and
+# the rendezvous; each pytest-xdist worker (gw0, gw1, ...) draws from its own block of 1,000, so two workers of one
+# session never pick the same port. The offset by process id separates concurrent sessions.
+_PORTS = itertools.count(os.getpid() % 1000)
+
+
+def free_port() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # unset in a serial run
+    base = 20000 + 1000 * (int(worker[2:]) % 12 if worker[2:].isdigit() else 0)
+    for _ in range(1000):
+        port = base + next(_PORTS) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT after an earlier test's rendezvous
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {base}-{base + 999}")
 
 
 def join_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -90,13 +89,10 @@ def real() -> dict:
     """Rank 0's meter in a real 2-process gloo run of every case."""
     import tempfile
 
-    from helpers import spawn_gloo
+    from helpers import free_port, spawn_gloo
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        spawn_gloo(_worker, (2, port, out), nprocs=2)
+        spawn_gloo(_worker, (2, free_port(), out), nprocs=2)
         return json.loads(Path(out, "rank0.json").read_text())
 
 

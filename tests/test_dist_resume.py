@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_distributed import free_port  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 STEPS, SAVE_AT = 4, 2
 ATOL_HMT = 2e-6

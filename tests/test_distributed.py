@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import free_port  # noqa: E402
 
 STEPS = 3  # basis refreshes at steps 0 and 2 (update interval 2)
 CASES = {
@@ -62,12 +63,6 @@ CASES = {
     "hmt-int8-emb": {"name": "hmt", "mode": "B", "rank": 8, "update_interval": 2, "weight_dtype": "int8",
                      "embedding_dtype": "int8", "dense_8bit": True, "target_patterns": ["attn", "mlp", "lm_head"]},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------- spawned worker (2 ranks)

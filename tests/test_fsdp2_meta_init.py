@@ -27,8 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from helpers import free_port  # noqa: E402
 from test_architectures import config_dir  # noqa: E402
-from test_distributed import free_port, spawn_pair  # noqa: E402
+from test_distributed import spawn_pair  # noqa: E402
 
 SEED = 3
 # FSDP2's and DeviceMesh's own small tensors born during fully_shard (24 bytes measured with torch 2.13)

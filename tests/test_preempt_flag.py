@@ -6,8 +6,7 @@ and keep seeing it."""
 from __future__ import annotations
 
 import torch
-from helpers import join_gloo, spawn_gloo
-from test_distributed import free_port
+from helpers import free_port, join_gloo, spawn_gloo
 
 RAISED_AT, POLLS = 2, 6
 
