@@ -30,6 +30,7 @@ CASES = {"llama3.1-8b-12gib": ("llama3.1-8b", 12, [STREAM, "verify=true"]),
                                                                "verify=true"]),
          "llama3.1-8b-16gib-resident": ("llama3.1-8b", 16, []),
          "7b-8gib": ("7b", 8, [STREAM, "verify=true"]),
+         "7b-8gib-mode-a": ("7b", 8, [STREAM, "modes=[A]", "verify=true"]),
          "7b-16gib-resident": ("7b", 16, []),
          "70b-80gib": ("70b", 80, [STREAM]),
          "70b-80gib-resident": ("70b", 80, [])}
