@@ -150,6 +150,7 @@ def family_row(family: str, answer: tuple[Path, dict], args, scratch: Path, prev
                       for name in ("adamw", "hmt"))
     return {"family": family, "card": card, "budget_gib": budget, "plan": record.get("choice", {}),
             "plan_label": record["choice"]["optimizer_label"], "plan_lr": nodes["method"]["lr"],
+            "plan_embedding_lr_scale": nodes["method"].get("embedding_lr_scale", 1.0),
             "warmup_steps": warmup, "runs": [plan_run, adamw, default],
             **verdict(plan_run, default)}
 

@@ -102,6 +102,12 @@ class HMTMethod:
                 if id(model.get_parameter(n)) in in_layers}
 
     @staticmethod
+    def _input_embedding_name(model: nn.Module) -> str | None:
+        """The parameter name of the input embedding's table (a tied LM head shares it), or None."""
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        return next((f"{n}.weight" for n, m in model.named_modules() if m is emb), None) if emb is not None else None
+
+    @staticmethod
     def _stored_names(model: nn.Module, name: str) -> tuple[str, ...]:
         """The names, within its module, of the tensors holding weight ``name``'s values (what streaming moves)."""
         module = model.get_submodule(name.removesuffix(".weight"))
@@ -120,7 +126,7 @@ class HMTMethod:
         if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) or is_replicated(p)
                                                                 for _, p in trainable)):
             raise ValueError(sh.sharded_config_error(c) or "sharded HMT needs every trainable parameter sharded")
-        slots = []
+        slots, embedding = [], self._input_embedding_name(model)
         for index, (name, p) in enumerate(trainable, 1):
             make = sh.sharded_slot if sh.is_sharded(p) else Slot  # a replicated one: whole on every rank
             if int8_weights.is_phantom(p):  # the optimizer updates an INT8 weight through its handle
@@ -130,7 +136,8 @@ class HMTMethod:
                 raise ValueError(f"method.rank={c.rank} exceeds min(out, in)={min(p.shape)} of {name} "
                                  f"{tuple(p.shape)}")
             slots.append(make(name=name, param=p, index=index, projected=projected,
-                              candidates=c.rank_candidates_for(name)))
+                              candidates=c.rank_candidates_for(name),
+                              lr_scale=c.embedding_lr_scale if name == embedding else 1.0))
         self.opt = LowRankOptimizer(slots, optimizer_settings(c))
         self.device = trainable[0][1].device if trainable else None
         self.max_grad_norm = max_grad_norm

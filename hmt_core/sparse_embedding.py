@@ -149,7 +149,7 @@ class SparseEmbeddingUpdate:
         s.clock.adam_t += 1
         self.opt.skip.count(s.clock)
         self.state.step_rows_(self.weight_rows(), ids_sorted, rows if coef is None else rows * coef, s.clock.adam_t,
-                              self.opt.lr, skip=self.opt.skip.flag)
+                              self.opt.lr_of(s), skip=self.opt.skip.flag)
 
     @torch.no_grad()
     def materialize(self) -> None:

@@ -30,6 +30,7 @@ def test_the_8b_16gib_answer_leaves_the_head_to_adam(tmp_path):
     assert opt["vocab"]["head_update"] != "in_loss", opt  # in_loss exists only for Mode B's projected head
     # the recipe written with it: Mode B at width 4,096 -> 0.01 * 256 / 4096; 10 % of the 200 steps
     assert rec["recipe"]["lr"] == pytest.approx(6.25e-4) and rec["recipe"]["warmup_steps"] == 20, rec["recipe"]
+    assert rec["recipe"]["embedding_lr_scale"] == pytest.approx(16), rec["recipe"]  # the embedding at 0.01
 
 
 def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_path):
@@ -38,6 +39,7 @@ def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_pat
                          "train.warmup_steps=7", f"results_dir={tmp_path}"])
     assert rec["traces"] == 0, rec["traces"]
     assert (rec["recipe"]["lr"], rec["recipe"]["warmup_steps"]) == (0.003, 7), rec["recipe"]
+    assert rec["recipe"]["embedding_lr_scale"] == 1.0, rec["recipe"]  # a given rate is the embedding's too
     assert "method.lr, train.warmup_steps as given" in rec["recipe"]["source"], rec["recipe"]
 
 
@@ -48,12 +50,15 @@ def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_pat
 def test_recipe_by_mode_and_width(mode, width, steps, lr, warmup):
     r = recipe_for(mode=mode, width=width, steps=steps, fine_tuning=False)
     assert (r.lr, r.warmup_steps) == (pytest.approx(lr), warmup), r
+    # the input embedding keeps width 256's rate, 0.01, at every width (muP's input layer)
+    assert r.lr * r.embedding_lr_scale == pytest.approx(1e-2), r
 
 
 def test_fine_tuning_gets_the_fine_tuning_rate_and_overrides_are_recognised():
     for mode in ("A", "B"):
         r = recipe_for(mode=mode, width=4096, steps=200, fine_tuning=True)
         assert (r.lr, r.warmup_steps) == (pytest.approx(6.25e-5), 20) and "fine-tuning" in r.source, r
+        assert r.lr * r.embedding_lr_scale == pytest.approx(1e-3), r
     assert recipe_for(mode="A", width=256, steps=100, fine_tuning=True).lr == pytest.approx(1e-3)
     assert user_set(["model=7b", "++method.lr=1e-3"], "method.lr") and not user_set(["method.lrx=1"], "method.lr")
 
@@ -87,18 +92,18 @@ def test_a_checked_plan_carries_its_verdict_and_a_failed_one_is_named(tmp_path):
            "gap_to_hmt_default": 2.3, "max_loss_after_step0": 12.9, "step0_loss": 12.56}
     (tmp_path / "llama3.json").write_text(json.dumps({"row": row}))
     (tmp_path / "archive-llama3-old.json").write_text(json.dumps({"row": {**row, "plan_lr": 1e-2, "passes": True}}))
-    check = learning_check("llama3.1-8b", 16, "Mode B, x", 6.25e-4, tmp_path)
+    check = learning_check("llama3.1-8b", 16, "Mode B, x", 6.25e-4, folder=tmp_path)
     assert check["checked"] and not check["passes"] and check["file"].endswith("llama3.json"), check
     assert describe(check).startswith("FAILED") and "+2.30 nats" in describe(check)
     # another rate, budget or setting is not the checked plan; an archived row is never a verdict
     for args in (("llama3.1-8b", 16, "Mode B, x", 1e-2), ("llama3.1-8b", 24, "Mode B, x", 6.25e-4),
-                 ("llama3.1-8b", 16, "Mode A, y", 6.25e-4)):
+                 ("llama3.1-8b", 16, "Mode A, y", 6.25e-4), ("llama3.1-8b", 16, "Mode B, x", 6.25e-4, 16.0)):
         assert learning_check(*args, folder=tmp_path) == {"checked": False}, args
     assert describe({"checked": False}).startswith("not checked")
     # a proxy that could not run the plan (killed: out of memory) gives no verdict, so the setting stays offered
     (tmp_path / "gemma2.json").write_text(json.dumps({"row": {**row, "card": "gemma2-9b", "passes": None,
                                                               "why": "not judged: gemma2-plan logged no step"}}))
-    check = learning_check("gemma2-9b", 16, "Mode B, x", 6.25e-4, tmp_path)
+    check = learning_check("gemma2-9b", 16, "Mode B, x", 6.25e-4, folder=tmp_path)
     assert check == {"checked": False, "why": "not judged: gemma2-plan logged no step"}, check
     assert describe(check).startswith("not checked") and "logged no step" in describe(check)
 

@@ -12,7 +12,7 @@ LEARNS_DIR = Path(__file__).resolve().parents[2] / "results" / "plan_learns"
 
 
 def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: float,
-                   folder: Path | None = None) -> dict:
+                   embedding_lr_scale: float = 1.0, folder: Path | None = None) -> dict:
     """{"checked": False} or the matching row's {"checked", "passes", "file", "gap_to_hmt_default", ...}
     (``folder``: the results, by default ``LEARNS_DIR``)."""
     folder = LEARNS_DIR if folder is None else folder
@@ -21,7 +21,8 @@ def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: floa
             continue
         row = json.loads(path.read_text()).get("row", {})
         if (row.get("card"), row.get("budget_gib"), row.get("plan_label")) == (model, budget_gib, optimizer_label) \
-                and row.get("plan_lr") is not None and abs(row["plan_lr"] - lr) <= 1e-12 * max(1.0, lr):
+                and row.get("plan_lr") is not None and abs(row["plan_lr"] - lr) <= 1e-12 * max(1.0, lr) \
+                and abs(row.get("plan_embedding_lr_scale", 1.0) - embedding_lr_scale) <= 1e-9 * embedding_lr_scale:
             if row.get("passes") is None:  # the proxy could not run the plan: no verdict either way
                 return {"checked": False, "why": row.get("why", "not judged")}
             return {"checked": True, "passes": bool(row["passes"]), "file": f"results/plan_learns/{path.name}",

@@ -38,8 +38,11 @@ def loss_cost(prob: Problem, sol: Solution, space: Space) -> dict:
 
 def failed_learning(run, planner: dict, budget: float, choice) -> bool:
     """Whether ``choice``, at the rate the plan would write, failed the learning check at this model and budget."""
-    lr = run.method.lr if user_set(planner.get("_overrides", ()), "method.lr") else run_recipe(run, choice).lr
-    return learning_check(model_label(run), budget, choice.label(), lr).get("passes") is False
+    overrides, rec = planner.get("_overrides", ()), run_recipe(run, choice)
+    lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
+    mine = user_set(overrides, "method.lr") or user_set(overrides, "method.embedding_lr_scale")
+    scale = run.method.embedding_lr_scale if mine else rec.embedding_lr_scale
+    return learning_check(model_label(run), budget, choice.label(), lr, scale).get("passes") is False
 
 
 def without(prob: Problem, names: list[str]) -> Problem:

@@ -133,8 +133,9 @@ def _plain(obj):
 def written_recipe(run, choice, plan_path: Path, overrides: Sequence[str]) -> dict:
     """The rate and warm-up the plan file holds, and where they came from (the record's ``recipe``)."""
     nodes = yaml.safe_load(plan_path.read_text())
-    mine = [k for k in ("method.lr", "train.warmup_steps") if user_set(overrides, k)]
-    return {"lr": nodes["method"]["lr"], "warmup_steps": nodes["train"]["warmup_steps"],
+    mine = [k for k in ("method.lr", "method.embedding_lr_scale", "train.warmup_steps") if user_set(overrides, k)]
+    return {"lr": nodes["method"]["lr"], "embedding_lr_scale": nodes["method"].get("embedding_lr_scale", 1.0),
+            "warmup_steps": nodes["train"]["warmup_steps"],
             "steps": nodes["train"]["steps"],
             "source": run_recipe(run, choice).source + (f"; {', '.join(mine)} as given" if mine else "")}
 
@@ -148,7 +149,9 @@ def plan_nodes(run, solution, space: Space, overrides: Sequence[str] = ()) -> di
     rec = run_recipe(run, choice)
     lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
     warmup = run.train.warmup_steps if user_set(overrides, "train.warmup_steps") else rec.warmup_steps
-    method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr)
+    mine = user_set(overrides, "method.lr") or user_set(overrides, "method.embedding_lr_scale")
+    scale = run.method.embedding_lr_scale if mine else rec.embedding_lr_scale
+    method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr, embedding_lr_scale=scale)
     policy = policy_for(run.activation, bool(solution.actions), **solution.policy_actions(),
                         layer_recompute=solution.layer_recompute)
     train = dataclasses.replace(run.train, batch_size=solution.batch, warmup_steps=warmup)
@@ -272,7 +275,8 @@ def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throug
                              streamed=sol.option.payload.offload == "host", weights=sol.option.payload.weights)
     recipe = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
     return {"recipe": recipe,
-            "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"]),
+            "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"],
+                                             recipe["embedding_lr_scale"]),
             "loss_cost": loss_cost(prob, sol, space), "not_offered": sorted(set(planner["_not_offered"])),
             "micro_batch": {"fits_up_to": sol.fit_batch, "model": dataclasses.asdict(model),
                             "relative_throughput": model.relative(sol.batch, sol.fit_batch or sol.batch,

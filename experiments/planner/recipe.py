@@ -15,6 +15,14 @@
   warm-up went 12.56 → 24.73 at step 1. So the rate falls with the width as μP prescribes for Adam's hidden and
   output matrices (Yang et al., 2022, "Tensor Programs V", Table 3: ∝ 1/fan_in), anchored at 0.01 for width 256
   (HMT default's rate, its tuned winner in the campaign on ``tiny``): ``0.01 · min(1, 256/width)``, 6.25e-4 at 4,096.
+- The input embedding (a tied table too: it is the input layer) keeps the rate of width 256 at every width,
+  ``method.embedding_lr_scale = max(1, width/256)``: μP's input weights have a width-independent Adam rate while
+  hidden and output matrices' falls as 1/fan_in (Tensor Programs V, Table 3), and APOLLO's and GaLore's 7B scripts
+  train the embedding at 0.01 / 0.005. Measured need (docs/planner.md, "Gemma 2"): on the CPU proxy of Gemma-2-9B
+  (width 3,584, 256k-row tied table scaled by √width at the input) the random-init model copies its input token at
+  the softcap's logit (loss 27.1 against ln V = 12.45); Adam moves each table entry by about the rate a step, so the
+  table (entries ~0.02) leaves that state in ~0.02/rate steps: 27.11 → 24.88 in 10 steps with the whole model at
+  0.01·256/3584, where HMT default (the table at 0.01) reached 13.85.
 - Fine-tuning (``model.path`` with weights): the recipes above are for pretraining from random init and would move a
   trained model far off its minimum. The campaign's fine-tuning regime (``experiments/sweeps/campaign_finetune.yaml``:
   a trained ``tiny`` continued on new text, 100 steps, warm-up 10 %, each row tuned over five rates) chose 1e-3 for
@@ -37,6 +45,7 @@ MUP_BASE_WIDTH = 256  # both modes' rate is 0.01 at this width and falls as 1/wi
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     lr: float
+    embedding_lr_scale: float  # the input embedding's rate = lr × this
     warmup_steps: int
     source: str
 
@@ -44,16 +53,17 @@ class Recipe:
 def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool) -> Recipe:
     """The plan's rate and warm-up (module docstring)."""
     warmup = max(1, round(WARMUP_FRACTION * steps))
+    ratio = min(1.0, MUP_BASE_WIDTH / width)
+    embedding = f"the input embedding at {1 / ratio:g}x that (muP: its rate does not fall with the width)"
     if fine_tuning:
-        lr = 1e-3 * min(1.0, MUP_BASE_WIDTH / width)
-        return Recipe(lr=lr, warmup_steps=warmup,
+        return Recipe(lr=1e-3 * ratio, embedding_lr_scale=1 / ratio, warmup_steps=warmup,
                       source=f"fine-tuning a loaded model: the campaign's tuned fine-tuning rate 1e-3 at width 256 "
-                             f"scaled to hidden size {width}: 1e-3 x min(1, 256/{width}); warm-up 10% of the steps")
-    lr = 1e-2 * min(1.0, MUP_BASE_WIDTH / width)
+                             f"scaled to hidden size {width}: 1e-3 x min(1, 256/{width}), {embedding}; warm-up 10% "
+                             "of the steps")
     published = "APOLLO-Mini's lr 0.01" if mode == "B" else "HMT default's tuned lr 0.01 at width 256 (Mode A)"
-    return Recipe(lr=lr, warmup_steps=warmup,
-                  source=f"{published} scaled by muP to hidden size {width}: 0.01 x min(1, 256/{width}); "
-                         "warm-up 10% of the steps")
+    return Recipe(lr=1e-2 * ratio, embedding_lr_scale=1 / ratio, warmup_steps=warmup,
+                  source=f"{published} scaled by muP to hidden size {width}: 0.01 x min(1, 256/{width}), "
+                         f"{embedding}; warm-up 10% of the steps")
 
 
 def run_recipe(run, choice) -> Recipe:

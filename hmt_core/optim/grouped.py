@@ -61,16 +61,17 @@ def _adam_many(opt: LowRankOptimizer, slots: list[Slot], gs: list[Tensor]) -> li
         opt._begin_adam_step(s, g, count=False)
         s.clock.born = upd.retire_born(s.clock.born, s.clock.adam_t, c.beta1, c.beta2)
         if s.clock.born is None and not kops.adam_fuses(s.m, s.v, g, backend=opt.kernels):
-            groups.setdefault((s.clock.adam_t, g.device), []).append(i)
+            groups.setdefault((s.clock.adam_t, s.lr_scale, g.device), []).append(i)
     opt.skip.count_many([s.clock for s in slots])
     grouped = {i for idx in groups.values() for i in idx}
     for i in (i for i in range(len(slots)) if i not in grouped):
         out[i] = opt._adam_moments(slots[i], gs[i])
     factors = opt.skip.moment_factors(c.beta1, c.beta2)
-    for (t, _), idx in groups.items():
+    for (t, lr_scale, _), idx in groups.items():
         for part in _parts(idx, gs):
             g = [gs[i] if factors is None else opt.skip.zero(gs[i]) for i in part]
-            ds, step_size = adam_step_many([slots[i].m for i in part], [slots[i].v for i in part], g, t, lr=opt.lr,
+            ds, step_size = adam_step_many([slots[i].m for i in part], [slots[i].v for i in part], g, t,
+                                           lr=opt.lr * lr_scale,
                                            beta1=c.beta1, beta2=c.beta2, eps=c.eps, style=c.adam_style,
                                            factors=factors)
             for i, d in zip(part, ds):

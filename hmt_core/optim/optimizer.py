@@ -126,6 +126,10 @@ class LowRankOptimizer:
     def set_lr(self, lr: float) -> None:
         self.lr = lr
 
+    def lr_of(self, s: Slot) -> float:
+        """The rate ``s`` is updated at this step: the scheduled rate × the slot's ``lr_scale``."""
+        return self.lr * s.lr_scale
+
     def _begin_adam_step(self, s: Slot, like: Tensor, count: bool = True) -> None:  # like: the moments' gradient
         """Create the moments on first use (projected: ``state_dtype``; dense: ``dense_state_dtype``) and advance
         the step counters (``count`` False: the caller counts a skipped step, ``DeviceSkip.count_many``)."""
@@ -149,17 +153,17 @@ class LowRankOptimizer:
         c = self.rule
         old, factors, g = self._skippable_moments(s.m, s.v, g, fusable=not for_scaling)
         if not for_scaling:  # fused Triton Adam, or exactly adam_moments_ + adam_step
-            d, step_size = kops.adam_step(s.m, s.v, g, s.clock.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
+            d, step_size = kops.adam_step(s.m, s.v, g, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2,
                                           eps=c.eps, style=c.adam_style, backend=self.kernels, factors=factors)
         else:
             m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style, factors)
-            d, step_size = upd.adam_direction(m, v, s.clock.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+            d, step_size = upd.adam_direction(m, v, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                               style=c.adam_style)
         s.clock.born = upd.retire_born(s.clock.born, s.clock.adam_t, c.beta1, c.beta2)
         if s.clock.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
             groups = upd.clock_groups(s.clock.index(*proj.which_sides(s.full_shape, self.projection.sides), d.device),
                                       s.clock.adam_t)
-            upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr, beta1=c.beta1, beta2=c.beta2,
+            upd.fresh_clock_(d, s.m, s.v, groups, step_size=step_size, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2,
                              eps=c.eps, style=c.adam_style, direction=for_scaling)
         self.skip.restore(old, s.m, s.v)
         # APOLLO's N only makes a scaling, whose coefficient update_full zeroes on a skipped step
@@ -194,7 +198,7 @@ class LowRankOptimizer:
             b = min(a + rows, grad.shape[0])
             m, v = (s.m[a:b], s.v[a:b]) if eight is None else eight.read(slice(a, b))
             old, factors, g = self._skippable_moments(m, v, grad[a:b].float(), fusable=True)
-            d, step_size = kops.adam_step(m, v, g, s.clock.adam_t, lr=self.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+            d, step_size = kops.adam_step(m, v, g, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                           style=c.adam_style, backend=self.kernels, factors=factors)
             if eight is None:
                 self.skip.restore(old, m, v)
@@ -202,13 +206,13 @@ class LowRankOptimizer:
                 eight.write(slice(a, b), m, v, self.skip.flag)
             d = self.skip.zero(d)
             with self.writer.rows(s.param.data, s.master, slice(a, b), self._keep(s)) as w:
-                upd.apply_update_(w, d, step_size=step_size, lr=self.lr, weight_decay=c.weight_decay,
+                upd.apply_update_(w, d, step_size=step_size, lr=self.lr_of(s), weight_decay=c.weight_decay,
                                   style=c.adam_style)
 
     def _apply(self, s: Slot, full_update: Tensor, step_size: float) -> None:  # full_update: (out, in)
         for index in self.writer.spans(s.param, s.master, like=full_update):
             with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
-                upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr,
+                upd.apply_update_(w, full_update[index], step_size=step_size, lr=self.lr_of(s),
                                   weight_decay=self.rule.weight_decay, style=self.rule.adam_style)
 
     @torch.no_grad()
@@ -234,12 +238,12 @@ class LowRankOptimizer:
                 self._write_fused(s, index, torch.matmul(a, b), step_size * self.rule.scale)
                 continue
             with self.writer.rows(s.param.data, s.master, index, self._keep(s)) as w:
-                kops.lowrank_update(w, d, basis, scale=self.rule.scale, step_size=step_size, lr=self.lr,
+                kops.lowrank_update(w, d, basis, scale=self.rule.scale, step_size=step_size, lr=self.lr_of(s),
                                     weight_decay=self.rule.weight_decay, style=self.rule.adam_style,
                                     backend=self.kernels)
 
     def _write_fused(self, s: Slot, index: Any, update: Tensor, step_size: float) -> None:  # update: rows of W
-        self.writer.write_update(s.param.data, index, update.float(), step_size=step_size, lr=self.lr,
+        self.writer.write_update(s.param.data, index, update.float(), step_size=step_size, lr=self.lr_of(s),
                                  weight_decay=self.rule.weight_decay, style=self.rule.adam_style, keep=self._keep(s))
 
     @torch.no_grad()

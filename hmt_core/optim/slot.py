@@ -55,6 +55,7 @@ class Slot:
     projected: bool
     candidates: tuple[int, ...] = ()
     shard: ShardRows | None = None
+    lr_scale: float = 1.0  # its rate = the optimizer's (scheduled) rate × this (``LowRankOptimizer.lr_of``)
     clock: StepClock = field(default_factory=StepClock)
     basis: proj.Basis | None = None
     rank: int = 0

@@ -109,7 +109,7 @@ class Dense8bitAdam(Updater):
             return
         adam8 = opt.dense8[s.name]
         for group in adam8.param_groups:
-            group["lr"] = opt.lr  # the optimizer's rate (``set_lr``), the one every update reads
+            group["lr"] = opt.lr_of(s)  # the optimizer's rate (``set_lr``) × the slot's scale, read at every update
         s.param.grad = grad
         adam8.step()
 
@@ -172,7 +172,7 @@ class ApolloScaling(Updater):
             opt._write_fused(s, index, g * upd.rows_of(coef, index), step_size)
             return
         with opt.writer.rows(s.param.data, s.master, index, keep) as w:
-            upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=opt.lr,
+            upd.apply_scaled_update_(w, g, upd.rows_of(coef, index), step_size=step_size, lr=opt.lr_of(s),
                                      weight_decay=opt.rule.weight_decay, style=opt.rule.adam_style)
 
 
