@@ -208,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             answer = plan_for(*FAMILIES[family], Path(tmp), PLANNER_KEYS.get(family, []))
             args.same_card = same_card_rows(out_dir, family, settings)
             judged = previous and previous["row"].get("passes") is not None  # a run with no verdict is retried
-            if judged and (previous["row"].get("plan"), previous["row"].get("plan_lr")) == (
-                    answer[1].get("choice", {}), yaml.safe_load(answer[0].read_text())["method"]["lr"]):
+            method = yaml.safe_load(answer[0].read_text())["method"]
+            row = previous.get("row", {})
+            if judged and (row.get("plan"), row.get("plan_lr"), row.get("plan_embedding_lr_scale", 1.0)) == (
+                    answer[1].get("choice", {}), method["lr"], method.get("embedding_lr_scale", 1.0)):
                 continue  # measured at these settings for the answer the planner gives today
             r = {**family_row(family, answer, args, Path(tmp), previous.get("row")),
                  "wall_s": round(time.perf_counter() - t0, 1)}

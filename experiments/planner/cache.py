@@ -77,7 +77,8 @@ def group_key(run: RunConfig) -> str:
     return _hash(group_of(run))
 
 
-RATE_KEYS = ("lr", "embedding_lr_scale")  # change no byte a trace measures: keyed at their defaults, so any rate answers from the table
+# change no byte a trace measures: keyed at their defaults, so any rate answers from the table
+RATE_KEYS = ("lr", "embedding_lr_scale")
 
 
 def at_default_rate(method):

@@ -157,8 +157,8 @@ class LowRankOptimizer:
                                           eps=c.eps, style=c.adam_style, backend=self.kernels, factors=factors)
         else:
             m, v = upd.adam_moments_(s.m, s.v, g, c.beta1, c.beta2, c.adam_style, factors)
-            d, step_size = upd.adam_direction(m, v, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                                              style=c.adam_style)
+            d, step_size = upd.adam_direction(m, v, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2,
+                                              eps=c.eps, style=c.adam_style)
         s.clock.born = upd.retire_born(s.clock.born, s.clock.adam_t, c.beta1, c.beta2)
         if s.clock.born is not None:  # rank indices added by a rank increase: their own bias-correction clock
             groups = upd.clock_groups(s.clock.index(*proj.which_sides(s.full_shape, self.projection.sides), d.device),
@@ -198,8 +198,8 @@ class LowRankOptimizer:
             b = min(a + rows, grad.shape[0])
             m, v = (s.m[a:b], s.v[a:b]) if eight is None else eight.read(slice(a, b))
             old, factors, g = self._skippable_moments(m, v, grad[a:b].float(), fusable=True)
-            d, step_size = kops.adam_step(m, v, g, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                                          style=c.adam_style, backend=self.kernels, factors=factors)
+            d, step_size = kops.adam_step(m, v, g, s.clock.adam_t, lr=self.lr_of(s), beta1=c.beta1, beta2=c.beta2,
+                                          eps=c.eps, style=c.adam_style, backend=self.kernels, factors=factors)
             if eight is None:
                 self.skip.restore(old, m, v)
             else:
