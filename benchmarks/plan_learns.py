@@ -15,7 +15,8 @@ plan's full rate: on a GPU the 8B plan's loss had jumped 12.57 → 20.99 after i
 after step 0 has a training loss more than ``NOISE_NATS`` above its step-0 loss (one batch's loss is noisy) and its
 last-step loss is within ``DELTA`` nats of HMT default's (``--rejudge``: apply the rule to the files already written,
 training nothing). Every run's
-per-step losses are kept in ``<out-dir>/<family>.json`` (written atomically when the family's three runs are done);
+per-step losses are kept in ``<out-dir>/<family>.json`` (written atomically when the family's three runs are done;
+a failed answer's row moves to ``<family>-failed-<k>.json`` when the planner's next answer is checked);
 a rerun skips the families already judged at the same settings for the answer the planner gives today, and
 where only the answer changed (or the plan's run gave no verdict) retrains the plan alone (the AdamW and
 HMT-default runs do not depend on it).
@@ -171,6 +172,13 @@ def rejudge(out_dir: Path) -> int:
     return 0
 
 
+def failed_path(out_dir: Path, family: str) -> Path:
+    """Where a family's failed row goes when its next answer is checked (``<family>-failed-<k>.json``): a verdict
+    the planner still reads, so the failed setting stays not offered."""
+    k = 1 + len(list(out_dir.glob(f"{family}-failed-*.json")))
+    return out_dir / f"{family}-failed-{k}.json"
+
+
 def commit() -> str:
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
@@ -213,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             if judged and (row.get("plan"), row.get("plan_lr"), row.get("plan_embedding_lr_scale", 1.0)) == (
                     answer[1].get("choice", {}), method["lr"], method.get("embedding_lr_scale", 1.0)):
                 continue  # measured at these settings for the answer the planner gives today
+            if judged and row.get("passes") is False:  # the planner's next answer: the failed one's verdict is kept,
+                atomic_write_text(failed_path(out_dir, family), json.dumps(previous, indent=1) + "\n")  # not offered
             r = {**family_row(family, answer, args, Path(tmp), previous.get("row")),
                  "wall_s": round(time.perf_counter() - t0, 1)}
             print(f"{family:8s} {r['card']:16s} passes={r['passes']}  " + "  ".join(
