@@ -30,7 +30,7 @@ def test_the_8b_16gib_answer_leaves_the_head_to_adam(tmp_path):
     assert opt["vocab"]["head_update"] != "in_loss", opt  # in_loss exists only for Mode B's projected head
     # the recipe written with it: Mode B at width 4,096 -> 0.01 * 256 / 4096; 10 % of the 200 steps
     assert rec["recipe"]["lr"] == pytest.approx(6.25e-4) and rec["recipe"]["warmup_steps"] == 20, rec["recipe"]
-    assert rec["recipe"]["embedding_lr_scale"] == pytest.approx(16), rec["recipe"]  # the embedding at 0.01
+    assert rec["recipe"]["embedding_lr_scale"] == 1.0, rec["recipe"]  # an untied table at the matrices' rate
 
 
 def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_path):
@@ -49,16 +49,20 @@ def test_a_rate_given_to_the_planner_is_kept_and_answered_from_the_table(tmp_pat
     ("A", 5120, 1000, 5e-4, 100)])
 def test_recipe_by_mode_and_width(mode, width, steps, lr, warmup):
     r = recipe_for(mode=mode, width=width, steps=steps, fine_tuning=False)
-    assert (r.lr, r.warmup_steps) == (pytest.approx(lr), warmup), r
-    # the input embedding keeps width 256's rate, 0.01, at every width (muP's input layer)
-    assert r.lr * r.embedding_lr_scale == pytest.approx(1e-2), r
+    assert (r.lr, r.warmup_steps, r.embedding_lr_scale) == (pytest.approx(lr), warmup, 1.0), r
+    # a tied table keeps width 256's rate, 0.01, at every width (muP's input layer); the rest as untied
+    tied = recipe_for(mode=mode, width=width, steps=steps, fine_tuning=False, tied=True)
+    assert (tied.lr, tied.warmup_steps) == (r.lr, r.warmup_steps), tied
+    assert tied.lr * tied.embedding_lr_scale == pytest.approx(1e-2), tied
 
 
 def test_fine_tuning_gets_the_fine_tuning_rate_and_overrides_are_recognised():
     for mode in ("A", "B"):
         r = recipe_for(mode=mode, width=4096, steps=200, fine_tuning=True)
         assert (r.lr, r.warmup_steps) == (pytest.approx(6.25e-5), 20) and "fine-tuning" in r.source, r
-        assert r.lr * r.embedding_lr_scale == pytest.approx(1e-3), r
+        assert r.embedding_lr_scale == 1.0, r
+        tied = recipe_for(mode=mode, width=4096, steps=200, fine_tuning=True, tied=True)
+        assert tied.lr * tied.embedding_lr_scale == pytest.approx(1e-3), tied
     assert recipe_for(mode="A", width=256, steps=100, fine_tuning=True).lr == pytest.approx(1e-3)
     assert user_set(["model=7b", "++method.lr=1e-3"], "method.lr") and not user_set(["method.lrx=1"], "method.lr")
 
@@ -117,3 +121,18 @@ def test_planner_page_learning_table_is_what_the_committed_results_render():
     rows = load_rows(root / "results" / "plan_learns")
     assert rows, "no learning-check row committed"
     assert page[page.index(BEGIN) + len(BEGIN):page.index(END)].strip() == render(rows).strip()
+
+
+def test_a_tied_card_writes_the_tied_tables_rate_and_its_failed_answer_is_not_offered(tmp_path):
+    """Gemma-2-9B ties its table to the head: the plan writes lr 0.01·256/3584 with the table at 14× (0.01). Its
+    first answer at that rate (Mode A, head dense, INT8 weights, 8-bit dense state) failed the learning check
+    (results/plan_learns/gemma2-failed-1.json: +0.83 nats against HMT default), so it is not offered."""
+    import yaml
+
+    rec = plan_cli.main(["model=gemma2-9b", "budget_gib=24", "train.seq_len=2048", f"results_dir={tmp_path}"])
+    assert rec["traces"] == 0  # answered from the committed cost table
+    assert rec["recipe"]["lr"] == pytest.approx(0.01 * 256 / 3584), rec["recipe"]
+    assert rec["recipe"]["embedding_lr_scale"] == pytest.approx(14.0), rec["recipe"]
+    assert yaml.safe_load(open(rec["plan_file"]).read())["method"]["embedding_lr_scale"] == pytest.approx(14.0)
+    failed = "Mode A, state budget 0.03125 of AdamW's, lm_head dense, fp32 state, dense 8-bit, INT8 weights"
+    assert failed in rec["not_offered"] and rec["choice"]["optimizer_label"] != failed, rec["choice"]

@@ -15,14 +15,15 @@
   warm-up went 12.56 → 24.73 at step 1. So the rate falls with the width as μP prescribes for Adam's hidden and
   output matrices (Yang et al., 2022, "Tensor Programs V", Table 3: ∝ 1/fan_in), anchored at 0.01 for width 256
   (HMT default's rate, its tuned winner in the campaign on ``tiny``): ``0.01 · min(1, 256/width)``, 6.25e-4 at 4,096.
-- The input embedding (a tied table too: it is the input layer) keeps the rate of width 256 at every width,
-  ``method.embedding_lr_scale = max(1, width/256)``: μP's input weights have a width-independent Adam rate while
-  hidden and output matrices' falls as 1/fan_in (Tensor Programs V, Table 3), and APOLLO's and GaLore's 7B scripts
-  train the embedding at 0.01 / 0.005. Measured need (docs/planner.md, "Gemma 2"): on the CPU proxy of Gemma-2-9B
-  (width 3,584, 256k-row tied table scaled by √width at the input) the random-init model copies its input token at
-  the softcap's logit (loss 27.1 against ln V = 12.45); Adam moves each table entry by about the rate a step, so the
+- A tied table (the input embedding is the LM head) keeps the rate of width 256 at every width,
+  ``method.embedding_lr_scale = max(1, width/256)``, as μP keeps an input layer's Adam rate constant in the width
+  (Tensor Programs V, Table 3). Measured need (docs/planner.md, "Gemma 2"): on the CPU proxy of Gemma-2-9B (width
+  3,584, 256k-row tied table scaled by √width at the input) the random-init model copies its input token at the
+  softcap's logit (loss 27.1 against ln V = 12.45); Adam moves each table entry by about the rate a step, so the
   table (entries ~0.02) leaves that state in ~0.02/rate steps: 27.11 → 24.88 in 10 steps with the whole model at
-  0.01·256/3584, where HMT default (the table at 0.01) reached 13.85.
+  0.01·256/3584, 27.11 → 14.68 with the table at 0.01. An untied table keeps the matrices' rate: at 0.01 the
+  Llama-3.1-8B answer's loss jumped 2.06 nats above step 0 at step 2 (``results/plan_learns/
+  archive-llama3-embedding-lr1e-2-partial.json``), while every untied family passes with it at 1/width.
 - Fine-tuning (``model.path`` with weights): the recipes above are for pretraining from random init and would move a
   trained model far off its minimum. The campaign's fine-tuning regime (``experiments/sweeps/campaign_finetune.yaml``:
   a trained ``tiny`` continued on new text, 100 steps, warm-up 10 %, each row tuned over five rates) chose 1e-3 for
@@ -50,19 +51,21 @@ class Recipe:
     source: str
 
 
-def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool) -> Recipe:
-    """The plan's rate and warm-up (module docstring)."""
+def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool, tied: bool = False) -> Recipe:
+    """The plan's rate and warm-up (module docstring); ``tied``: the input embedding is the LM head."""
     warmup = max(1, round(WARMUP_FRACTION * steps))
     ratio = min(1.0, MUP_BASE_WIDTH / width)
-    embedding = f"the input embedding at {1 / ratio:g}x that (muP: its rate does not fall with the width)"
+    table = 1 / ratio if tied else 1.0
+    embedding = (f", the tied embedding at {table:g}x that (muP: an input layer's rate does not fall with the width)"
+                 if table != 1 else "")
     if fine_tuning:
-        return Recipe(lr=1e-3 * ratio, embedding_lr_scale=1 / ratio, warmup_steps=warmup,
+        return Recipe(lr=1e-3 * ratio, embedding_lr_scale=table, warmup_steps=warmup,
                       source=f"fine-tuning a loaded model: the campaign's tuned fine-tuning rate 1e-3 at width 256 "
-                             f"scaled to hidden size {width}: 1e-3 x min(1, 256/{width}), {embedding}; warm-up 10% "
+                             f"scaled to hidden size {width}: 1e-3 x min(1, 256/{width}){embedding}; warm-up 10% "
                              "of the steps")
     published = "APOLLO-Mini's lr 0.01" if mode == "B" else "HMT default's tuned lr 0.01 at width 256 (Mode A)"
-    return Recipe(lr=1e-2 * ratio, embedding_lr_scale=1 / ratio, warmup_steps=warmup,
-                  source=f"{published} scaled by muP to hidden size {width}: 0.01 x min(1, 256/{width}), "
+    return Recipe(lr=1e-2 * ratio, embedding_lr_scale=table, warmup_steps=warmup,
+                  source=f"{published} scaled by muP to hidden size {width}: 0.01 x min(1, 256/{width})"
                          f"{embedding}; warm-up 10% of the steps")
 
 
@@ -70,9 +73,11 @@ def run_recipe(run, choice) -> Recipe:
     """The rate and warm-up a plan of ``run`` with the optimizer setting ``choice`` writes (its mode, the model's
     width, pretraining or fine-tuning a loaded model)."""
     hf = run.model.hf_dir
-    width = load_hf_config(hf).hidden_size if hf else run.model.hidden_size
+    config = load_hf_config(hf) if hf else None
+    width = config.hidden_size if config is not None else run.model.hidden_size
+    tied = bool(config.tie_word_embeddings) if config is not None else run.model.tie_embeddings
     fine = bool(run.model.path) and has_weights(run.model.path)
-    return recipe_for(mode=choice.mode, width=width, steps=run.train.steps, fine_tuning=fine)
+    return recipe_for(mode=choice.mode, width=width, steps=run.train.steps, fine_tuning=fine, tied=tied)
 
 
 def user_set(overrides: list[str] | tuple[str, ...], key: str) -> bool:
