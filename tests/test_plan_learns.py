@@ -136,3 +136,5 @@ def test_a_tied_card_writes_the_tied_tables_rate_and_its_failed_answer_is_not_of
     assert yaml.safe_load(open(rec["plan_file"]).read())["method"]["embedding_lr_scale"] == pytest.approx(14.0)
     failed = "Mode A, state budget 0.03125 of AdamW's, lm_head dense, fp32 state, dense 8-bit, INT8 weights"
     assert failed in rec["not_offered"] and rec["choice"]["optimizer_label"] != failed, rec["choice"]
+    # HMT updates a tied table as the input embedding: a "projected head" would be a label on the same training
+    assert not rec["choice"]["optimizer"]["head"], rec["choice"]

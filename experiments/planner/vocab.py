@@ -67,6 +67,8 @@ def refusal(run: RunConfig, choice: OptChoice, facts: dict) -> str | None:
     the ``RunConfig`` built with it (their own checks)."""
     v = choice.vocab
     tied = "the model ties its input embedding and LM head (one matrix)"
+    if choice.head and facts["tied"]:  # HMT updates the shared table as the input embedding: a projected head
+        return f"lm_head in method.target_patterns: {tied}, updated as the embedding"  # would be a label only
     if v.embedding_dtype == "int8" and (facts["tied"] or facts["int8_embedding"] or facts["int8_head"]):
         why = tied if facts["tied"] else facts["int8_embedding"] or facts["int8_head"]
         return f"method.embedding_dtype=int8: {why}"
