@@ -67,6 +67,7 @@ def test_fine_tuning_gets_the_fine_tuning_rate_and_overrides_are_recognised():
     assert user_set(["model=7b", "++method.lr=1e-3"], "method.lr") and not user_set(["method.lrx=1"], "method.lr")
 
 
+@pytest.mark.xdist_group("memory")  # ~10 GB at its peak: pytest-xdist runs the tests of this group one at a time
 def test_the_8b_answers_optimizer_lowers_the_next_batch_loss_on_the_8b_proxy(tmp_path):
     """One update (lr 1e-2 / 20: the plan's first warm-up step) of the 8B answer's optimizer setting on the 8B shape
     (width 4,096, vocabulary 128,256, PROXY_LAYERS layers, bf16, 512 tokens), from the same initial state: the next
