@@ -102,18 +102,6 @@ class HMTMethod:
                 if id(model.get_parameter(n)) in in_layers}
 
     @staticmethod
-    def _refuse_tied_targets(model: nn.Module, targets: set[str]) -> None:
-        """A projected weight that is another parameter's tensor (a head tied to the input embedding) would be
-        updated as that one, densely: refused in one line instead of silently not projected."""
-        first: dict[int, str] = {}
-        for n, p in model.named_parameters(remove_duplicate=False):
-            first.setdefault(id(p), n)
-        for n, p in model.named_parameters(remove_duplicate=False):
-            if n in targets and first[id(p)] != n:
-                raise ValueError(f"method.target_patterns selects {n}, which is tied to {first[id(p)]} (one matrix, "
-                                 "updated as that parameter, densely); leave it out of method.target_patterns")
-
-    @staticmethod
     def _input_embedding_name(model: nn.Module) -> str | None:
         """The parameter name of the input embedding's table (a tied LM head shares it), or None."""
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -134,7 +122,6 @@ class HMTMethod:
                 raise ValueError(f"method.weight_dtype=int8: {plain[0]} (and {len(plain) - 1} more) is not INT8; "
                                  "call prepare(model) before attach")
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._refuse_tied_targets(model, targets)
         sharded = any(sh.is_sharded(p) for _, p in trainable)  # FSDP2: row-sharded DTensors (but the replicated)
         if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) or is_replicated(p)
                                                                 for _, p in trainable)):

@@ -73,13 +73,3 @@ def test_the_table_moves_at_lr_times_scale_and_the_rest_at_lr(case):
 def test_a_bad_scale_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"method.embedding_lr_scale must be > 0, got 0"):
         hmt.Config(embedding_lr_scale=0)
-
-
-def test_projecting_a_head_tied_to_the_embedding_is_refused_in_one_line():
-    """A tied head is the embedding's tensor: HMT updates it as the embedding (densely); projecting it would change
-    nothing, so asking for it is an error naming both names, not a silent dense update."""
-    method = hmt.make(hmt.Config(**BASE, target_patterns=("attn", "mlp", "lm_head")))
-    with pytest.raises(ValueError, match=r"selects lm_head.weight, which is tied to model.embed_tokens.weight"):
-        method.attach(_model(tied=True, dtype=torch.float32), max_grad_norm=None)
-    method.attach(_model(tied=False, dtype=torch.float32), max_grad_norm=None)  # untied: projected
-    assert [s.projected for s in method.opt.slots if s.name == "lm_head.weight"] == [True]
