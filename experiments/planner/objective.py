@@ -11,7 +11,7 @@ from experiments.planner.efficiency import DEFAULT_RIDGE, DEFAULT_SLACK, Through
 from experiments.planner.learning import learning_check
 from experiments.planner.problem import Problem, Solution
 from experiments.planner.prices import priced_choices
-from experiments.planner.recipe import run_recipe, user_set
+from experiments.planner.recipe import written_rates
 from experiments.planner.report import model_label
 from experiments.planner.space import Space
 
@@ -38,10 +38,7 @@ def loss_cost(prob: Problem, sol: Solution, space: Space) -> dict:
 
 def failed_learning(run, planner: dict, budget: float, choice) -> bool:
     """Whether ``choice``, at the rate the plan would write, failed the learning check at this model and budget."""
-    overrides, rec = planner.get("_overrides", ()), run_recipe(run, choice)
-    lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
-    mine = user_set(overrides, "method.lr") or user_set(overrides, "method.embedding_lr_scale")
-    scale = run.method.embedding_lr_scale if mine else rec.embedding_lr_scale
+    lr, scale = written_rates(run, choice, planner.get("_overrides", ()))
     return learning_check(model_label(run), budget, choice.label(), lr, scale).get("passes") is False
 
 

@@ -59,7 +59,7 @@ from experiments.planner.learning import learning_check
 from experiments.planner.milp import min_peak
 from experiments.planner.objective import loss_cost, throughput_model
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
-from experiments.planner.recipe import run_recipe, user_set
+from experiments.planner.recipe import run_recipe, user_set, written_rates
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.planner.streaming import micro_batch_time
 from experiments.planner.verified import Verifier, next_choice, settle
@@ -147,10 +147,8 @@ def plan_nodes(run, solution, space: Space, overrides: Sequence[str] = ()) -> di
 
     choice = solution.option.payload
     rec = run_recipe(run, choice)
-    lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
+    lr, scale = written_rates(run, choice, overrides)
     warmup = run.train.warmup_steps if user_set(overrides, "train.warmup_steps") else rec.warmup_steps
-    mine = user_set(overrides, "method.lr") or user_set(overrides, "method.embedding_lr_scale")
-    scale = run.method.embedding_lr_scale if mine else rec.embedding_lr_scale
     method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr, embedding_lr_scale=scale)
     policy = policy_for(run.activation, bool(solution.actions), **solution.policy_actions(),
                         layer_recompute=solution.layer_recompute)

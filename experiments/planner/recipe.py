@@ -80,6 +80,15 @@ def run_recipe(run, choice) -> Recipe:
     return recipe_for(mode=choice.mode, width=width, steps=run.train.steps, fine_tuning=fine, tied=tied)
 
 
+def written_rates(run, choice, overrides) -> tuple[float, float]:
+    """(method.lr, method.embedding_lr_scale) a plan writes: the recipe's, unless the planner's command line set the
+    rate (then the run's own scale, unless that was set too)."""
+    rec = run_recipe(run, choice)
+    lr = run.method.lr if user_set(overrides, "method.lr") else rec.lr
+    mine = user_set(overrides, "method.lr") or user_set(overrides, "method.embedding_lr_scale")
+    return lr, (run.method.embedding_lr_scale if mine else rec.embedding_lr_scale)
+
+
 def user_set(overrides: list[str] | tuple[str, ...], key: str) -> bool:
     """Whether ``key`` was given on the planner's command line (``key=value``, ``+key=``, ``++key=``)."""
     return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
