@@ -49,9 +49,9 @@ def render(docs: list[dict]) -> str:
     for doc in docs:
         r = doc["row"]
         plan, adamw, default = r["runs"]
-        scale = r.get("plan_embedding_lr_scale", 1.0)
+        scale, vector = r.get("plan_embedding_lr_scale", 1.0), r.get("plan_vector_lr_scale", 1.0)
         rate = (f"method.lr={r['plan_lr']:g}" + (f", embedding × {scale:g}" if scale != 1 else "")
-                + f", warm-up {r['warmup_steps']}")
+                + (f", norms × {vector:g}" if vector != 1 else "") + f", warm-up {r['warmup_steps']}")
         last = lambda run: (f"{_losses(run)[-1]:.2f}" if _losses(run) else "—") + (  # noqa: E731
             f" (stopped at step {len(_losses(run)) - 1}: rc {run['returncode']})" if run.get("returncode") else "")
         lines.append(f"| {r['family']} ({r['card']}, {r['budget_gib']:g} GiB) | {r['plan_label']}, "

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from experiments.planner.recipe import RATE_KEYS
 from experiments.results import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,7 +152,7 @@ def family_row(family: str, answer: tuple[Path, dict], args, scratch: Path, prev
                       for name in ("adamw", "hmt"))
     return {"family": family, "card": card, "budget_gib": budget, "plan": record.get("choice", {}),
             "plan_label": record["choice"]["optimizer_label"], "plan_lr": nodes["method"]["lr"],
-            "plan_embedding_lr_scale": nodes["method"].get("embedding_lr_scale", 1.0),
+            **{f"plan_{key}": nodes["method"].get(key, 1.0) for key in RATE_KEYS if key != "lr"},
             "warmup_steps": warmup, "runs": [plan_run, adamw, default],
             **verdict(plan_run, default)}
 
@@ -218,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             judged = previous and previous["row"].get("passes") is not None  # a run with no verdict is retried
             method = yaml.safe_load(answer[0].read_text())["method"]
             row = previous.get("row", {})
-            if judged and (row.get("plan"), row.get("plan_lr"), row.get("plan_embedding_lr_scale", 1.0)) == (
-                    answer[1].get("choice", {}), method["lr"], method.get("embedding_lr_scale", 1.0)):
+            if judged and row.get("plan") == answer[1].get("choice", {}) and all(
+                    row.get(f"plan_{key}", 1.0) == method.get(key, 1.0) for key in RATE_KEYS):
                 continue  # measured at these settings for the answer the planner gives today
             if judged and row.get("passes") is False:  # the planner's next answer: the failed one's verdict is kept,
                 atomic_write_text(failed_path(out_dir, family), json.dumps(previous, indent=1) + "\n")  # not offered

@@ -137,7 +137,8 @@ class HMTMethod:
                                  f"{tuple(p.shape)}")
             slots.append(make(name=name, param=p, index=index, projected=projected,
                               candidates=c.rank_candidates_for(name),
-                              lr_scale=c.embedding_lr_scale if name == embedding else 1.0))
+                              lr_scale=c.embedding_lr_scale if name == embedding
+                              else c.vector_lr_scale if p.dim() == 1 else 1.0))
         self.opt = LowRankOptimizer(slots, optimizer_settings(c))
         self.device = trainable[0][1].device if trainable else None
         self.max_grad_norm = max_grad_norm

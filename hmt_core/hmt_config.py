@@ -33,6 +33,9 @@ class Config:
     # the input embedding's rate (a tied table's too) = lr × this: μP keeps an input layer's Adam rate constant in
     # the width while the matrices' falls as 1/width (Yang et al., 2022, Tensor Programs V, Table 3)
     embedding_lr_scale: float = 1.0
+    # the rate of the one-dimensional parameters (norm gains, biases) = lr × this: μP's vector-like parameters,
+    # whose Adam rate is constant in the width too (Tensor Programs V, Table 3: "input weights & all biases")
+    vector_lr_scale: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -165,8 +168,9 @@ def check_ranges(c: Config) -> None:
     """Every numeric key is in its range."""
     if not c.lr > 0:
         raise ValueError(f"method.lr must be > 0, got {c.lr}")
-    if not c.embedding_lr_scale > 0:
-        raise ValueError(f"method.embedding_lr_scale must be > 0, got {c.embedding_lr_scale}")
+    for key in ("embedding_lr_scale", "vector_lr_scale"):
+        if not getattr(c, key) > 0:
+            raise ValueError(f"method.{key} must be > 0, got {getattr(c, key)}")
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(c, key) < 1:
             raise ValueError(f"method.{key} must be in [0, 1), got {getattr(c, key)}")

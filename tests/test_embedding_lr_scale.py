@@ -2,7 +2,7 @@
 parameter at ``lr`` (μP's width-independent input rate; experiments.planner.recipe). One step from the same state
 against two plain HMT runs: the table equals the run at ``lr × scale``, the rest the run at ``lr``, bit for bit, on
 every path the table's update can take (dense, row-chunked, grouped under clipping, bitsandbytes 8-bit, row-sparse,
-INT8 codes)."""
+INT8 codes). ``method.vector_lr_scale`` likewise for the one-dimensional parameters (norm gains)."""
 
 from __future__ import annotations
 
@@ -50,15 +50,17 @@ def _one_step(cfg: hmt.Config, *, tied: bool, clip: float | None) -> dict[str, t
             for n, t in [*model.named_parameters(), *model.named_buffers()] if not int8_weights.is_phantom(t)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_table_moves_at_lr_times_scale_and_the_rest_at_lr(case):
+def _scaled_against_references(case: str, key: str) -> None:
+    """One step with ``method.<key>=SCALE`` against the runs at ``lr`` and ``lr × SCALE``: the scaled parameters
+    (the table, or the one-dimensional ones) equal the latter bit for bit, the rest the former."""
     cfg = hmt.Config(**{**BASE, **CASES[case]}, lr=LR)
     tied, clip = case == "tied table", (1e-3 if "clipped" in case else None)
-    scaled = _one_step(dataclasses.replace(cfg, embedding_lr_scale=SCALE), tied=tied, clip=clip)
+    scaled = _one_step(dataclasses.replace(cfg, **{key: SCALE}), tied=tied, clip=clip)
     at_lr = _one_step(cfg, tied=tied, clip=clip)
     at_scaled_lr = _one_step(dataclasses.replace(cfg, lr=LR * SCALE), tied=tied, clip=clip)
     start = _one_step(dataclasses.replace(cfg, lr=1e-30), tied=tied, clip=clip)  # (a step that moves nothing)
-    tables = [n for n in scaled if n.startswith("table:")]
+    tables = [n for n in scaled if (n.startswith("table:") if key == "embedding_lr_scale"
+                                    else scaled[n].dim() == 1 and not n.startswith("table:"))]
     assert tables and len(tables) < len(scaled), sorted(scaled)
     for name, value in scaled.items():
         expected = (at_scaled_lr if name in tables else at_lr)[name]
@@ -70,6 +72,19 @@ def test_the_table_moves_at_lr_times_scale_and_the_rest_at_lr(case):
     assert any(not torch.equal(start[n], scaled[n]) for n in tables), case
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_table_moves_at_lr_times_scale_and_the_rest_at_lr(case):
+    _scaled_against_references(case, "embedding_lr_scale")
+
+
+@pytest.mark.parametrize("case", ["dense", "dense, not per layer", "dense, clipped (grouped AdamW)",
+                                  "dense 8-bit (bitsandbytes)"])
+def test_norm_gains_move_at_lr_times_vector_scale_and_the_rest_at_lr(case):
+    _scaled_against_references(case, "vector_lr_scale")
+
+
 def test_a_bad_scale_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"method.embedding_lr_scale must be > 0, got 0"):
         hmt.Config(embedding_lr_scale=0)
+    with pytest.raises(ValueError, match=r"method.vector_lr_scale must be > 0, got -1"):
+        hmt.Config(vector_lr_scale=-1)

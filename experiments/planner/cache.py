@@ -26,6 +26,7 @@ from pathlib import Path
 
 from experiments.config import RunConfig, to_plain_dict, without_added_defaults
 from experiments.models import load_hf_config
+from experiments.planner.recipe import RATE_KEYS
 from experiments.results import atomic_write_text
 
 SCHEMA = "hmt-plan-table/1"
@@ -77,8 +78,7 @@ def group_key(run: RunConfig) -> str:
     return _hash(group_of(run))
 
 
-# change no byte a trace measures: keyed at their defaults, so any rate answers from the table
-RATE_KEYS = ("lr", "embedding_lr_scale")
+# ``RATE_KEYS`` change no byte a trace measures: keyed at their defaults, so any rate answers from the table
 
 
 def at_default_rate(method):

@@ -6,23 +6,25 @@ optimizer setting and rate match a checked row carries that row's verdict; a set
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 LEARNS_DIR = Path(__file__).resolve().parents[2] / "results" / "plan_learns"
 
 
-def learning_check(model: str, budget_gib: float, optimizer_label: str, lr: float,
-                   embedding_lr_scale: float = 1.0, folder: Path | None = None) -> dict:
-    """{"checked": False} or the matching row's {"checked", "passes", "file", "gap_to_hmt_default", ...}
-    (``folder``: the results, by default ``LEARNS_DIR``)."""
+def learning_check(model: str, budget_gib: float, optimizer_label: str, rates: Mapping[str, float],
+                   folder: Path | None = None) -> dict:
+    """{"checked": False} or the matching row's {"checked", "passes", "file", "gap_to_hmt_default", ...}: the row of
+    this model, budget and setting trained at ``rates`` (``experiments.planner.recipe.RATE_KEYS``: a row's
+    ``plan_<key>``, a scale 1.0 where a row predates it); ``folder``: the results, by default ``LEARNS_DIR``."""
     folder = LEARNS_DIR if folder is None else folder
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         if path.name.startswith("archive-"):
             continue
         row = json.loads(path.read_text()).get("row", {})
         if (row.get("card"), row.get("budget_gib"), row.get("plan_label")) == (model, budget_gib, optimizer_label) \
-                and row.get("plan_lr") is not None and abs(row["plan_lr"] - lr) <= 1e-12 * max(1.0, lr) \
-                and abs(row.get("plan_embedding_lr_scale", 1.0) - embedding_lr_scale) <= 1e-9 * embedding_lr_scale:
+                and row.get("plan_lr") is not None and all(
+                    abs(row.get(f"plan_{key}", 1.0) - value) <= 1e-9 * value for key, value in rates.items()):
             if row.get("passes") is None:  # the proxy could not run the plan: no verdict either way
                 return {"checked": False, "why": row.get("why", "not judged")}
             return {"checked": True, "passes": bool(row["passes"]), "file": f"results/plan_learns/{path.name}",

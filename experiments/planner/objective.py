@@ -38,8 +38,8 @@ def loss_cost(prob: Problem, sol: Solution, space: Space) -> dict:
 
 def failed_learning(run, planner: dict, budget: float, choice) -> bool:
     """Whether ``choice``, at the rate the plan would write, failed the learning check at this model and budget."""
-    lr, scale = written_rates(run, choice, planner.get("_overrides", ()))
-    return learning_check(model_label(run), budget, choice.label(), lr, scale).get("passes") is False
+    rates = written_rates(run, choice, planner.get("_overrides", ()))
+    return learning_check(model_label(run), budget, choice.label(), rates).get("passes") is False
 
 
 def without(prob: Problem, names: list[str]) -> Problem:

@@ -59,7 +59,7 @@ from experiments.planner.learning import learning_check
 from experiments.planner.milp import min_peak
 from experiments.planner.objective import loss_cost, throughput_model
 from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
-from experiments.planner.recipe import run_recipe, user_set, written_rates
+from experiments.planner.recipe import RATE_KEYS, run_recipe, user_set, written_rates
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.planner.streaming import micro_batch_time
 from experiments.planner.verified import Verifier, next_choice, settle
@@ -133,8 +133,8 @@ def _plain(obj):
 def written_recipe(run, choice, plan_path: Path, overrides: Sequence[str]) -> dict:
     """The rate and warm-up the plan file holds, and where they came from (the record's ``recipe``)."""
     nodes = yaml.safe_load(plan_path.read_text())
-    mine = [k for k in ("method.lr", "method.embedding_lr_scale", "train.warmup_steps") if user_set(overrides, k)]
-    return {"lr": nodes["method"]["lr"], "embedding_lr_scale": nodes["method"].get("embedding_lr_scale", 1.0),
+    mine = [k for k in (*(f"method.{key}" for key in RATE_KEYS), "train.warmup_steps") if user_set(overrides, k)]
+    return {**{key: nodes["method"].get(key, 1.0) for key in RATE_KEYS},
             "warmup_steps": nodes["train"]["warmup_steps"],
             "steps": nodes["train"]["steps"],
             "source": run_recipe(run, choice).source + (f"; {', '.join(mine)} as given" if mine else "")}
@@ -147,9 +147,9 @@ def plan_nodes(run, solution, space: Space, overrides: Sequence[str] = ()) -> di
 
     choice = solution.option.payload
     rec = run_recipe(run, choice)
-    lr, scale = written_rates(run, choice, overrides)
     warmup = run.train.warmup_steps if user_set(overrides, "train.warmup_steps") else rec.warmup_steps
-    method = dataclasses.replace(run.method, **choice.method_changes(run.method), lr=lr, embedding_lr_scale=scale)
+    method = dataclasses.replace(run.method, **choice.method_changes(run.method),
+                                 **written_rates(run, choice, overrides))
     policy = policy_for(run.activation, bool(solution.actions), **solution.policy_actions(),
                         layer_recompute=solution.layer_recompute)
     train = dataclasses.replace(run.train, batch_size=solution.batch, warmup_steps=warmup)
@@ -273,8 +273,8 @@ def learning_record(run, planner: dict, sol, prob, prep: Prepared, model: Throug
                              streamed=sol.option.payload.offload == "host", weights=sol.option.payload.weights)
     recipe = written_recipe(run, sol.option.payload, plan_path, planner.get("_overrides", ()))
     return {"recipe": recipe,
-            "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(), recipe["lr"],
-                                             recipe["embedding_lr_scale"]),
+            "learning_check": learning_check(model_label(run), budget, sol.option.payload.label(),
+                                             {key: recipe[key] for key in RATE_KEYS}),
             "loss_cost": loss_cost(prob, sol, space), "not_offered": sorted(set(planner["_not_offered"])),
             "micro_batch": {"fits_up_to": sol.fit_batch, "model": dataclasses.asdict(model),
                             "relative_throughput": model.relative(sol.batch, sol.fit_batch or sol.batch,
