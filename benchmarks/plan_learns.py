@@ -12,8 +12,8 @@ as written (``+plans=<name>``: its optimizer setting, vocabulary settings, activ
 ``--seq`` tokens with the plan's warm-up fraction of them (10 % of 10 steps: one step, so nine steps run at the
 plan's full rate: on a GPU the 8B plan's loss had jumped 12.57 → 20.99 after its first update); AdamW
 (``method=adamw``) and HMT defaults (``method=hmt``) train the same proxy on the same batches and the same
-schedule. A plan **passes** when no step after step 0 has a training loss more than ``NOISE_NATS`` above its step-0 loss (one batch's loss is noisy) and its
-last-step loss is within ``DELTA`` nats of HMT default's (``--rejudge``: apply the rule to the files already written,
+schedule. A plan **passes** when no step after step 0 has a training loss more than ``NOISE_NATS`` above its
+step-0 loss (one batch's loss is noisy) and its last-step loss is within ``DELTA`` nats of HMT default's (``--rejudge``: apply the rule to the files already written,
 training nothing). Every run's
 per-step losses are kept in ``<out-dir>/<family>.json`` (written atomically when the family's three runs are done;
 a failed answer's row moves to ``<family>-failed-<k>.json`` when the planner's next answer is checked);

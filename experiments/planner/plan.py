@@ -58,7 +58,8 @@ from experiments.planner.efficiency import DEFAULT_RIDGE, Throughput
 from experiments.planner.learning import learning_check
 from experiments.planner.milp import min_peak
 from experiments.planner.objective import loss_cost, throughput_model
-from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401 (space_from: the planner's API)
+# space_from: re-exported, the planner's API
+from experiments.planner.prepare import SPACE_KEYS, Prepared, prepare, space_from  # noqa: F401
 from experiments.planner.recipe import RATE_KEYS, run_recipe, user_set, written_rates
 from experiments.planner.report import model_label, plan_record, plans_dir, run_command
 from experiments.planner.streaming import micro_batch_time
