@@ -30,7 +30,7 @@ ADDED_METHOD_KEY_DEFAULTS: dict[str, dict[str, Any]] = {
     "adamw": {"method.master_weights": False, "method.stochastic_rounding": False, "method.seed": 0,
               "method.eight_bit": False, "method.paged": False, "method.dense_lr_scale": 1.0},
     "hmt": {"method.embedding_update": "dense", "method.embedding_dtype": "bf16", "method.head_update": "dense",
-            "method.embedding_lr_scale": 1.0, "method.vector_lr_scale": 1.0},
+            "method.embedding_lr_scale": 1.0, "method.vector_lr_scale": 1.0, "method.head_lr_scale": 1.0},
 }
 # Train keys added after results were written, at the default every earlier run computed with (the cosine schedule):
 # left out of a setting at that default, like ``ADDED_METHOD_KEY_DEFAULTS``.

@@ -189,7 +189,8 @@ RUN_ID_IGNORED_TRAIN_KEYS = ("progress", "checkpoint_every", "keep_checkpoints",
 # recorded without them had no divergence check (the check only stops a run; a completed run computed the same).
 # ``train.schedule``, ``train.cooldown_frac``: runs recorded without them used the cosine schedule.
 # ``method.embedding_lr_scale`` (hmt): runs recorded without it updated the input embedding at ``method.lr``.
-# ``method.vector_lr_scale`` (hmt): runs recorded without it updated norm gains and biases at ``method.lr``.
+# ``method.vector_lr_scale``, ``method.head_lr_scale`` (hmt): runs recorded without them updated norm gains, biases
+# and the LM head at ``method.lr``.
 ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0,
                       ("train", "deterministic"): "auto",
                       ("dryrun", "reserve"): "modeled", ("dryrun", "gpu_arch"): "hopper",
@@ -202,7 +203,8 @@ ADDED_WITH_DEFAULT = {("dist", "refresh"): "gather", ("dist", "bucket_mb"): 25.0
                       ("train", "spike_grad_factor"): 100.0, ("train", "on_spike"): "fail",
                       ("train", "max_lr_drops"): 3, ("train", "schedule"): "cosine",
                       ("train", "cooldown_frac"): 0.2, ("method", "weight_offload"): "none",
-                      ("method", "embedding_lr_scale"): 1.0, ("method", "vector_lr_scale"): 1.0}
+                      ("method", "embedding_lr_scale"): 1.0, ("method", "vector_lr_scale"): 1.0,
+                      ("method", "head_lr_scale"): 1.0}
 
 
 def without_added_defaults(plain: dict) -> dict:

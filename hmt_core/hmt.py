@@ -108,6 +108,25 @@ class HMTMethod:
         return next((f"{n}.weight" for n, m in model.named_modules() if m is emb), None) if emb is not None else None
 
     @staticmethod
+    def _output_embedding_name(model: nn.Module) -> str | None:
+        """The parameter name of the LM head's weight (the table's name when tied), or None."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            return None
+        return next((f"{n}.weight" for n, m in model.named_modules() if getattr(m, "weight", None) is head.weight),
+                    None)
+
+    def _lr_scales(self, model: nn.Module) -> dict[str, float]:
+        """{parameter name: its rate's scale} for the input embedding and an untied LM head (``Slot.lr_scale``)."""
+        c = self.config
+        embedding, head = self._input_embedding_name(model), self._output_embedding_name(model)
+        if c.head_lr_scale != 1 and (head is None or head == embedding):
+            why = "it is tied to the input embedding: method.embedding_lr_scale sets its rate" if head else "none found"
+            raise ValueError(f"method.head_lr_scale={c.head_lr_scale:g}: the model has no separate LM head ({why})")
+        scales = {head: c.head_lr_scale} if head else {}
+        return {**scales, **({embedding: c.embedding_lr_scale} if embedding else {})}
+
+    @staticmethod
     def _stored_names(model: nn.Module, name: str) -> tuple[str, ...]:
         """The names, within its module, of the tensors holding weight ``name``'s values (what streaming moves)."""
         module = model.get_submodule(name.removesuffix(".weight"))
@@ -126,7 +145,7 @@ class HMTMethod:
         if sharded and (sh.sharded_config_error(c) or not all(sh.is_sharded(p) or is_replicated(p)
                                                                 for _, p in trainable)):
             raise ValueError(sh.sharded_config_error(c) or "sharded HMT needs every trainable parameter sharded")
-        slots, embedding = [], self._input_embedding_name(model)
+        slots, scales = [], self._lr_scales(model)
         for index, (name, p) in enumerate(trainable, 1):
             make = sh.sharded_slot if sh.is_sharded(p) else Slot  # a replicated one: whole on every rank
             if int8_weights.is_phantom(p):  # the optimizer updates an INT8 weight through its handle
@@ -137,8 +156,7 @@ class HMTMethod:
                                  f"{tuple(p.shape)}")
             slots.append(make(name=name, param=p, index=index, projected=projected,
                               candidates=c.rank_candidates_for(name),
-                              lr_scale=c.embedding_lr_scale if name == embedding
-                              else c.vector_lr_scale if p.dim() == 1 else 1.0))
+                              lr_scale=scales.get(name, c.vector_lr_scale if p.dim() == 1 else 1.0)))
         self.opt = LowRankOptimizer(slots, optimizer_settings(c))
         self.device = trainable[0][1].device if trainable else None
         self.max_grad_norm = max_grad_norm

@@ -36,6 +36,9 @@ class Config:
     # the rate of the one-dimensional parameters (norm gains, biases) = lr × this: μP's vector-like parameters,
     # whose Adam rate is constant in the width too (Tensor Programs V, Table 3: "input weights & all biases")
     vector_lr_scale: float = 1.0
+    # the untied LM head's rate = lr × this (μP's output layer falls as 1/fan_in like the matrices; a separate key
+    # to try other matrix rates with the head held); a tied head is the table (``embedding_lr_scale``)
+    head_lr_scale: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -168,7 +171,7 @@ def check_ranges(c: Config) -> None:
     """Every numeric key is in its range."""
     if not c.lr > 0:
         raise ValueError(f"method.lr must be > 0, got {c.lr}")
-    for key in ("embedding_lr_scale", "vector_lr_scale"):
+    for key in ("embedding_lr_scale", "vector_lr_scale", "head_lr_scale"):
         if not getattr(c, key) > 0:
             raise ValueError(f"method.{key} must be > 0, got {getattr(c, key)}")
     for key in ("beta1", "beta2"):

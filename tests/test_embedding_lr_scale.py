@@ -2,7 +2,8 @@
 parameter at ``lr`` (μP's width-independent input rate; experiments.planner.recipe). One step from the same state
 against two plain HMT runs: the table equals the run at ``lr × scale``, the rest the run at ``lr``, bit for bit, on
 every path the table's update can take (dense, row-chunked, grouped under clipping, bitsandbytes 8-bit, row-sparse,
-INT8 codes). ``method.vector_lr_scale`` likewise for the one-dimensional parameters (norm gains)."""
+INT8 codes). ``method.vector_lr_scale`` likewise for the one-dimensional parameters (norm gains), and
+``method.head_lr_scale`` for an untied LM head."""
 
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def _scaled_against_references(case: str, key: str) -> None:
     at_lr = _one_step(cfg, tied=tied, clip=clip)
     at_scaled_lr = _one_step(dataclasses.replace(cfg, lr=LR * SCALE), tied=tied, clip=clip)
     start = _one_step(dataclasses.replace(cfg, lr=1e-30), tied=tied, clip=clip)  # (a step that moves nothing)
-    tables = [n for n in scaled if (n.startswith("table:") if key == "embedding_lr_scale"
-                                    else scaled[n].dim() == 1 and not n.startswith("table:"))]
+    scaled_here = {"embedding_lr_scale": lambda n: n.startswith("table:"),
+                   "vector_lr_scale": lambda n: scaled[n].dim() == 1 and not n.startswith("table:"),
+                   "head_lr_scale": lambda n: n.startswith("lm_head.")}[key]
+    tables = [n for n in scaled if scaled_here(n)]
     assert tables and len(tables) < len(scaled), sorted(scaled)
     for name, value in scaled.items():
         expected = (at_scaled_lr if name in tables else at_lr)[name]
@@ -81,6 +84,21 @@ def test_the_table_moves_at_lr_times_scale_and_the_rest_at_lr(case):
                                   "dense 8-bit (bitsandbytes)"])
 def test_norm_gains_move_at_lr_times_vector_scale_and_the_rest_at_lr(case):
     _scaled_against_references(case, "vector_lr_scale")
+
+
+@pytest.mark.parametrize("case", ["dense", "dense, clipped (grouped AdamW)", "dense 8-bit (bitsandbytes)",
+                                  "INT8 table, 8-bit moments"])
+def test_an_untied_head_moves_at_lr_times_head_scale_and_the_rest_at_lr(case):
+    _scaled_against_references(case, "head_lr_scale")
+
+
+def test_a_head_scale_on_a_tied_head_is_refused_in_one_line():
+    method = hmt.make(hmt.Config(**BASE, head_lr_scale=0.5))
+    model = _model(True, torch.float32)
+    method.prepare(model)
+    with pytest.raises(ValueError, match=r"head_lr_scale=0.5: the model has no separate LM head \(it is tied to "
+                                         r"the input embedding: method.embedding_lr_scale sets its rate\)"):
+        method.attach(model, max_grad_norm=None)
 
 
 def test_a_bad_scale_is_refused_in_one_line():
