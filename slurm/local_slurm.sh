@@ -39,6 +39,13 @@ cluster_answers() {
   pid_alive munged && pid_alive slurmctld && pid_alive slurmd && scontrol ping >/dev/null 2>&1
 }
 
+daemons_answer_in_time() {  # running daemons that are slow to answer (a loaded machine) are waited for, up to 60 s:
+  # never torn down and restarted under another user's running jobs
+  pid_alive munged && pid_alive slurmctld && pid_alive slurmd || return 1
+  for _ in $(seq 60); do scontrol ping >/dev/null 2>&1 && return 0; sleep 1; done
+  return 1
+}
+
 install_packages() {
   local missing=0
   for cmd in munged mungekey slurmctld slurmd sbatch; do command -v "$cmd" >/dev/null || missing=1; done
@@ -101,7 +108,7 @@ start_daemon() {  # start_daemon NAME COMMAND... (runs in the background, record
 }
 
 cmd_up() {
-  if cluster_answers; then log "already up ($CONF)"; return 0; fi
+  if cluster_answers || daemons_answer_in_time; then log "already up ($CONF)"; return 0; fi
   cmd_down quiet
   rm -rf "$STATE_DIR/ctld" "$STATE_DIR/slurmd" "$MUNGE_DIR"
   mkdir -p "$PID_DIR" "$LOG_DIR" "$MUNGE_DIR" "$STATE_DIR/ctld" "$STATE_DIR/slurmd"

@@ -50,17 +50,20 @@ def slurm_env():
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     conf = subprocess.run([str(SCRIPT), "env"], capture_output=True, text=True, check=True).stdout
     env["SLURM_CONF"] = conf.strip().split("=", 1)[1]
-    already_up = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True).returncode == 0
-    if not already_up:
-        if os.geteuid() != 0 or not shutil.which("apt-get"):
-            _unavailable("needs root and apt-get to install and start Slurm")
-        started = time.monotonic()
-        up = subprocess.run([str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=600)
-        if up.returncode != 0:
-            pytest.fail(f"slurm/local_slurm.sh up failed:\n{up.stdout}\n{up.stderr}")
+    running = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True).returncode == 0
+    if not running and (os.geteuid() != 0 or not shutil.which("apt-get")):
+        _unavailable("needs root and apt-get to install and start Slurm")
+    started = time.monotonic()
+    up = subprocess.run([str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        pytest.fail(f"slurm/local_slurm.sh up failed:\n{up.stdout}\n{up.stderr}")
+    # only the session that started the cluster stops it (another pytest session may have jobs on it); `up` says
+    # "already up" for a cluster that was running, even one slow to answer `status` on a loaded machine
+    ours = "already up" not in up.stderr
+    if ours:
         print(f"local Slurm up in {time.monotonic() - started:.1f} s")
     yield env
-    if not already_up:
+    if ours:
         subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
 
 
