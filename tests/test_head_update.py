@@ -119,3 +119,21 @@ def test_a_head_that_is_not_projected_is_refused_at_attach():
     with pytest.raises(ValueError) as e:
         _method("in_loss", None, target_patterns=("attn", "mlp"))
     assert "lm_head in method.target_patterns" in str(e.value), str(e.value)
+
+
+def test_the_in_loss_rows_move_at_lr_times_head_lr_scale():
+    """``method.head_lr_scale=0.25``: one in-loss step equals, for the head, the step of a run at lr × 0.25 bit for
+    bit (a power of two: the two rates are the same float), and for every other weight the run at lr."""
+    lr = 1e-2
+
+    def one_step(**overrides):
+        model, method = _method("in_loss", None, **overrides)
+        _step(model, method, batches(1)[0])
+        return {k: t.detach().clone() for k, t in model.state_dict().items()}
+
+    scaled, at_lr, at_scaled_lr = one_step(lr=lr, head_lr_scale=0.25), one_step(lr=lr), one_step(lr=lr * 0.25)
+    for key, value in scaled.items():
+        expected, other = (at_scaled_lr, at_lr) if key.startswith("lm_head.") else (at_lr, at_scaled_lr)
+        assert torch.equal(value, expected[key]), (key, float((value.float() - expected[key].float()).abs().max()))
+        if value.is_floating_point() and "rotary" not in key:  # every weight moved: the two runs are told apart
+            assert not torch.equal(value, other[key]), key
