@@ -102,24 +102,19 @@ class HMTMethod:
                 if id(model.get_parameter(n)) in in_layers}
 
     @staticmethod
-    def _input_embedding_name(model: nn.Module) -> str | None:
-        """The parameter name of the input embedding's table (a tied LM head shares it), or None."""
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        return next((f"{n}.weight" for n, m in model.named_modules() if m is emb), None) if emb is not None else None
-
-    @staticmethod
-    def _output_embedding_name(model: nn.Module) -> str | None:
-        """The parameter name of the LM head's weight (the table's name when tied), or None."""
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is None:
+    def _weight_name(model: nn.Module, module: nn.Module | None) -> str | None:
+        """The parameter name ``<module>.weight`` of the first module holding ``module``'s weight (a tied LM head: the
+        input embedding's name, the name its slot has), or None."""
+        weight = getattr(module, "weight", None)
+        if weight is None:
             return None
-        return next((f"{n}.weight" for n, m in model.named_modules() if getattr(m, "weight", None) is head.weight),
-                    None)
+        return next((f"{n}.weight" for n, m in model.named_modules() if getattr(m, "weight", None) is weight), None)
 
     def _lr_scales(self, model: nn.Module) -> dict[str, float]:
         """{parameter name: its rate's scale} for the input embedding and an untied LM head (``Slot.lr_scale``)."""
         c = self.config
-        embedding, head = self._input_embedding_name(model), self._output_embedding_name(model)
+        embedding, head = (self._weight_name(model, getattr(model, get, lambda: None)())
+                           for get in ("get_input_embeddings", "get_output_embeddings"))
         if c.head_lr_scale != 1 and (head is None or head == embedding):
             why = "it is tied to the input embedding: method.embedding_lr_scale sets its rate" if head else "none found"
             raise ValueError(f"method.head_lr_scale={c.head_lr_scale:g}: the model has no separate LM head ({why})")

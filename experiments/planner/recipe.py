@@ -58,7 +58,7 @@ MUP_BASE_WIDTH = 256  # both modes' rate is 0.01 at this width and falls as 1/wi
 class Recipe:
     lr: float
     embedding_lr_scale: float  # the input embedding's rate = lr × this
-    vector_lr_scale: float  # the norm gains' and biases' rate = lr × this
+    vector_lr_scale: float = 1.0  # the norm gains' and biases' rate = lr × this (μP's; the recipe leaves it at 1)
     warmup_steps: int
     source: str
 
@@ -73,7 +73,7 @@ def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool, tied: bo
     embedding = (f", the tied embedding at {table:g}x that (muP: an input layer's rate does not fall with the width)"
                  if table != 1 else "")
     if fine_tuning:
-        return Recipe(lr=1e-3 * ratio, embedding_lr_scale=table, vector_lr_scale=1.0, warmup_steps=warmup,
+        return Recipe(lr=1e-3 * ratio, embedding_lr_scale=table, warmup_steps=warmup,
                       source=f"fine-tuning a loaded model: the campaign's tuned fine-tuning rate 1e-3 at width 256 "
                              f"scaled to hidden size {width}: 1e-3 x min(1, 256/{width}){embedding}; warm-up 10% "
                              "of the steps")
@@ -81,7 +81,7 @@ def recipe_for(*, mode: str, width: int, steps: int, fine_tuning: bool, tied: bo
     scaled = (f"kept at every width for a soft-capped model (measured on the Gemma-2-9B proxy, "
               f"experiments/planner/recipe.py)" if softcapped
               else f"scaled by muP to hidden size {width}: 0.01 x min(1, 256/{width})")
-    return Recipe(lr=1e-2 * ratio, embedding_lr_scale=table, vector_lr_scale=1.0, warmup_steps=warmup,
+    return Recipe(lr=1e-2 * ratio, embedding_lr_scale=table, warmup_steps=warmup,
                   source=f"{published} {scaled}{embedding}; warm-up 10% of the steps")
 
 
