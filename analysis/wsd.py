@@ -12,8 +12,9 @@ method); ``--row-name adamw="AdamW split (×64 dense)"`` shows it under a name i
 
 Writes ``<out>/tables/<name>.md`` and ``.tex`` (per horizon: each row's mean ± sample std over seeds, Δ against
 AdamW split and its paired p) and ``<out>/figures/<name>.png`` and ``.pdf`` (validation loss against training
-tokens at each horizon, seed mean with ±1 sample-std error bars; the seed count in the legend). Bad input is one
-``error:`` line, exit 2.
+tokens at each horizon, seed mean with ±1 sample-std error bars, and beside it each row's seed-paired gap to AdamW
+split with ±1 sample std of the differences; the seed counts in the legends). Bad input is one ``error:`` line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from analysis import stats  # noqa: E402
-from analysis.figures import method_colors, save  # noqa: E402
+from analysis.figures import SPARE_COLORS, method_colors, save  # noqa: E402
 from analysis.load import load_results  # noqa: E402
 from analysis.report import for_display  # noqa: E402
 from analysis.rows import run_configs  # noqa: E402
 from analysis.tables import DASH, Table, by_seed, fmt_mean_std, fmt_p, to_latex, to_markdown  # noqa: E402
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors  # noqa: E402
+from experiments.results import atomic_write_text  # noqa: E402
 
 REFERENCE = "adamw"  # AdamW split: the sweeps' only AdamW row
 
@@ -62,19 +64,33 @@ def _sans_steps(variant: str) -> str:
     return f": {' + '.join(parts)}" if parts else ""
 
 
+def paired_deltas(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per horizon and row (AdamW split's own left out): the seed-paired differences to AdamW split — ``delta``
+    (their mean), ``std`` (their sample std; NaN with one pair), ``pairs`` and ``p`` (paired t-test; NaN with one)."""
+    out = []
+    for horizon, at in runs.groupby("horizon", sort=True):
+        reference = at[at["method"] == REFERENCE]
+        ref_seeds, ref_rows = by_seed(reference), set(reference["row"])
+        for row, g in at.groupby("row", sort=True):
+            diffs = pd.Series([a - b for a, b in stats.paired(by_seed(g), ref_seeds)], dtype=float)
+            if row in ref_rows or diffs.empty:
+                continue
+            out.append({"horizon": horizon, "row": row, "method": g["method"].iloc[0], "delta": diffs.mean(),
+                        "std": diffs.std(), "pairs": len(diffs), "p": stats.paired_p(by_seed(g), ref_seeds)})
+    return pd.DataFrame(out, columns=["horizon", "row", "method", "delta", "std", "pairs", "p"])
+
+
 def horizon_table(runs: pd.DataFrame, name: str, tokens_per_step: int) -> Table:
     """Per horizon and row: seeds, validation loss mean ± std, Δ against AdamW split and the paired p."""
+    deltas = paired_deltas(runs).set_index(["horizon", "row"])
     rows, sections = [], []
     for horizon, at in runs.groupby("horizon", sort=True):
         sections.append((f"{horizon:,} steps ({horizon * tokens_per_step / 1e6:.2f} M tokens)", len(rows)))
-        reference = at[at["method"] == REFERENCE]
-        ref_seeds = by_seed(reference)
-        for row, g in at.groupby("row", sort=True):
-            mine = by_seed(g)
-            diffs = [a - b for a, b in stats.paired(mine, ref_seeds)]
-            is_ref = row in set(reference["row"])
-            delta = DASH if is_ref or not diffs else f"{sum(diffs) / len(diffs):+.3f}"
-            p = DASH if is_ref or len(diffs) < 2 else fmt_p(stats.paired_p(mine, ref_seeds))
+        for row in [r for r in row_order(runs) if r in set(at["row"])]:
+            g = at[at["row"] == row]
+            d = deltas.loc[(horizon, row)] if (horizon, row) in deltas.index else None
+            delta = DASH if d is None else f"{d['delta']:+.3f}"
+            p = DASH if d is None or d["pairs"] < 2 else fmt_p(d["p"])
             rows.append([row, f"{horizon:,}", ", ".join(f"{s:g}" for s in sorted(g["lr"].dropna().unique())),
                          str(g["seed"].nunique()), fmt_mean_std(g["val_loss"], ".3f"), delta, p])
     title = ("Loss at each horizon of warmup-stable-decay trunks and their cool-down branches: validation loss, "
@@ -84,25 +100,63 @@ def horizon_table(runs: pd.DataFrame, name: str, tokens_per_step: int) -> Table:
                  ["l", "r", "r", "r", "r", "r", "r"], sections=sections)
 
 
+def row_order(runs: pd.DataFrame) -> list[str]:
+    """The rows, AdamW split's first (the reference), the rest by name."""
+    reference = set(runs.loc[runs["method"] == REFERENCE, "row"])
+    return sorted(runs["row"].unique(), key=lambda row: (row not in reference, row))
+
+
+def row_colors(runs: pd.DataFrame) -> dict[str, str]:
+    """{row: color}: a method's first row in its campaign color, a further row of the same method (the leanest HMT
+    setting beside HMT default) in a spare one."""
+    fixed, spare = method_colors(runs["method"].unique()), iter(SPARE_COLORS)
+    used: set[str] = set()
+    colors = {}
+    for row in row_order(runs):
+        color = fixed[runs.loc[runs["row"] == row, "method"].iloc[0]]
+        colors[row] = color if color not in used else next(spare)
+        used.add(colors[row])
+    return colors
+
+
+def _seed_label(counts) -> str:
+    seeds = sorted(set(counts))
+    return f"{seeds[0]}{'' if len(seeds) == 1 else f'–{seeds[-1]}'} seed{'' if seeds == [1] else 's'}"
+
+
 def horizon_figure(runs: pd.DataFrame, tokens_per_step: int) -> Figure:
-    """Validation loss at each horizon against its training tokens (log scale), one line per row: seed mean,
-    error bars ±1 sample std over seeds (none with one seed)."""
-    fig, ax = plt.subplots(figsize=(7.6, 4.2), layout="constrained")
-    colors = method_colors(runs["method"].unique())
-    for i, (row, g) in enumerate(runs.groupby("row", sort=True)):
+    """Left: validation loss at each horizon against its training tokens (log scale), one line per row: seed mean,
+    error bars ±1 sample std over seeds (none with one seed). Right: each row's seed-paired difference to AdamW
+    split at each horizon, mean ± 1 sample std of the differences (none with one pair)."""
+    fig, (ax, ax_delta) = plt.subplots(1, 2, figsize=(11.5, 4.4), layout="constrained")
+    colors, rows = row_colors(runs), row_order(runs)
+    deltas = paired_deltas(runs)
+    for i, row in enumerate(rows):
+        g = runs[runs["row"] == row]
         points = g.groupby("horizon")["val_loss"].agg(["mean", "std", "count"]).sort_index()
-        seeds = sorted(set(points["count"]))
-        shift = 1 + 0.015 * (i - 2)  # rows side by side at each horizon, so the error bars do not overlap
+        shift = 1 + 0.012 * (i - (len(rows) - 1) / 2)  # rows side by side at each horizon: error bars apart
+        style = {"color": colors[row], "marker": "o", "ms": 4, "capsize": 3, "lw": 1.2, "ls": "-" if i % 2 == 0
+                 else "--"}
         ax.errorbar(points.index * tokens_per_step / 1e6 * shift, points["mean"], yerr=points["std"].fillna(0),
-                    color=colors[g["method"].iloc[0]], marker="o", ms=4, capsize=3, lw=1.2,
-                    ls="-" if i % 2 == 0 else "--",
-                    label=f"{row} ({seeds[0]}{'' if len(seeds) == 1 else f'–{seeds[-1]}'} seed(s))")
-    ax.set_xscale("log")
-    ax.set(xlabel="training tokens at the horizon (millions; log scale)",
-           ylabel="validation loss, whole split (nats/token)",
+                    label=f"{row} ({_seed_label(points['count'])})", **style)
+        d = deltas[deltas["row"] == row].sort_values("horizon")
+        if not d.empty:
+            ax_delta.errorbar(d["horizon"] * tokens_per_step / 1e6 * shift, d["delta"], yerr=d["std"].fillna(0),
+                              label=f"{row} ({_seed_label(d['pairs'])} paired)", **style)
+    ax_delta.axhline(0, color="k", lw=0.8)
+    ax.set(ylabel="validation loss, whole split (nats/token)",
            title="Loss at each horizon after its cool-down\n(seed mean; error bars ±1 sample std over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
+    ax_delta.set(ylabel="Δ validation loss vs AdamW split (nats/token)",
+                 title="Gap to AdamW split, paired by seed\n(mean; error bars ±1 sample std of the differences)")
+    ticks = sorted(runs["horizon"].unique() * tokens_per_step / 1e6)
+    for a in (ax, ax_delta):
+        a.set_xscale("log")
+        a.set_xticks(ticks, [f"{t:.2f}" for t in ticks])
+        a.minorticks_off()
+        a.set_xlabel("training tokens at the horizon (millions; log scale)")
+        a.grid(alpha=0.3)
+    ax.legend(fontsize="small", frameon=False)
+    ax_delta.legend(fontsize="small", frameon=False)
     return fig
 
 
@@ -151,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         written = []
         for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
             path = args.out / "tables" / f"{args.name}{suffix}"
-            path.write_text((f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
+            atomic_write_text(path, (f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
             written.append(path)
         written += save(horizon_figure(runs, tokens), args.out / "figures", args.name)
         print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from scipy import stats
@@ -109,3 +110,37 @@ def test_tokens_per_step_come_from_the_trunks_configs(folders, tmp_path: Path) -
     odd.write_text(odd.read_text().replace("seq_len: 128", "seq_len: 64"))
     with pytest.raises(UserError, match=r"tokens per step are \[512, 1024\]"):
         wsd.tokens_per_step(trunks)
+
+
+def test_the_gap_panel_plots_the_paired_differences_mean_and_std(folders) -> None:
+    """The figure's right panel: per horizon, the mean and sample std of HMT − AdamW split over the seeds both ran
+    (seed 4 of HMT has no partner), computed here by hand."""
+    runs = wsd.horizon_runs(*folders)
+    deltas = wsd.paired_deltas(runs)
+    assert list(deltas["row"]) == ["hmt", "hmt"], deltas
+    for horizon in (4, 8):
+        a, h = LOSSES[horizon]["adamw"], LOSSES[horizon]["hmt"]
+        diffs = [h[s] - a[s] for s in (1, 2, 3)]
+        mean = sum(diffs) / 3
+        std = (sum((d - mean) ** 2 for d in diffs) / 2) ** 0.5
+        got = deltas[deltas["horizon"] == horizon].iloc[0]
+        # float sums in another order: equal to ~1e-15 of values ~0.1
+        assert got["pairs"] == 3, got
+        assert abs(got["delta"] - mean) < 1e-12 and abs(got["std"] - std) < 1e-12, (got, mean, std)
+        assert abs(got["p"] - _expected(horizon)[1]) < 1e-12, (got, _expected(horizon))
+
+
+def test_two_rows_of_one_method_get_two_colors_and_adamw_split_comes_first(folders) -> None:
+    """A second HMT row (the leanest setting beside HMT default) must not share HMT default's color, and the
+    reference row leads the legend and each table section whatever its name sorts as."""
+    runs = wsd.horizon_runs(*folders, {"adamw": "Zeta AdamW split"})
+    lean = runs[runs["method"] == "hmt"].assign(row="hmt: lean", val_loss=lambda f: f["val_loss"] + 0.5)
+    runs = pd.concat([runs, lean], ignore_index=True)
+    colors = wsd.row_colors(runs)
+    assert set(colors) == {"Zeta AdamW split", "hmt", "hmt: lean"} and len(set(colors.values())) == 3, colors
+    assert wsd.row_order(runs) == ["Zeta AdamW split", "hmt", "hmt: lean"], wsd.row_order(runs)
+    table = wsd.horizon_table(runs, "t", tokens_per_step=1024)
+    assert [r[0] for r in table.rows] == ["Zeta AdamW split", "hmt", "hmt: lean"] * 2, table.rows
+    deltas = wsd.paired_deltas(runs).set_index(["horizon", "row"])["delta"]
+    for horizon in (4, 8):  # the lean row is HMT + 0.5 at every seed: its gap is HMT's + 0.5 (to float rounding)
+        assert abs(deltas[(horizon, "hmt: lean")] - deltas[(horizon, "hmt")] - 0.5) < 1e-12, deltas
