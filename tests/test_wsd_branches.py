@@ -1,11 +1,13 @@
 """Cool-down branches of a wsd trunk (``experiments.sweeps.branches``; Hägele et al. 2024) on CPU, ``model=tiny``
 at a few dozen steps: a 24-step trunk (cool-down 25 %, a checkpoint every 6 steps) and branches at 8 and 16 steps
-leaving it at steps 6 and 12, and a 48-step extension leaving it at its own cool-down start, step 18. A branch's rate
-at its first step is the trunk's there; the 16-step branch and the extension end on the same losses as 16- and
-48-step wsd runs trained from step 0 (same seed, same data: resuming is exact on CPU with one thread); launching again skips completed branches; a missing branch-point checkpoint is one ``error:`` line."""
+leaving it at steps 6 and 12, a 40-step extension leaving it at its own cool-down start, step 18, and a 48-step one
+leaving the 40-step branch at that one's cool-down start, step 30. A branch's rate at its first step is the trunk's
+there; the 16-step branch and both extensions end on the same losses as 16-, 40- and 48-step wsd runs trained from
+step 0 (same seed, same data: resuming is exact on CPU with one thread); launching again skips completed branches; a missing branch-point checkpoint is one ``error:`` line."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,7 +39,7 @@ def trunk(tmp_path_factory) -> tuple[Path, Path]:
     sweep = root / "wsd.yaml"
     listed = ", ".join([*COMMON, f"results_dir={root / 'trunks'}", "train.steps=24", "train.checkpoint_every=6",
                         "train.keep_checkpoints=0"])
-    sweep.write_text(f"common: [{listed}]\nruns:\n  - []\nbranches:\n  horizons: [8, 16, 24, 48]\n")
+    sweep.write_text(f"common: [{listed}]\nruns:\n  - []\nbranches:\n  horizons: [8, 16, 24, 40, 48]\n")
     run(*COMMON, f"results_dir={root / 'trunks'}", "train.steps=24", "train.checkpoint_every=6",
         "train.keep_checkpoints=0")
     return root, sweep
@@ -46,16 +48,22 @@ def trunk(tmp_path_factory) -> tuple[Path, Path]:
 def test_branches_start_at_the_trunks_rate_and_match_a_run_from_scratch(trunk) -> None:
     root, sweep = trunk
     found = branches.all_branches(str(sweep), [])
-    assert [(b.horizon, b.start) for b in found] == [(8, 6), (16, 12), (48, 18)], found  # 24 is the trunk
+    # 24 is the trunk; 48 leaves the 40-step branch at its cool-down start (40 - 10) once that branch holds it
+    assert [(b.horizon, b.start, b.via) for b in found] == [
+        (8, 6, ()), (16, 12, ()), (40, 18, ()), (48, 18, ((40, 30),))], found
     counts = branches.launch(found, run=lambda job: subprocess.call(
         [sys.executable, "-m", "experiments.run", *job], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL))
-    assert counts == {"launched": 3, "skipped": 0, "failed": 0}, counts
+    assert counts == {"launched": 4, "skipped": 0, "failed": 0}, counts
+    starts = {b.horizon: b.via[0][1] if b.via else b.start for b in found}  # where each one did start
+    seeded = json.loads((_branch_dir(root, found[3]) / "checkpoints" / "step-00000030" / "manifest.json").read_text())
+    assert seeded["meta"]["branched_from"] == {"trunk": str(found[3].trunk), "run": str(_branch_dir(root, found[2])),
+                                               "step": 30}, seeded["meta"]["branched_from"]
     trunk_rows = {r["step"]: r for r in read_metrics(found[0].trunk)}
     for branch in found:
         rows = [r for r in read_metrics(_branch_dir(root, branch)) if "lr_scale" in r]
         first = rows[0]
-        assert first["step"] == branch.start, first
-        # the rate at the branch point equals the trunk's there (both 1 × lr: the constant phase)
+        assert first["step"] == starts[branch.horizon], first
+        # the rate at the branch point equals the trunk's rate (1 × lr: the constant phase)
         assert first["lr_scale"] == trunk_rows[branch.start]["lr_scale"] == 1.0, (first, trunk_rows[branch.start])
         cfg = TrainConfig(steps=branch.horizon, warmup_steps=2, schedule="wsd", cooldown_frac=0.25, min_lr_ratio=0.0)
         bad = [(r["step"], r["lr_scale"]) for r in rows if abs(r["lr_scale"] - lr_scale(r["step"], cfg)) > 1e-15]
@@ -80,9 +88,9 @@ def _branch_dir(root: Path, branch: branches.Branch) -> Path:
 def test_completed_branches_are_skipped_and_a_missing_checkpoint_is_one_line(trunk, capsys) -> None:
     root, sweep = trunk
     found = branches.all_branches(str(sweep), [])
-    assert branches.launch(found, run=lambda job: 1) == {"launched": 0, "skipped": 3, "failed": 0}
+    assert branches.launch(found, run=lambda job: 1) == {"launched": 0, "skipped": 4, "failed": 0}
     odd = root / "odd.yaml"  # a 10-step branch leaves at step 8 (10 - round(2.5)): the trunk kept 6, 12, 18, 24
-    odd.write_text(sweep.read_text().replace("horizons: [8, 16, 24, 48]", "horizons: [10]"))
+    odd.write_text(sweep.read_text().replace("horizons: [8, 16, 24, 40, 48]", "horizons: [10]"))
     with pytest.raises(SystemExit) as exit_:
         branches.main([str(odd)])
     err = capsys.readouterr().err.strip().splitlines()

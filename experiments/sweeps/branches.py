@@ -19,7 +19,9 @@ only difference is ``train.steps``; the trunk's folder and step are kept in the 
 the runner resumes it as any preempted run (``train.resume=auto``; its rate at D is the trunk's, 1 × lr). A horizon
 longer than the trunk's N continues the trunk: up to N's own cool-down start D_N the H-step run equals the trunk as
 well, so it starts from the trunk's checkpoint at D_N and runs H − D_N steps (the trunk's cool-down is the only part
-not shared). A completed branch is skipped; a preempted or killed one resumes from its newest checkpoint; the trunk must be
+not shared). Two extensions H > h > N share more: the H-step run equals the h-step branch up to h's cool-down
+start D_h > D_N, so H starts from that branch's checkpoint at D_h when it holds one (its longest such sibling; else
+the trunk's D_N), and runs H − D_h steps. A completed branch is skipped; a preempted or killed one resumes from its newest checkpoint; the trunk must be
 completed and hold a checkpoint at each D (``train.checkpoint_every`` dividing every D,
 ``train.keep_checkpoints=0``), else one ``error:`` line says which.
 
@@ -62,12 +64,15 @@ class BranchSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Branch:
-    """One cool-down branch: its overrides, where its trunk is, and the trunk step it starts from."""
+    """One cool-down branch: its overrides, where its trunk is, and the trunk step it starts from; ``via``: the
+    (horizon, cool-down start) of its longer-than-the-trunk siblings shorter than it, longest first, whose checkpoint
+    at that start it starts from instead when one is there (``start_point``)."""
 
     job: tuple[str, ...]
     trunk: Path
     horizon: int
     start: int
+    via: tuple[tuple[int, int], ...] = ()
 
 
 def parse_branches(block) -> BranchSpec:
@@ -109,29 +114,50 @@ def trunk_branches(job: Sequence[str], trunk: Path, spec: BranchSpec) -> list[Br
                         "branches need train.schedule=wsd")
     out_dir = spec.results_dir or f"{config['results_dir'].rstrip('/')}-branches"
     steps, frac = int(train["steps"]), train["cooldown_frac"]
-    return [Branch(job=tuple(merge_overrides(list(job), [f"train.steps={h}", f"results_dir={out_dir}"])),
-                   trunk=trunk, horizon=h, start=min(branch_start(h, frac), branch_start(steps, frac)))
-            for h in spec.horizons if h != steps]  # longer than the trunk: from its cool-down start
+    longer = sorted((h for h in spec.horizons if h > steps), reverse=True)
+    return [Branch(job=_with_steps(job, h, out_dir), trunk=trunk, horizon=h,
+                   start=min(branch_start(h, frac), branch_start(steps, frac)),  # longer: from the trunk's cool-down
+                   via=tuple((g, branch_start(g, frac)) for g in longer if g < h))
+            for h in spec.horizons if h != steps]
 
 
-def seed_checkpoint(branch: Branch, branch_dir: Path, branch_config: dict) -> Path | None:
-    """Copies the trunk's checkpoint at ``branch.start`` into the branch's checkpoint folder with the branch's
-    configuration recorded, unless the branch already has a checkpoint (a resumed branch); the copy, or None."""
+def _with_steps(job: Sequence[str], horizon: int, out_dir: str) -> tuple[str, ...]:
+    return tuple(merge_overrides(list(job), [f"train.steps={horizon}", f"results_dir={out_dir}"]))
+
+
+def start_point(branch: Branch, run_dir: Callable[[Sequence[str]], Path]) -> tuple[Path, int]:
+    """(run folder, step) the branch starts from: the longest sibling of ``branch.via`` whose folder
+    (``run_dir(job)``) holds a checkpoint at its cool-down start, else the trunk at ``branch.start``."""
+    from experiments.checkpoint import store as ck
+
+    for horizon, step in branch.via:
+        sibling = run_dir(tuple(merge_overrides(list(branch.job), [f"train.steps={horizon}"])))
+        if step in dict(ck.list_checkpoints(sibling / "checkpoints")):
+            return sibling, step
+    return branch.trunk, branch.start
+
+
+def seed_checkpoint(branch: Branch, branch_dir: Path, branch_config: dict,
+                    origin: tuple[Path, int] | None = None) -> Path | None:
+    """Copies the checkpoint of ``origin`` (run folder, step; default the trunk at ``branch.start``) into the
+    branch's checkpoint folder with the branch's configuration recorded, unless the branch already has a checkpoint
+    (a resumed branch); the copy, or None."""
     from experiments.checkpoint import store as ck
 
     root = branch_dir / "checkpoints"
     if ck.list_checkpoints(root):
         return None
-    found = {step: path for step, path in ck.list_checkpoints(branch.trunk / "checkpoints")}
-    if branch.start not in found:
-        raise UserError(f"{branch.trunk}: no checkpoint at step {branch.start}, where the {branch.horizon}-step "
+    run, start = origin or (branch.trunk, branch.start)
+    found = {step: path for step, path in ck.list_checkpoints(run / "checkpoints")}
+    if start not in found:
+        raise UserError(f"{run}: no checkpoint at step {start}, where the {branch.horizon}-step "
                         f"branch starts (has {sorted(found) or 'none'}); rerun the trunk with train.checkpoint_every "
                         "dividing every branch start and train.keep_checkpoints=0")
-    source = found[branch.start]
+    source = found[start]
     manifest = ck.verify(source)
     saved = manifest["meta"]["config"]
     manifest["meta"]["config"] = {**saved, "train": {**saved["train"], "steps": branch_config["train"]["steps"]}}
-    manifest["meta"]["branched_from"] = {"trunk": str(branch.trunk), "step": branch.start}
+    manifest["meta"]["branched_from"] = {"trunk": str(branch.trunk), "run": str(run), "step": start}
     staging = root / f".{source.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -167,6 +193,9 @@ def launch(branches: Sequence[Branch], run: Callable[[list[str]], int] | None = 
     from experiments.sweeps.sweep import compose_run_config, run_ref_from_config, run_state, validated_run_config
 
     run = run or (lambda job: subprocess.call([sys.executable, "-m", "experiments.run", *job]))
+    def run_dir(job: Sequence[str]) -> Path:
+        return run_ref_from_config(compose_run_config(list(job))).path
+
     counts = {"launched": 0, "skipped": 0, "failed": 0}
     for branch in branches:
         cfg = compose_run_config(list(branch.job))
@@ -174,8 +203,10 @@ def launch(branches: Sequence[Branch], run: Callable[[list[str]], int] | None = 
         if run_state(ref.path) == "completed":
             counts["skipped"] += 1
             continue
-        seed_checkpoint(branch, ref.path, to_plain_dict(validated_run_config(cfg)))
-        print(f"branch {branch.horizon} of {branch.trunk} from step {branch.start} -> {ref.path}", file=sys.stderr)
+        origin = start_point(branch, run_dir)
+        seed_checkpoint(branch, ref.path, to_plain_dict(validated_run_config(cfg)), origin)
+        print(f"branch {branch.horizon} of {branch.trunk} from step {origin[1]} of {origin[0]} -> {ref.path}",
+              file=sys.stderr)
         counts["launched"] += 1
         counts["failed"] += run(list(branch.job)) != 0
     return counts
@@ -192,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         branches = all_branches(args.sweep, args.overrides)
         if args.list:
             for b in branches:
-                print(f"{b.trunk} h={b.horizon} from step {b.start}: {' '.join(b.job)}")
+                chained = "".join(f" (or step {step} of its {h}-step branch)" for h, step in b.via)
+                print(f"{b.trunk} h={b.horizon} from step {b.start}{chained}: {' '.join(b.job)}")
             return 0
         counts = launch(branches)
         print(", ".join(f"{k} {v}" for k, v in counts.items()))
