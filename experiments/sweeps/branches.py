@@ -21,9 +21,10 @@ longer than the trunk's N continues the trunk: up to N's own cool-down start D_N
 well, so it starts from the trunk's checkpoint at D_N and runs H − D_N steps (the trunk's cool-down is the only part
 not shared). Two extensions H > h > N share more: the H-step run equals the h-step branch up to h's cool-down
 start D_h > D_N, so H starts from that branch's checkpoint at D_h when it holds one (its longest such sibling; else
-the trunk's D_N), and runs H − D_h steps. A completed branch is skipped; a preempted or killed one resumes from its newest checkpoint; the trunk must be
-completed and hold a checkpoint at each D (``train.checkpoint_every`` dividing every D,
-``train.keep_checkpoints=0``), else one ``error:`` line says which.
+the trunk's D_N), and runs H − D_h steps (the manifest's ``branched_from`` names that run too). A completed branch
+is skipped; a preempted or killed one resumes from its newest checkpoint; the trunk must be completed and hold a
+checkpoint at each D (``train.checkpoint_every`` dividing every D, ``train.keep_checkpoints=0``), else one ``error:``
+line says which.
 
 CLI::
 
