@@ -4,11 +4,11 @@ Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Tra
 
 Each trunk (a run of ``<trunks dir>``) and each branch (``<trunks dir>-branches`` unless ``--branches``) ends at
 its horizon, ``train.steps``, after its own linear cool-down: its final validation loss is the row's loss at that
-horizon. A row is a method and setting less its learning rate (``variant_sans_lr``: each row's rate is tuned on the
-trunk); its seeds are compared with AdamW split's (``method=adamw``; the only AdamW row of these sweeps) seed by
-seed (paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row). A row is
-labelled ``method`` or ``method: variant`` (the overrides telling it apart from the folder's other runs of that
-method); ``--row-name adamw="AdamW split (×64 dense)"`` shows it under a name instead.
+horizon. A row is a method and setting less its learning rate and horizon (each row's rate is tuned on the trunk),
+labelled ``method`` or ``method: variant`` (the overrides telling it apart from the other completed runs of that
+method in both folders together: ``row_labels``); ``--row-name adamw="AdamW split (×64 dense)"`` shows it under a
+name instead. Its seeds are compared with AdamW split's (``method=adamw``; the only AdamW row of these sweeps) seed
+by seed (paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row).
 
 Writes ``<out>/tables/<name>.md`` and ``.tex`` (per horizon: each row's mean ± sample std over seeds, Δ against
 AdamW split and its paired p) and ``<out>/figures/<name>.png`` and ``.pdf`` (validation loss against training
@@ -32,8 +32,9 @@ from matplotlib.figure import Figure  # noqa: E402
 from analysis import stats  # noqa: E402
 from analysis.figures import SPARE_COLORS, method_colors, save  # noqa: E402
 from analysis.load import load_results  # noqa: E402
-from analysis.report import for_display  # noqa: E402
 from analysis.rows import run_configs  # noqa: E402
+from analysis.rundirs import find_run_dirs, read_run  # noqa: E402
+from analysis.settings import compact_labels, setting_of  # noqa: E402
 from analysis.tables import DASH, Table, by_seed, fmt_mean_std, fmt_p, to_latex, to_markdown  # noqa: E402
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors  # noqa: E402
 from experiments.results import atomic_write_text  # noqa: E402
@@ -42,26 +43,40 @@ REFERENCE = "adamw"  # AdamW split: the sweeps' only AdamW row
 
 
 def horizon_runs(trunks: Path, branches: Path | None, names: dict[str, str] | None = None) -> pd.DataFrame:
-    """Completed training runs of the trunks and branches: ``row`` (method: setting less lr, or its name in
-    ``names``; ``label``: the former always), ``horizon`` (steps), ``seed``, ``val_loss``, ``lr``, ``kind``
-    (trunk | branch)."""
+    """Completed training runs of the trunks and branches: ``row`` (method: setting less lr and horizon, or its
+    name in ``names``; ``label``: the former always), ``horizon`` (steps), ``seed``, ``val_loss``, ``lr``, ``kind``
+    (trunk | branch). A row's label is told apart among the completed runs of both folders together, so a trunk and
+    its branches share it whatever else either folder holds."""
+    folders = [(kind, folder) for kind, folder in (("trunk", trunks), ("branch", branches)) if folder is not None]
+    labels = row_labels([folder for _, folder in folders])
     frames = []
-    for kind, folder in (("trunk", trunks), ("branch", branches)):
-        if folder is None:
-            continue
-        runs = for_display(load_results(folder)).completed()
+    for kind, folder in folders:
+        runs = load_results(folder).completed()
         runs = runs[runs["mode"] == "train"]
-        label = runs["method"].astype(str) + runs["variant_sans_lr"].fillna("").map(_sans_steps)
+        label = runs["run_id"].map(labels)
         frames.append(runs.assign(label=label, row=label.map(lambda row: (names or {}).get(row, row)),
                                   horizon=pd.to_numeric(runs["steps"]).astype(int), kind=kind)
                       [["run_id", "row", "label", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
     return pd.concat(frames, ignore_index=True).sort_values(["horizon", "row", "seed"], kind="stable")
 
 
-def _sans_steps(variant: str) -> str:
-    """": <variant>" without its ``train.steps=`` part (the horizon: its own column), "" when nothing is left."""
-    parts = [p for p in str(variant).split(" + ") if p and not p.startswith("train.steps=")]
-    return f": {' + '.join(parts)}" if parts else ""
+def row_labels(folders: list[Path]) -> dict[str, str]:
+    """{run id: ``method`` or ``method: variant``} of the completed runs under ``folders``: the variant names what
+    tells the run's setting, less its learning rate and ``train.steps``, apart from the other settings of its
+    method, model and mode there (``analysis.settings.compact_labels``)."""
+    settings, groups, methods = {}, {}, {}
+    for folder in folders:
+        for path in find_run_dirs(folder):
+            run = read_run(path, lambda _: None)
+            if run is None or run.status != "completed" or not run.config:
+                continue
+            run_id = str(run.summary.get("run_id") or path.name)
+            settings[run_id] = {k: v for k, v in setting_of(run.config).items()
+                                if k not in ("method.lr", "train.steps")}
+            methods[run_id] = str(run.summary.get("method") or settings[run_id].get("method.name"))
+            groups[run_id] = (methods[run_id], str(run.summary.get("model")), str(run.summary.get("mode")))
+    variants = compact_labels(settings, groups)
+    return {r: methods[r] + (f": {variants[r]}" if variants[r] else "") for r in settings}
 
 
 def paired_deltas(runs: pd.DataFrame) -> pd.DataFrame:

@@ -1,14 +1,15 @@
 """docs/campaign's tables are what the committed runs give: the report (``analysis.report``), the ablation table
-(``analysis.ablation``), the batch table (``analysis.batch``), the embedding-cost table (``analysis.embedding_cost``)
-and the horizon/statistics/larger-model tables (``analysis.retuned``), regenerated from results/ into a temporary folder, match
-the committed files byte for byte (the figures are left out: their pixels depend on the font library, and the
-report's own determinism test covers them)."""
+(``analysis.ablation``), the batch table (``analysis.batch``), the embedding-cost table (``analysis.embedding_cost``),
+the horizon/statistics/larger-model tables (``analysis.retuned``) and the warmup-stable-decay horizons table
+(``analysis.wsd``, with the row names findings.md's command gives), regenerated from results/ into a temporary
+folder, match the committed files byte for byte (the figures are left out: their pixels depend on the font library,
+and the report's own determinism test covers them)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import ablation, batch, embedding_cost, report, retuned
+from analysis import ablation, batch, embedding_cost, report, retuned, wsd
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS, DOCS = REPO / "results", REPO / "docs" / "campaign"
@@ -44,4 +45,15 @@ def test_embedding_cost_table_regenerates_byte_identical(tmp_path: Path) -> None
 def test_horizon_statistics_and_larger_model_tables_regenerate_byte_identical(tmp_path: Path) -> None:
     assert retuned.main([str(RESULTS / "campaign-horizon"), str(RESULTS / "campaign-stats"), "--out",
                          str(tmp_path), "--larger", str(RESULTS / "campaign-30m")]) == 0
+    assert _differing(tmp_path / "tables", DOCS / "tables") == []
+
+
+# the --row-name arguments of findings.md item 12's command
+WSD_ROW_NAMES = ("adamw=AdamW split (×64 dense)", "hmt=HMT default", "galore=GaLore rank 64", "apollo=APOLLO")
+
+
+def test_wsd_horizons_table_regenerates_byte_identical(tmp_path: Path) -> None:
+    names = [arg for name in WSD_ROW_NAMES for arg in ("--row-name", name)]
+    assert wsd.main([str(RESULTS / "campaign-wsd-pair"), "--out", str(tmp_path), "--name", "wsd_pair_horizons",
+                     *names]) == 0
     assert _differing(tmp_path / "tables", DOCS / "tables") == []

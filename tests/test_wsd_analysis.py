@@ -7,6 +7,7 @@ and its p is scipy's paired t-test (``scipy.stats.ttest_rel``) on those seeds, c
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -144,3 +145,22 @@ def test_two_rows_of_one_method_get_two_colors_and_adamw_split_comes_first(folde
     deltas = wsd.paired_deltas(runs).set_index(["horizon", "row"])["delta"]
     for horizon in (4, 8):  # the lean row is HMT + 0.5 at every seed: its gap is HMT's + 0.5 (to float rounding)
         assert abs(deltas[(horizon, "hmt: lean")] - deltas[(horizon, "hmt")] - 0.5) < 1e-12, deltas
+
+
+def test_a_row_keeps_its_label_across_trunks_and_branches_whatever_else_a_folder_holds(folders) -> None:
+    """A second HMT setting whose trunk is still running (or that has no branches yet) must not rename HMT default
+    in one folder only: labels are told apart among the completed runs of both folders together."""
+    trunks, branches = folders
+    lean = trunks / "hmt-lean-s1"  # a trunk of another setting (Mode B), still running: not a row yet
+    shutil.copytree(trunks / f"hmt-tiny-train-s1-h{TRUNK_STEPS}", lean)
+    config = yaml.safe_load((lean / "config.yaml").read_text())
+    config["method"]["mode"], config["run_id"] = "B", lean.name
+    (lean / "config.yaml").write_text(yaml.safe_dump(config))
+    (lean / "summary.json").write_text((lean / "summary.json").read_text().replace(f"-h{TRUNK_STEPS}", "-lean-s1"))
+    (lean / "status").write_text("running\n")
+    runs = wsd.horizon_runs(trunks, branches)
+    assert set(runs["label"]) == {"adamw", "hmt"}, runs.groupby(["label", "horizon"]).size()
+    (lean / "status").write_text("completed\n")  # now a row of its own, at the trunk's horizon only
+    runs = wsd.horizon_runs(trunks, branches)
+    hmt = {label: sorted({int(h) for h in g}) for label, g in runs[runs["method"] == "hmt"].groupby("label")["horizon"]}
+    assert hmt == {"hmt: method.mode=B": [TRUNK_STEPS], "hmt: method.mode=(unset)": [4, TRUNK_STEPS]}, hmt
