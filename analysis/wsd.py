@@ -31,6 +31,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from analysis import stats  # noqa: E402
 from analysis.figures import SPARE_COLORS, method_colors, save  # noqa: E402
+from analysis.labels import short_labels  # noqa: E402
 from analysis.load import load_results  # noqa: E402
 from analysis.rows import run_configs  # noqa: E402
 from analysis.rundirs import find_run_dirs, read_run  # noqa: E402
@@ -63,7 +64,8 @@ def horizon_runs(trunks: Path, branches: Path | None, names: dict[str, str] | No
 def row_labels(folders: list[Path]) -> dict[str, str]:
     """{run id: ``method`` or ``method: variant``} of the completed runs under ``folders``: the variant names what
     tells the run's setting, less its learning rate and ``train.steps``, apart from the other settings of its
-    method, model and mode there (``analysis.settings.compact_labels``)."""
+    method, model and mode there (``analysis.settings.compact_labels``), by its short name where it has one
+    (``analysis.labels``: ``default``, ``memory-minimal``)."""
     settings, groups, methods = {}, {}, {}
     for folder in folders:
         for path in find_run_dirs(folder):
@@ -75,7 +77,9 @@ def row_labels(folders: list[Path]) -> dict[str, str]:
                                 if k not in ("method.lr", "train.steps")}
             methods[run_id] = str(run.summary.get("method") or settings[run_id].get("method.name"))
             groups[run_id] = (methods[run_id], str(run.summary.get("model")), str(run.summary.get("mode")))
-    variants = compact_labels(settings, groups)
+    raw = compact_labels(settings, groups)
+    short = {g: short_labels([raw[r] for r in raw if groups[r] == g]) for g in set(groups.values())}
+    variants = {r: short[groups[r]][raw[r]] for r in raw}
     return {r: methods[r] + (f": {variants[r]}" if variants[r] else "") for r in settings}
 
 

@@ -163,4 +163,4 @@ def test_a_row_keeps_its_label_across_trunks_and_branches_whatever_else_a_folder
     (lean / "status").write_text("completed\n")  # now a row of its own, at the trunk's horizon only
     runs = wsd.horizon_runs(trunks, branches)
     hmt = {label: sorted({int(h) for h in g}) for label, g in runs[runs["method"] == "hmt"].groupby("label")["horizon"]}
-    assert hmt == {"hmt: method.mode=B": [TRUNK_STEPS], "hmt: method.mode=(unset)": [4, TRUNK_STEPS]}, hmt
+    assert hmt == {"hmt: mode=B": [TRUNK_STEPS], "hmt: mode=(unset)": [4, TRUNK_STEPS]}, hmt  # short names
