@@ -49,7 +49,8 @@ def test_horizon_statistics_and_larger_model_tables_regenerate_byte_identical(tm
 
 
 # the --row-name arguments of findings.md item 12's command
-WSD_ROW_NAMES = ("adamw=AdamW split (×64 dense)", "hmt=HMT default", "galore=GaLore rank 64", "apollo=APOLLO")
+WSD_ROW_NAMES = ("adamw=AdamW split (×64 dense)", "hmt: default=HMT default",
+                 "hmt: memory-minimal=HMT memory-minimal (leanest)", "galore=GaLore rank 64", "apollo=APOLLO")
 
 
 def test_wsd_horizons_table_regenerates_byte_identical(tmp_path: Path) -> None:
