@@ -91,11 +91,12 @@ def paired_deltas(runs: pd.DataFrame) -> pd.DataFrame:
         reference = at[at["method"] == REFERENCE]
         ref_seeds, ref_rows = by_seed(reference), set(reference["row"])
         for row, g in at.groupby("row", sort=True):
-            diffs = pd.Series([a - b for a, b in stats.paired(by_seed(g), ref_seeds)], dtype=float)
+            seeds = by_seed(g)
+            diffs = pd.Series([a - b for a, b in stats.paired(seeds, ref_seeds)], dtype=float)
             if row in ref_rows or diffs.empty:
                 continue
             out.append({"horizon": horizon, "row": row, "method": g["method"].iloc[0], "delta": diffs.mean(),
-                        "std": diffs.std(), "pairs": len(diffs), "p": stats.paired_p(by_seed(g), ref_seeds)})
+                        "std": diffs.std(), "pairs": len(diffs), "p": stats.paired_p(seeds, ref_seeds)})
     return pd.DataFrame(out, columns=["horizon", "row", "method", "delta", "std", "pairs", "p"])
 
 
@@ -105,7 +106,8 @@ def horizon_table(runs: pd.DataFrame, name: str, tokens_per_step: int) -> Table:
     rows, sections = [], []
     for horizon, at in runs.groupby("horizon", sort=True):
         sections.append((f"{horizon:,} steps ({horizon * tokens_per_step / 1e6:.2f} M tokens)", len(rows)))
-        for row in [r for r in row_order(runs) if r in set(at["row"])]:
+        present = set(at["row"])
+        for row in [r for r in row_order(runs) if r in present]:
             g = at[at["row"] == row]
             d = deltas.loc[(horizon, row)] if (horizon, row) in deltas.index else None
             delta = DASH if d is None else f"{d['delta']:+.3f}"

@@ -116,14 +116,11 @@ def trunk_branches(job: Sequence[str], trunk: Path, spec: BranchSpec) -> list[Br
     out_dir = spec.results_dir or f"{config['results_dir'].rstrip('/')}-branches"
     steps, frac = int(train["steps"]), train["cooldown_frac"]
     longer = sorted((h for h in spec.horizons if h > steps), reverse=True)
-    return [Branch(job=_with_steps(job, h, out_dir), trunk=trunk, horizon=h,
+    return [Branch(job=tuple(merge_overrides(list(job), [f"train.steps={h}", f"results_dir={out_dir}"])),
+                   trunk=trunk, horizon=h,
                    start=min(branch_start(h, frac), branch_start(steps, frac)),  # longer: from the trunk's cool-down
                    via=tuple((g, branch_start(g, frac)) for g in longer if g < h))
             for h in spec.horizons if h != steps]
-
-
-def _with_steps(job: Sequence[str], horizon: int, out_dir: str) -> tuple[str, ...]:
-    return tuple(merge_overrides(list(job), [f"train.steps={horizon}", f"results_dir={out_dir}"]))
 
 
 def start_point(branch: Branch, run_dir: Callable[[Sequence[str]], Path]) -> tuple[Path, int]:
