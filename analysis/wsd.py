@@ -48,7 +48,13 @@ def horizon_runs(trunks: Path, branches: Path | None, names: dict[str, str] | No
     name in ``names``; ``label``: the former always), ``horizon`` (steps), ``seed``, ``val_loss``, ``lr``, ``kind``
     (trunk | branch). A row's label is told apart among the completed runs of both folders together, so a trunk and
     its branches share it whatever else either folder holds."""
-    folders = [(kind, folder) for kind, folder in (("trunk", trunks), ("branch", branches)) if folder is not None]
+    return labelled_runs([(kind, folder) for kind, folder in (("trunk", trunks), ("branch", branches))
+                          if folder is not None], names)
+
+
+def labelled_runs(folders: list[tuple[str, Path]], names: dict[str, str] | None = None) -> pd.DataFrame:
+    """``horizon_runs`` over (kind, folder) pairs: each folder's completed training runs, ``kind`` its name, the rows
+    labelled across all the folders together."""
     labels = row_labels([folder for _, folder in folders])
     frames = []
     for kind, folder in folders:
@@ -191,11 +197,30 @@ def tokens_per_step(trunks: Path) -> int:
     return found.pop()
 
 
-def _row_name(item: str) -> tuple[str, str]:
+def row_name(item: str) -> tuple[str, str]:
+    """``ROW=NAME`` of ``--row-name`` as (row, name); anything else is one ``UserError``."""
     row, sep, name = item.partition("=")
     if not sep or not row.strip() or not name.strip():
         raise UserError(f"--row-name {item!r}: write ROW=NAME, e.g. adamw=\"AdamW split\"")
     return row.strip(), name.strip()
+
+
+def check_row_names(names: dict[str, str], runs: pd.DataFrame) -> None:
+    """One ``UserError`` naming a ``--row-name`` row that ``runs`` does not hold."""
+    unknown = sorted(set(names) - set(runs["label"]))
+    if unknown:
+        raise UserError(f"--row-name {unknown[0]}=...: no such row (rows: {', '.join(sorted(set(runs['label'])))})")
+
+
+def write_table(table: Table, out: Path) -> list[Path]:
+    """``<out>/tables/<table.name>.md`` (its title in bold above it) and ``.tex``, each written atomically."""
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    written = []
+    for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
+        path = out / "tables" / f"{table.name}{suffix}"
+        atomic_write_text(path, (f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
+        written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,24 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def go() -> int:
-        names = dict(_row_name(item) for item in args.row_name)
+        names = dict(row_name(item) for item in args.row_name)
         branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
         if args.branches is not None and not branches.is_dir():
             raise UserError(f"--branches {branches}: no such folder")
         runs = horizon_runs(args.trunks, branches if branches.is_dir() else None, names)
         if runs.empty:
             raise UserError(f"{args.trunks}: no completed training run")
-        unknown = sorted(set(names) - set(runs["label"]))
-        if unknown:
-            raise UserError(f"--row-name {unknown[0]}=...: no such row (rows: {', '.join(sorted(set(runs['label'])))})")
+        check_row_names(names, runs)
         tokens = tokens_per_step(args.trunks)
-        table = horizon_table(runs, args.name, tokens)
-        (args.out / "tables").mkdir(parents=True, exist_ok=True)
-        written = []
-        for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
-            path = args.out / "tables" / f"{args.name}{suffix}"
-            atomic_write_text(path, (f"**{table.title}**\n\n" if suffix == ".md" else "") + render(table))
-            written.append(path)
+        written = write_table(horizon_table(runs, args.name, tokens), args.out)
         written += save(horizon_figure(runs, tokens), args.out / "figures", args.name)
         print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
         return 0

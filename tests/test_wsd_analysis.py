@@ -27,11 +27,13 @@ LRS = {"adamw": 1e-3, "hmt": 1e-2}
 TRUNK_STEPS = 8
 
 
-def _write(root: Path, method: str, seed: int, steps: int, val: float) -> None:
-    run_id = f"{method}-tiny-train-s{seed}-h{steps}"
+def write_run(root: Path, method: str, seed: int, steps: int, val: float, lr: float | None = None) -> None:
+    """A completed run folder: ``method`` at ``lr`` (default ``LRS[method]``), ``steps`` steps, final losses ``val``."""
+    lr = LRS[method] if lr is None else lr
+    run_id = f"{method}-tiny-train-s{seed}-h{steps}" + ("" if lr == LRS[method] else f"-lr{lr:g}")
     run = root / run_id
     run.mkdir(parents=True)
-    config = {"method": {"name": method, "lr": LRS[method]}, "model": {"name": "tiny"}, "seed": seed,
+    config = {"method": {"name": method, "lr": lr}, "model": {"name": "tiny"}, "seed": seed,
               "mode": "train", "run_id": run_id,
               "train": {"steps": steps, "schedule": "wsd", "cooldown_frac": 0.25, "warmup_steps": 1,
                         "seq_len": 128, "batch_size": 8, "grad_accum": 1}}
@@ -49,7 +51,7 @@ def folders(tmp_path: Path) -> tuple[Path, Path]:
     for horizon, rows in LOSSES.items():
         for method, seeds in rows.items():
             for seed, val in seeds.items():
-                _write(trunks if horizon == TRUNK_STEPS else branches, method, seed, horizon, val)
+                write_run(trunks if horizon == TRUNK_STEPS else branches, method, seed, horizon, val)
     return trunks, branches
 
 
