@@ -1,14 +1,17 @@
-"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--name NAME] [--row-name ROW=NAME ...]``:
-the loss at each horizon of warmup-stable-decay trunks and their cool-down branches (``experiments.sweeps.branches``;
-Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations").
+"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--extra DIR ...] [--reference ROW] [--name NAME]
+[--row-name ROW=NAME ...]``: the loss at each horizon of warmup-stable-decay trunks and their cool-down branches
+(``experiments.sweeps.branches``; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed
+Training Durations").
 
 Each trunk (a run of ``<trunks dir>``) and each branch (``<trunks dir>-branches`` unless ``--branches``) ends at
 its horizon, ``train.steps``, after its own linear cool-down: its final validation loss is the row's loss at that
-horizon. A row is a method and setting less its learning rate and horizon (each row's rate is tuned on the trunk),
-labelled ``method`` or ``method: variant`` (the overrides telling it apart from the other completed runs of that
-method in both folders together: ``row_labels``); ``--row-name adamw="AdamW split (×64 dense)"`` shows it under a
-name instead. Its seeds are compared with AdamW split's (``method=adamw``; the only AdamW row of these sweeps) seed
-by seed (paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row).
+horizon; an ``--extra`` folder adds runs of the same rows trained to a horizon directly (a branch is that same run),
+e.g. at another rate. A row is a method and setting less its learning rate and horizon (each row's rate is tuned on
+the trunk), labelled ``method`` or ``method: variant`` (the overrides telling it apart from the other completed
+runs of that method in all the folders together: ``row_labels``), and ``label (lr <rate>)`` where one label ran
+at several rates; ``--row-name adamw="AdamW split (×64 dense)"`` shows it under a name instead. Its seeds are
+compared with AdamW split's (``method=adamw``: the only AdamW row, or the one ``--reference`` names) seed by seed
+(paired t-test, ``analysis.stats``; a seed fixes data order and initialisation for every row).
 
 Writes ``<out>/tables/<name>.md`` and ``.tex`` (per horizon: each row's mean ± sample std over seeds, Δ against
 AdamW split and its paired p) and ``<out>/figures/<name>.png`` and ``.pdf`` (validation loss against training
@@ -40,31 +43,44 @@ from analysis.tables import DASH, Table, by_seed, fmt_mean_std, fmt_p, to_latex,
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors  # noqa: E402
 from experiments.results import atomic_write_text  # noqa: E402
 
-REFERENCE = "adamw"  # AdamW split: the sweeps' only AdamW row
+REFERENCE = "adamw"  # AdamW split: the method of the reference row
 
 
-def horizon_runs(trunks: Path, branches: Path | None, names: dict[str, str] | None = None) -> pd.DataFrame:
-    """Completed training runs of the trunks and branches: ``row`` (method: setting less lr and horizon, or its
-    name in ``names``; ``label``: the former always), ``horizon`` (steps), ``seed``, ``val_loss``, ``lr``, ``kind``
-    (trunk | branch). A row's label is told apart among the completed runs of both folders together, so a trunk and
-    its branches share it whatever else either folder holds."""
-    return labelled_runs([(kind, folder) for kind, folder in (("trunk", trunks), ("branch", branches))
-                          if folder is not None], names)
+def horizon_runs(trunks: Path, branches: Path | None, names: dict[str, str] | None = None, *,
+                 extra: tuple[Path, ...] = (), reference: str | None = None) -> pd.DataFrame:
+    """Completed training runs of the trunks, branches and ``extra`` folders: ``row`` (method: setting less lr and
+    horizon, or its name in ``names``; ``label``: the former always), ``horizon`` (steps), ``seed``, ``val_loss``,
+    ``lr``, ``kind`` (trunk | branch | extra), ``reference`` (the AdamW split row the others are paired with: the
+    one labelled ``reference``, or the only AdamW row). A row's label is told apart among the completed runs of all
+    folders together, so a trunk and its branches share it whatever else either folder holds."""
+    folders = [(kind, folder) for kind, folder in (("trunk", trunks), ("branch", branches)) if folder is not None]
+    runs = labelled_runs(folders + [("extra", folder) for folder in extra], names, split_rates=True)
+    candidates = sorted(set(runs.loc[runs["method"] == REFERENCE, "label"]))
+    if reference is not None and reference not in candidates:
+        raise UserError(f"--reference {reference!r}: no such AdamW row (AdamW rows: {', '.join(candidates) or 'none'})")
+    if reference is None and len(candidates) > 1:
+        raise UserError(f"several AdamW rows ({', '.join(candidates)}): name the reference with --reference")
+    return runs.assign(reference=runs["label"] == (reference or (candidates or [None])[0]))
 
 
-def labelled_runs(folders: list[tuple[str, Path]], names: dict[str, str] | None = None) -> pd.DataFrame:
-    """``horizon_runs`` over (kind, folder) pairs: each folder's completed training runs, ``kind`` its name, the rows
-    labelled across all the folders together."""
+def labelled_runs(folders: list[tuple[str, Path]], names: dict[str, str] | None = None, *,
+                  split_rates: bool = False) -> pd.DataFrame:
+    """Each (kind, folder)'s completed training runs, ``kind`` its name, the rows labelled across all the folders
+    together (``row_labels``); with ``split_rates`` a label run at more than one learning rate becomes one row per
+    rate, ``label (lr <rate>)``."""
     labels = row_labels([folder for _, folder in folders])
     frames = []
     for kind, folder in folders:
         runs = load_results(folder).completed()
         runs = runs[runs["mode"] == "train"]
-        label = runs["run_id"].map(labels)
-        frames.append(runs.assign(label=label, row=label.map(lambda row: (names or {}).get(row, row)),
-                                  horizon=pd.to_numeric(runs["steps"]).astype(int), kind=kind)
-                      [["run_id", "row", "label", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
-    return pd.concat(frames, ignore_index=True).sort_values(["horizon", "row", "seed"], kind="stable")
+        frames.append(runs.assign(label=runs["run_id"].map(labels), horizon=pd.to_numeric(runs["steps"]).astype(int),
+                                  kind=kind)[["run_id", "label", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
+    runs = pd.concat(frames, ignore_index=True)
+    if split_rates:  # one label at two rates: two rows, each named with its rate
+        several = runs["label"].map(runs.groupby("label")["lr"].nunique()) > 1
+        runs["label"] = runs["label"].where(~several, runs["label"] + runs["lr"].map(lambda lr: f" (lr {lr:g})"))
+    runs.insert(1, "row", runs["label"].map(lambda row: (names or {}).get(row, row)))
+    return runs.sort_values(["horizon", "row", "seed"], kind="stable")
 
 
 def row_labels(folders: list[Path]) -> dict[str, str]:
@@ -94,7 +110,7 @@ def paired_deltas(runs: pd.DataFrame) -> pd.DataFrame:
     (their mean), ``std`` (their sample std; NaN with one pair), ``pairs`` and ``p`` (paired t-test; NaN with one)."""
     out = []
     for horizon, at in runs.groupby("horizon", sort=True):
-        reference = at[at["method"] == REFERENCE]
+        reference = at[at["reference"]]
         ref_seeds, ref_rows = by_seed(reference), set(reference["row"])
         for row, g in at.groupby("row", sort=True):
             seeds = by_seed(g)
@@ -129,7 +145,7 @@ def horizon_table(runs: pd.DataFrame, name: str, tokens_per_step: int) -> Table:
 
 def row_order(runs: pd.DataFrame) -> list[str]:
     """The rows, AdamW split's first (the reference), the rest by name."""
-    reference = set(runs.loc[runs["method"] == REFERENCE, "row"])
+    reference = set(runs.loc[runs["reference"], "row"])
     return sorted(runs["row"].unique(), key=lambda row: (row not in reference, row))
 
 
@@ -228,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trunks", type=Path, help="folder of the wsd trunk runs (a sweep's results_dir)")
     parser.add_argument("--branches", type=Path, default=None, help="folder of their branches (default "
                         "<trunks>-branches)")
+    parser.add_argument("--extra", type=Path, action="append", default=[], metavar="DIR",
+                        help="a further folder of the same rows' runs (e.g. at another rate); repeatable")
+    parser.add_argument("--reference", default=None, metavar="ROW", help="the AdamW split row the others are "
+                        "paired with, where there are several (e.g. 'adamw (lr 0.0003)')")
     parser.add_argument("--out", type=Path, required=True, help="writes <out>/tables/<name>.* and figures/<name>.*")
     parser.add_argument("--name", default="wsd_horizons", help="file name of the table and figure")
     parser.add_argument("--row-name", action="append", default=[], metavar="ROW=NAME",
@@ -239,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
         if args.branches is not None and not branches.is_dir():
             raise UserError(f"--branches {branches}: no such folder")
-        runs = horizon_runs(args.trunks, branches if branches.is_dir() else None, names)
+        for folder in args.extra:
+            if not folder.is_dir():
+                raise UserError(f"--extra {folder}: no such folder")
+        runs = horizon_runs(args.trunks, branches if branches.is_dir() else None, names, extra=tuple(args.extra),
+                            reference=args.reference)
         if runs.empty:
             raise UserError(f"{args.trunks}: no completed training run")
         check_row_names(names, runs)

@@ -1,8 +1,10 @@
-"""``python -m analysis.wsd_bracket <trunks dir> <bracket dir> --out <dir> [--name NAME] [--row-name ROW=NAME ...]``:
+"""``python -m analysis.wsd_bracket <trunks dir> <bracket dir> --out <dir> [--branches DIR] [--name NAME]
+[--row-name ROW=NAME ...]``:
 whether each row of a warmup-stable-decay table (``analysis.wsd``) ran at its best learning rate on the trunk.
 
 ``<bracket dir>`` holds runs of the same rows at other rates (e.g. ``campaign_wsd_tiny_bracket``: 1/3 and 3× the
-rate, one seed); the run of the same row, seed and horizon in ``<trunks dir>`` is the rate the table used. Per row,
+rate, one seed); the run of the same row, seed and horizon among the table's trunks and branches (``<trunks
+dir>-branches`` unless ``--branches``) is the rate the table used. Per row,
 seed and horizon: the validation loss at each rate, the best rate by the tuner's own rule
 (``experiments.sweeps.tuning.select_lr``: the lowest loss, ties to the smaller rate; bracketed when it is neither
 the smallest nor the largest rate run) and Δ = loss at the best rate − loss at the used rate (0 when the used rate
@@ -19,24 +21,24 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.tables import Table
-from analysis.wsd import check_row_names, labelled_runs, row_name, row_order, write_table
+from analysis.wsd import REFERENCE, check_row_names, labelled_runs, row_name, row_order, write_table
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
 from experiments.sweeps.tuning import select_lr
 
 KEYS = ["row", "seed", "horizon"]
 
 
-def bracket_runs(trunks: Path, bracket: Path, names: dict[str, str] | None = None) -> pd.DataFrame:
-    """The bracket folder's runs and the trunks folder's runs of the same (row, seed, horizon), ``used`` True for
-    the latter; a ``names`` row neither folder holds, or a (row, seed, horizon) without its used run, or with two, is one ``UserError``."""
-    runs = labelled_runs([("used", trunks), ("bracket", bracket)], names)
+def bracket_runs(used: list[Path], bracket: Path, names: dict[str, str] | None = None) -> pd.DataFrame:
+    """The bracket folder's runs and the ``used`` folders' (the table's trunks and branches) runs of the same (row,
+    seed, horizon), ``used`` True for the latter; a ``names`` row neither folder holds, or a (row, seed, horizon) without its used run, or with two, is one ``UserError``."""
+    runs = labelled_runs([("used", folder) for folder in used] + [("bracket", bracket)], names)
     check_row_names(names or {}, runs)
-    runs = runs.assign(used=runs["kind"] == "used")
+    runs = runs.assign(used=runs["kind"] == "used", reference=runs["method"] == REFERENCE)  # AdamW rows first
     wanted = set(map(tuple, runs.loc[~runs["used"], KEYS].itertuples(index=False)))
     runs = runs[[tuple(k) in wanted for k in runs[KEYS].itertuples(index=False)]]
     for key, g in runs.groupby(KEYS, sort=True):
         if int(g["used"].sum()) != 1 or g["lr"].duplicated().any():
-            raise UserError(f"{trunks}: row {key[0]!r} seed {key[1]} at {key[2]} steps needs one run at the used rate "
+            raise UserError(f"{used[0]}: row {key[0]!r} seed {key[1]} at {key[2]} steps needs one run at the used rate "
                             f"and one per other rate (found lr {sorted(g['lr'])}, {int(g['used'].sum())} used)")
     return runs
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="python -m analysis.wsd_bracket", description=__doc__.split("\n")[0])
     parser.add_argument("trunks", type=Path, help="folder of the wsd trunks the horizon table used")
     parser.add_argument("bracket", type=Path, help="folder of the same rows' runs at other rates")
+    parser.add_argument("--branches", type=Path, default=None, help="folder of the trunks' branches (default "
+                        "<trunks>-branches, if it exists)")
     parser.add_argument("--out", type=Path, required=True, help="writes <out>/tables/<name>.md and .tex")
     parser.add_argument("--name", default="wsd_rate_bracket", help="file name of the table")
     parser.add_argument("--row-name", action="append", default=[], metavar="ROW=NAME",
@@ -70,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> int:
         names = dict(row_name(item) for item in args.row_name)
-        for folder in (args.trunks, args.bracket):
+        branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
+        for folder in (args.trunks, args.bracket) + ((branches,) if args.branches else ()):
             if not folder.is_dir():
                 raise UserError(f"{folder}: no such folder")
-        runs = bracket_runs(args.trunks, args.bracket, names)
+        used = [args.trunks] + ([branches] if branches.is_dir() else [])
+        runs = bracket_runs(used, args.bracket, names)
         if runs.empty:
             raise UserError(f"{args.bracket}: no completed training run")
         written = write_table(bracket_table(runs, args.name), args.out)

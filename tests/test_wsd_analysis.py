@@ -166,3 +166,26 @@ def test_a_row_keeps_its_label_across_trunks_and_branches_whatever_else_a_folder
     runs = wsd.horizon_runs(trunks, branches)
     hmt = {label: sorted({int(h) for h in g}) for label, g in runs[runs["method"] == "hmt"].groupby("label")["horizon"]}
     assert hmt == {"hmt: mode=B": [TRUNK_STEPS], "hmt: mode=(unset)": [4, TRUNK_STEPS]}, hmt  # short names
+
+
+def test_an_extra_folder_at_another_rate_is_its_own_row_and_can_be_the_reference(folders, tmp_path: Path) -> None:
+    """AdamW split rerun at 3e-4 to the trunk's horizon in an ``--extra`` folder: the AdamW label now has two rates,
+    so two rows ``adamw (lr ...)``; which one the others pair with must be named, and then every Δ at that horizon
+    is against it (HMT's and the 1e-3 row's), computed here by hand."""
+    trunks, branches = folders
+    extra = tmp_path / "retuned"
+    retuned = {1: 4.50, 2: 4.56, 3: 4.49}
+    for seed, val in retuned.items():
+        write_run(extra, "adamw", seed, TRUNK_STEPS, val, lr=3e-4)
+    with pytest.raises(UserError, match=r"several AdamW rows \(adamw \(lr 0.0003\), adamw \(lr 0.001\)\)"):
+        wsd.horizon_runs(trunks, branches, extra=(extra,))
+    with pytest.raises(UserError, match=r"--reference 'hmt': no such AdamW row"):
+        wsd.horizon_runs(trunks, branches, extra=(extra,), reference="hmt")
+    runs = wsd.horizon_runs(trunks, branches, extra=(extra,), reference="adamw (lr 0.0003)")
+    assert set(runs["row"]) == {"adamw (lr 0.0003)", "adamw (lr 0.001)", "hmt"}, set(runs["row"])
+    deltas = wsd.paired_deltas(runs).set_index(["horizon", "row"])["delta"]
+    for row, losses in (("hmt", LOSSES[TRUNK_STEPS]["hmt"]), ("adamw (lr 0.001)", LOSSES[TRUNK_STEPS]["adamw"])):
+        expected = sum(losses[s] - retuned[s] for s in retuned) / len(retuned)
+        assert abs(deltas[(TRUNK_STEPS, row)] - expected) < 1e-12, (row, deltas, expected)
+    assert (4, "hmt") not in deltas.index, deltas  # the reference has no run at 4 steps: no Δ there
+    assert wsd.row_order(runs)[0] == "adamw (lr 0.0003)", wsd.row_order(runs)

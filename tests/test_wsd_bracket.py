@@ -30,7 +30,7 @@ def folders(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_best_rate_delta_and_bracketing_per_row(folders) -> None:
-    runs = wsd_bracket.bracket_runs(*folders)
+    runs = wsd_bracket.bracket_runs([folders[0]], folders[1])
     assert sorted(runs["seed"].unique()) == [1], runs  # seed 2 has no bracket runs
     table = wsd_bracket.bracket_table(runs, "b")
     rows = {r[0]: r for r in table.rows}
@@ -39,11 +39,16 @@ def test_best_rate_delta_and_bracketing_per_row(folders) -> None:
     assert rows["hmt"][3:] == ["0.003: 4.800, 0.01*: 4.580, 0.03: 4.510", "0.01", "0.03", "-0.070", "no"]
 
 
-def test_main_writes_the_table_under_the_row_names(folders, tmp_path: Path) -> None:
+def test_main_writes_the_table_under_the_row_names_with_the_branches_horizons(folders, tmp_path: Path) -> None:
+    """A longer horizon's used run is a branch (``<trunks>-branches``): its bracket run pairs with it."""
+    trunks, bracket = folders
+    write_run(trunks.parent / (trunks.name + "-branches"), "hmt", 1, 2 * STEPS, 4.30)  # at the used 1e-2
+    write_run(bracket, "hmt", 1, 2 * STEPS, 4.25, lr=3e-3)
     out = tmp_path / "out"
-    assert wsd_bracket.main([*map(str, folders), "--out", str(out), "--row-name", "hmt=HMT default"]) == 0
+    assert wsd_bracket.main([str(trunks), str(bracket), "--out", str(out), "--row-name", "hmt=HMT default"]) == 0
     md = (out / "tables" / "wsd_rate_bracket.md").read_text()
     assert "| HMT default | 8 | 1 | 0.003: 4.800, 0.01*: 4.580, 0.03: 4.510 | 0.01 | 0.03 | -0.070 | no |" in md, md
+    assert "| HMT default | 16 | 1 | 0.003: 4.250, 0.01*: 4.300 | 0.01 | 0.003 | -0.050 | no |" in md, md
     assert (out / "tables" / "wsd_rate_bracket.tex").stat().st_size > 0
 
 
@@ -51,7 +56,7 @@ def test_a_bracket_run_without_its_used_run_is_refused(folders) -> None:
     trunks, bracket = folders
     write_run(bracket, "hmt", 3, STEPS, 4.7, lr=3e-2)  # seed 3 never ran at the used rate
     with pytest.raises(UserError, match=r"row 'hmt' seed 3 at 8 steps needs one run at the used rate"):
-        wsd_bracket.bracket_runs(trunks, bracket)
+        wsd_bracket.bracket_runs([trunks], bracket)
 
 
 def test_a_name_for_a_missing_row_is_one_error_line(folders, tmp_path: Path, capsys) -> None:
