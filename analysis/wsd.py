@@ -1,7 +1,7 @@
-"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--extra DIR ...] [--reference ROW] [--name NAME]
-[--row-name ROW=NAME ...]``: the loss at each horizon of warmup-stable-decay trunks and their cool-down branches
-(``experiments.sweeps.branches``; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed
-Training Durations").
+"""``python -m analysis.wsd <trunks dir> --out <dir> [--branches DIR] [--extra DIR ...] [--reference ROW]
+[--horizon STEPS ...] [--name NAME] [--row-name ROW=NAME ...]``: the loss at each horizon of warmup-stable-decay
+trunks and their cool-down branches (``experiments.sweeps.branches``; Hägele et al. 2024, "Scaling Laws and
+Compute-Optimal Training Beyond Fixed Training Durations").
 
 Each trunk (a run of ``<trunks dir>``) and each branch (``<trunks dir>-branches`` unless ``--branches``) ends at
 its horizon, ``train.steps``, after its own linear cool-down: its final validation loss is the row's loss at that
@@ -73,8 +73,9 @@ def labelled_runs(folders: list[tuple[str, Path]], names: dict[str, str] | None 
     for kind, folder in folders:
         runs = load_results(folder).completed()
         runs = runs[runs["mode"] == "train"]
-        frames.append(runs.assign(label=runs["run_id"].map(labels), horizon=pd.to_numeric(runs["steps"]).astype(int),
-                                  kind=kind)[["run_id", "label", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
+        runs = runs.assign(label=runs["run_id"].map(labels), kind=kind,
+                           horizon=pd.to_numeric(runs["steps"]).astype(int))
+        frames.append(runs[["run_id", "label", "method", "horizon", "seed", "val_loss", "lr", "kind"]])
     runs = pd.concat(frames, ignore_index=True)
     if split_rates:  # one label at two rates: two rows, each named with its rate
         several = runs["label"].map(runs.groupby("label")["lr"].nunique()) > 1
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a further folder of the same rows' runs (e.g. at another rate); repeatable")
     parser.add_argument("--reference", default=None, metavar="ROW", help="the AdamW split row the others are "
                         "paired with, where there are several (e.g. 'adamw (lr 0.0003)')")
+    parser.add_argument("--horizon", type=int, action="append", default=[], metavar="STEPS",
+                        help="only this horizon (train.steps); repeatable; default every horizon run")
     parser.add_argument("--out", type=Path, required=True, help="writes <out>/tables/<name>.* and figures/<name>.*")
     parser.add_argument("--name", default="wsd_horizons", help="file name of the table and figure")
     parser.add_argument("--row-name", action="append", default=[], metavar="ROW=NAME",
@@ -264,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--extra {folder}: no such folder")
         runs = horizon_runs(args.trunks, branches if branches.is_dir() else None, names, extra=tuple(args.extra),
                             reference=args.reference)
+        missing = sorted(set(args.horizon) - set(runs["horizon"]))
+        if missing:
+            raise UserError(f"--horizon {missing[0]}: no completed run of that many steps")
+        runs = runs[runs["horizon"].isin(args.horizon)] if args.horizon else runs
         if runs.empty:
             raise UserError(f"{args.trunks}: no completed training run")
         check_row_names(names, runs)

@@ -30,7 +30,8 @@ KEYS = ["row", "seed", "horizon"]
 
 def bracket_runs(used: list[Path], bracket: Path, names: dict[str, str] | None = None) -> pd.DataFrame:
     """The bracket folder's runs and the ``used`` folders' (the table's trunks and branches) runs of the same (row,
-    seed, horizon), ``used`` True for the latter; a ``names`` row neither folder holds, or a (row, seed, horizon) without its used run, or with two, is one ``UserError``."""
+    seed, horizon), ``used`` True for the latter; a ``names`` row no folder holds, or a (row, seed, horizon)
+    without its used run, or with two, is one ``UserError``."""
     runs = labelled_runs([("used", folder) for folder in used] + [("bracket", bracket)], names)
     check_row_names(names or {}, runs)
     runs = runs.assign(used=runs["kind"] == "used", reference=runs["method"] == REFERENCE)  # AdamW rows first

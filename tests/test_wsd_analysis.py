@@ -189,3 +189,15 @@ def test_an_extra_folder_at_another_rate_is_its_own_row_and_can_be_the_reference
         assert abs(deltas[(TRUNK_STEPS, row)] - expected) < 1e-12, (row, deltas, expected)
     assert (4, "hmt") not in deltas.index, deltas  # the reference has no run at 4 steps: no Δ there
     assert wsd.row_order(runs)[0] == "adamw (lr 0.0003)", wsd.row_order(runs)
+
+
+def test_horizon_keeps_only_the_horizons_named(folders, tmp_path: Path, capsys) -> None:
+    trunks, _ = folders
+    out = tmp_path / "out"
+    assert wsd.main([str(trunks), "--out", str(out), "--name", "h", "--horizon", str(TRUNK_STEPS)]) == 0
+    md = (out / "tables" / "h.md").read_text()
+    assert f"| hmt | {TRUNK_STEPS} |" in md and "| hmt | 4 |" not in md, md
+    with pytest.raises(SystemExit) as exit_:
+        wsd.main([str(trunks), "--out", str(out), "--horizon", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[-1] == "error: --horizon 5: no completed run of that many steps", err
