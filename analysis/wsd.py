@@ -145,9 +145,9 @@ def horizon_table(runs: pd.DataFrame, name: str, tokens_per_step: int) -> Table:
 
 
 def row_order(runs: pd.DataFrame) -> list[str]:
-    """The rows, AdamW split's first (the reference), the rest by name."""
-    reference = set(runs.loc[runs["reference"], "row"])
-    return sorted(runs["row"].unique(), key=lambda row: (row not in reference, row))
+    """The rows, the reference first, then any other AdamW row (AdamW split at another rate), the rest by name."""
+    reference, adamw = set(runs.loc[runs["reference"], "row"]), set(runs.loc[runs["method"] == REFERENCE, "row"])
+    return sorted(runs["row"].unique(), key=lambda row: (row not in reference, row not in adamw, row))
 
 
 def row_colors(runs: pd.DataFrame) -> dict[str, str]:

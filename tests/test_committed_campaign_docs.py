@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from analysis import ablation, batch, embedding_cost, report, retuned, wsd
+from analysis import ablation, batch, embedding_cost, report, retuned, wsd, wsd_bracket
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS, DOCS = REPO / "results", REPO / "docs" / "campaign"
@@ -57,4 +57,26 @@ def test_wsd_horizons_table_regenerates_byte_identical(tmp_path: Path) -> None:
     names = [arg for name in WSD_ROW_NAMES for arg in ("--row-name", name)]
     assert wsd.main([str(RESULTS / "campaign-wsd-pair"), "--out", str(tmp_path), "--name", "wsd_pair_horizons",
                      *names]) == 0
+    assert _differing(tmp_path / "tables", DOCS / "tables") == []
+
+
+# the rows of the 4,800-step table with AdamW split at its trunk-preferred rate (campaign_wsd_tiny_retuned)
+WSD_RETUNED_ROW_NAMES = ("adamw (lr 0.0003)=AdamW split (×64 dense), lr 3e-4",
+                         "adamw (lr 0.001)=AdamW split (×64 dense), lr 1e-3",
+                         "hmt: default (lr 0.003)=HMT default, lr 3e-3", "hmt: default (lr 0.01)=HMT default, lr 1e-2",
+                         "hmt: memory-minimal=HMT memory-minimal (leanest)", "galore=GaLore rank 64", "apollo=APOLLO")
+
+
+def test_wsd_rate_bracket_table_regenerates_byte_identical(tmp_path: Path) -> None:
+    names = [arg for name in WSD_ROW_NAMES for arg in ("--row-name", name)]
+    assert wsd_bracket.main([str(RESULTS / "campaign-wsd-pair"), str(RESULTS / "campaign-wsd-bracket"), "--out",
+                             str(tmp_path), *names]) == 0
+    assert _differing(tmp_path / "tables", DOCS / "tables") == []
+
+
+def test_wsd_retuned_table_regenerates_byte_identical(tmp_path: Path) -> None:
+    names = [arg for name in WSD_RETUNED_ROW_NAMES for arg in ("--row-name", name)]
+    assert wsd.main([str(RESULTS / "campaign-wsd-pair"), "--extra", str(RESULTS / "campaign-wsd-retuned"),
+                     "--reference", "adamw (lr 0.0003)", "--horizon", "4800", "--out", str(tmp_path),
+                     "--name", "wsd_retuned", *names]) == 0
     assert _differing(tmp_path / "tables", DOCS / "tables") == []
