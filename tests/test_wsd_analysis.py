@@ -188,7 +188,9 @@ def test_an_extra_folder_at_another_rate_is_its_own_row_and_can_be_the_reference
         expected = sum(losses[s] - retuned[s] for s in retuned) / len(retuned)
         assert abs(deltas[(TRUNK_STEPS, row)] - expected) < 1e-12, (row, deltas, expected)
     assert (4, "hmt") not in deltas.index, deltas  # the reference has no run at 4 steps: no Δ there
-    assert wsd.row_order(runs) == ["adamw (lr 0.0003)", "adamw (lr 0.001)", "hmt"], wsd.row_order(runs)
+    named = wsd.horizon_runs(trunks, branches, {"hmt": "A-HMT"}, extra=(extra,), reference="adamw (lr 0.0003)")
+    # the other AdamW row follows the reference even where another row's name sorts before it
+    assert wsd.row_order(named) == ["adamw (lr 0.0003)", "adamw (lr 0.001)", "A-HMT"], wsd.row_order(named)
 
 
 def test_horizon_keeps_only_the_horizons_named(folders, tmp_path: Path, capsys) -> None:
