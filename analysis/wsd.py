@@ -222,6 +222,15 @@ def row_name(item: str) -> tuple[str, str]:
     return row.strip(), name.strip()
 
 
+def branches_folder(trunks: Path, branches: Path | None) -> Path | None:
+    """The trunks' branches folder: ``branches`` (one ``UserError`` when it is not a folder), else
+    ``<trunks>-branches`` where it exists, else None."""
+    if branches is not None and not branches.is_dir():
+        raise UserError(f"--branches {branches}: no such folder")
+    default = Path(str(trunks).rstrip("/") + "-branches")
+    return branches or (default if default.is_dir() else None)
+
+
 def check_row_names(names: dict[str, str], runs: pd.DataFrame) -> None:
     """One ``UserError`` naming a ``--row-name`` row that ``runs`` does not hold."""
     unknown = sorted(set(names) - set(runs["label"]))
@@ -259,14 +268,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> int:
         names = dict(row_name(item) for item in args.row_name)
-        branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
-        if args.branches is not None and not branches.is_dir():
-            raise UserError(f"--branches {branches}: no such folder")
+        branches = branches_folder(args.trunks, args.branches)
         for folder in args.extra:
             if not folder.is_dir():
                 raise UserError(f"--extra {folder}: no such folder")
-        runs = horizon_runs(args.trunks, branches if branches.is_dir() else None, names, extra=tuple(args.extra),
-                            reference=args.reference)
+        runs = horizon_runs(args.trunks, branches, names, extra=tuple(args.extra), reference=args.reference)
         missing = sorted(set(args.horizon) - set(runs["horizon"]))
         if missing:
             raise UserError(f"--horizon {missing[0]}: no completed run of that many steps")

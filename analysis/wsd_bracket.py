@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.tables import Table
-from analysis.wsd import REFERENCE, check_row_names, labelled_runs, row_name, row_order, write_table
+from analysis.wsd import REFERENCE, branches_folder, check_row_names, labelled_runs, row_name, row_order, write_table
 from experiments.errors import OneLineErrorParser, UserError, one_line_errors
 from experiments.sweeps.tuning import select_lr
 
@@ -75,12 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> int:
         names = dict(row_name(item) for item in args.row_name)
-        branches = args.branches or Path(str(args.trunks).rstrip("/") + "-branches")
-        for folder in (args.trunks, args.bracket) + ((branches,) if args.branches else ()):
+        for folder in (args.trunks, args.bracket):
             if not folder.is_dir():
                 raise UserError(f"{folder}: no such folder")
-        used = [args.trunks] + ([branches] if branches.is_dir() else [])
-        runs = bracket_runs(used, args.bracket, names)
+        branches = branches_folder(args.trunks, args.branches)
+        runs = bracket_runs([args.trunks] + ([branches] if branches else []), args.bracket, names)
         if runs.empty:
             raise UserError(f"{args.bracket}: no completed training run")
         written = write_table(bracket_table(runs, args.name), args.out)
